@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3,
                         help="SGD steps per method per round (timed; one peak reading)")
-    parser.add_argument("--rounds", type=int, default=5,
+    parser.add_argument("--rounds", type=int, default=7,
                         help="round-robin rounds over the methods")
     parser.add_argument("--build-repeats", type=int, default=2,
                         help="fresh traces per method; the minimum is reported")
