@@ -1,0 +1,55 @@
+"""memsave: gradient checkpointing for TensorFlow 2, done as a graph rewrite.
+
+``memsave.gradients(ys, xs, checkpoints=...)`` is a drop-in for
+``tf.gradients`` that keeps a few forward tensors and recomputes the rest
+during the backward pass, so activation memory grows like sqrt(depth).
+"""
+
+try:
+    import tensorflow as _tf  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "memsave needs TensorFlow >= 2.16, which is not installed. Install one of: "
+        "pip install 'memsave[tensorflow-cpu]' (CPU only), 'memsave[tensorflow]' "
+        "(with GPU support), or tf-nightly."
+    ) from e
+
+from memsave import strategies
+from memsave.errors import (
+    CheckpointError,
+    EagerExecutionError,
+    GraphMismatchError,
+    MemsaveError,
+    UnknownStrategyError,
+    UnsupportedGraphError,
+)
+from memsave.gradients import (
+    Plan,
+    gradients,
+    gradients_collection,
+    gradients_memory,
+    gradients_speed,
+    plan,
+)
+from memsave.patch import Patch, patch, unpatch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "gradients",
+    "gradients_memory",
+    "gradients_speed",
+    "gradients_collection",
+    "plan",
+    "Plan",
+    "patch",
+    "unpatch",
+    "Patch",
+    "strategies",
+    "MemsaveError",
+    "EagerExecutionError",
+    "GraphMismatchError",
+    "CheckpointError",
+    "UnknownStrategyError",
+    "UnsupportedGraphError",
+]

@@ -1,0 +1,207 @@
+"""Every use of a private TensorFlow API in memsave, in one place.
+
+TensorFlow has no public way to copy an op with new inputs, to read an op's
+statefulness or creation order, or to find the functions a call op runs.
+Everything of that kind lives here, so a TensorFlow upgrade that breaks one
+of them breaks this module only. Each function says what it relies on.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import tensorflow as tf
+from tensorflow.python.eager import backprop_util
+from tensorflow.python.framework import indexed_slices, op_def_registry
+from tensorflow.python.framework import ops as tf_ops
+from tensorflow.python.ops import control_flow_util_v2, gradients_impl, handle_data_util
+from tensorflow.python.ops import resource_variable_ops
+
+#: The stock tf.gradients (v1 signature, with colocate_gradients_with_ops),
+#: saved when memsave is imported so that memsave.patch can replace every
+#: public alias and memsave still reaches the original.
+original_gradients = gradients_impl.gradients
+
+#: Stateful op types that only read state: recomputing them inside a called
+#: function or a control-flow body reads the same value, because variable
+#: updates wait for the gradients that the recomputation produces.
+READ_ONLY_STATEFUL_TYPES = frozenset(
+    {"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape", "VarIsInitializedOp"}
+)
+
+#: Ops that run functions: statefulness is decided by what they run.
+_CALL_TYPES = frozenset(
+    {"PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf", "While",
+     "StatelessWhile", "Case", "StatelessCase"}
+)
+
+#: Version 1 control flow (tf.compat.v1.disable_control_flow_v2); its ops
+#: cannot be copied one by one.
+V1_CONTROL_FLOW_TYPES = frozenset(
+    {"Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit",
+     "RefExit", "NextIteration", "RefNextIteration", "LoopCond"}
+)
+
+_copy_counter = itertools.count()
+
+
+def op_creation_index(op: tf.Operation) -> int:
+    """Position of ``op`` in its graph's creation order (``Operation._id``)."""
+    return op._id  # pylint: disable=protected-access
+
+
+def is_trainable(t: tf.Tensor) -> bool:
+    """TensorFlow's own rule for whether a gradient can flow through ``t``."""
+    return backprop_util.IsTrainable(t)
+
+
+def is_resource_variable(x) -> bool:
+    """tf.Variable, Keras 3 variable or distributed variable (as tf.gradients tests it)."""
+    return resource_variable_ops.is_resource_variable(x)
+
+
+def convert_xs(xs: Sequence) -> list:
+    """Convert xs as tf.gradients does (variables to handles, capture in functions)."""
+    xs = [x.handle if is_resource_variable(x) else x for x in xs]
+    return indexed_slices.internal_convert_n_to_tensor_or_indexed_slices(xs, name="x", as_ref=True)
+
+
+def is_func_graph(graph: tf.Graph) -> bool:
+    """Whether ``graph`` is a FuncGraph (the body of a tf.function)."""
+    return getattr(graph, "is_control_flow_graph", False) or hasattr(graph, "outer_graph")
+
+
+def _function_defs(op: tf.Operation):
+    """FunctionDefs of the functions that a call or control-flow op runs."""
+    names = []
+    for attr in op.node_def.attr.values():
+        if attr.HasField("func"):
+            names.append(attr.func.name)
+        elif attr.HasField("list"):
+            names.extend(f.name for f in attr.list.func)
+    graph = op.graph
+    out = []
+    for name in names:
+        g = graph
+        fdef = None
+        while g is not None and fdef is None:
+            func = g._get_function(name)  # pylint: disable=protected-access
+            if func is not None:
+                fdef = func.cached_definition
+            g = getattr(g, "outer_graph", None)
+        if fdef is None:
+            return None
+        out.append(fdef)
+    return out
+
+
+def _fdef_read_only(fdef, graph, seen) -> bool:
+    for node in fdef.node_def:
+        op_def = op_def_registry.get(node.op)
+        if op_def is None:
+            # A call of a function defined in the library (old-style call).
+            return False
+        if not op_def.is_stateful or node.op in READ_ONLY_STATEFUL_TYPES:
+            continue
+        if node.op not in _CALL_TYPES:
+            return False
+        for attr in node.attr.values():
+            names = [attr.func.name] if attr.HasField("func") else (
+                [f.name for f in attr.list.func] if attr.HasField("list") else [])
+            for name in names:
+                if name in seen:
+                    continue
+                seen.add(name)
+                func = graph._get_function(name)  # pylint: disable=protected-access
+                if func is None or not _fdef_read_only(func.cached_definition, graph, seen):
+                    return False
+    return True
+
+
+def is_recomputable(op: tf.Operation) -> bool:
+    """Whether copying ``op`` gives the values the original gave.
+
+    Stateless ops are. Stateful ops are not (a random op draws again, an
+    assignment writes twice), except calls and control flow whose bodies
+    only read variables (``READ_ONLY_STATEFUL_TYPES``).
+    """
+    if op.type in V1_CONTROL_FLOW_TYPES:
+        return False
+    if not op._is_stateful:  # pylint: disable=protected-access
+        return True
+    if op.type not in _CALL_TYPES:
+        return False
+    fdefs = _function_defs(op)
+    if fdefs is None:
+        return False
+    return all(_fdef_read_only(f, op.graph, set()) for f in fdefs)
+
+
+def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str) -> tf.Operation:
+    """Copy ``op`` into its graph with new ``inputs``, on the same device.
+
+    Uses ``Graph._create_op_internal`` (the attrs, including colocation and
+    ``_gradient_op_type`` of tf.custom_gradient, are copied verbatim) and
+    carries over the Python-side state the gradient code reads:
+    ``_gradient_function`` of function calls, and a private FuncGraph with a
+    unique name for each branch/body of If/Case/While, without which
+    differentiating two copies of one op fails ("duplicate function").
+    Control dependencies active in the caller's context are added.
+    """
+    graph = op.graph
+    new = graph._create_op_internal(  # pylint: disable=protected-access
+        op.type,
+        list(inputs),
+        dtypes=[t.dtype for t in op.outputs],
+        name=name,
+        attrs={k: v for k, v in op.node_def.attr.items()},
+        op_def=op.op_def,
+        compute_device=False,
+    )
+    new._set_device(op.device)  # pylint: disable=protected-access
+    for src, dst in zip(op.outputs, new.outputs):
+        handle_data_util.copy_handle_data(src, dst)
+        if not dst.shape.is_fully_defined() and src.shape.is_fully_defined():
+            dst.set_shape(src.shape)
+    fn = op._gradient_function  # pylint: disable=protected-access
+    if fn is not None:
+        new._gradient_function = fn  # pylint: disable=protected-access
+    _give_private_func_graphs(new)
+    return new
+
+
+def _unique_func_graph(op, input_shapes, func_name):
+    fg = control_flow_util_v2.get_func_graph(op, input_shapes, func_name)
+    fg.name = f"{fg.name}_memsave{next(_copy_counter)}"
+    return fg
+
+
+def _give_private_func_graphs(op: tf.Operation) -> None:
+    if op.type in ("If", "StatelessIf"):
+        shapes = [t.shape for t in op.inputs[1:]]
+        op._true_graph = _unique_func_graph(op, shapes, op.get_attr("then_branch").name)  # pylint: disable=protected-access
+        op._false_graph = _unique_func_graph(op, shapes, op.get_attr("else_branch").name)  # pylint: disable=protected-access
+    elif op.type in ("Case", "StatelessCase"):
+        shapes = [t.shape for t in op.inputs[1:]]
+        for i, branch in enumerate(op.get_attr("branches")):
+            setattr(op, f"_branch_graph_{i}", _unique_func_graph(op, shapes, branch.name))
+    elif op.type in ("While", "StatelessWhile"):
+        shapes = [tf.TensorShape(s) for s in op.get_attr("output_shapes")]
+        op._cond_graph = _unique_func_graph(op, shapes, op.get_attr("cond").name)  # pylint: disable=protected-access
+        op._body_graph = _unique_func_graph(op, shapes, op.get_attr("body").name)  # pylint: disable=protected-access
+
+
+def add_control_inputs(op: tf.Operation, control_ops: Sequence[tf.Operation]) -> None:
+    """Make ``op`` wait for ``control_ops``."""
+    op._add_control_inputs(list(control_ops))  # pylint: disable=protected-access
+
+
+def set_device(op: tf.Operation, device: str) -> None:
+    """Pin ``op`` to ``device`` (the device string of another op)."""
+    op._set_device(device)  # pylint: disable=protected-access
+
+
+def get_default_graph() -> tf.Graph:
+    """The graph ops are being added to (a FuncGraph while tracing)."""
+    return tf_ops.get_default_graph()

@@ -1,0 +1,43 @@
+"""Exceptions raised by memsave.
+
+Every exception memsave raises on purpose derives from :class:`MemsaveError`,
+so ``except memsave.MemsaveError`` catches them all. Each subclass also
+derives from the built-in exception a caller of ``tf.gradients`` would expect
+(``ValueError`` for bad arguments, ``RuntimeError`` for eager mode), so code
+written against ``tf.gradients`` keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MemsaveError",
+    "EagerExecutionError",
+    "GraphMismatchError",
+    "CheckpointError",
+    "UnknownStrategyError",
+    "UnsupportedGraphError",
+]
+
+
+class MemsaveError(Exception):
+    """Base class of every error memsave raises on purpose."""
+
+
+class EagerExecutionError(MemsaveError, RuntimeError):
+    """memsave.gradients was called while executing eagerly."""
+
+
+class GraphMismatchError(MemsaveError, ValueError):
+    """ys, xs, grad_ys or checkpoints do not all live in one graph."""
+
+
+class CheckpointError(MemsaveError, ValueError):
+    """A checkpoint given by the user cannot be used."""
+
+
+class UnknownStrategyError(MemsaveError, ValueError):
+    """``checkpoints=`` names no registered strategy."""
+
+
+class UnsupportedGraphError(MemsaveError):
+    """The forward graph holds something memsave cannot rewrite."""

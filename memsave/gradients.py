@@ -1,0 +1,389 @@
+"""``memsave.gradients``: a drop-in for tf.gradients with checkpointing.
+
+Data flow (one direction)::
+
+    gradients(ys, xs, grad_ys, checkpoints, ...)
+      -> _normalize: lists, variables to handles, one graph, not eager
+      -> extract: ForwardGraph of the ops on paths xs -> ys
+      -> select: a strategy by name, or the user's tensors (validated)
+      -> build_schedule: kept tensors, segments, order of backward steps
+      -> rewrite: copy segments gated on gradients, stock tf.gradients per step
+      -> one gradient per x, shaped as tf.gradients returns it
+
+When the selection is empty (no tagged tensor, no articulation point) a
+warning says what to do and the stock tf.gradients answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+import tensorflow as tf
+
+from memsave import _tf_private, strategies
+from memsave.errors import CheckpointError, EagerExecutionError, GraphMismatchError
+from memsave.extract import Extraction, extract
+from memsave.rewrite import aggregate, rewrite
+from memsave.schedule import Schedule, build_schedule
+
+__all__ = [
+    "gradients",
+    "gradients_memory",
+    "gradients_speed",
+    "gradients_collection",
+    "plan",
+    "Plan",
+]
+
+logger = logging.getLogger(__name__)
+
+Checkpoints = Union[str, Sequence[tf.Tensor]]
+
+COLLECTION_KEY = "checkpoints"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What :func:`gradients` will keep and recompute, before it builds anything.
+
+    Attributes
+    ----------
+    strategy : str
+        Strategy name, or ``"list"`` for tensors given by the user.
+    checkpoints : tuple of str
+        Names of the chosen tensors, in topological order.
+    reasons : tuple of str
+        Why each was chosen, aligned with ``checkpoints``.
+    kept_tensors : int
+        Tensors kept in all (checkpoints, xs, stateful ops' inputs/outputs).
+    recomputed_ops : int
+        Op copies the rewrite makes.
+    steps : int
+        Calls of the stock gradient code.
+    forward_ops : int
+        Ops between xs and ys.
+    activation_bytes : int
+        Bytes produced by recomputable forward ops (static shapes, unknown
+        dimensions counted as 1).
+    checkpoint_bytes : int
+        Bytes of the chosen checkpoints (same convention).
+    note : str
+        Empty, or why nothing was chosen and what to do.
+    """
+
+    strategy: str
+    checkpoints: tuple[str, ...]
+    reasons: tuple[str, ...]
+    kept_tensors: int
+    recomputed_ops: int
+    steps: int
+    forward_ops: int
+    activation_bytes: int
+    checkpoint_bytes: int
+    note: str = ""
+
+    def summary(self) -> str:
+        """A few lines a person can read."""
+        lines = [
+            f"memsave plan ({self.strategy}): {len(self.checkpoints)} checkpoints, "
+            f"{self.kept_tensors} kept tensors, {self.recomputed_ops} ops recomputed "
+            f"in {self.steps} steps, over {self.forward_ops} forward ops",
+            f"  checkpoint bytes {self.checkpoint_bytes:,} of {self.activation_bytes:,} activation bytes",
+        ]
+        lines += [f"  {name}  ({why})" for name, why in zip(self.checkpoints, self.reasons)]
+        if self.note:
+            lines.append(f"  note: {self.note}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class _Prepared:
+    ys: list
+    xs: list
+    grad_ys: list
+    stop_gradients: list
+    graph: tf.Graph
+    ex: Extraction | None
+    strategy: str
+    checkpoints: tuple[int, ...]
+    reasons: dict
+    note: str
+    schedule: Schedule | None
+
+
+def _as_list(v) -> list:
+    if v is None:
+        return []
+    if isinstance(v, (list, tuple)):
+        return list(v)
+    return [v]
+
+
+def _describe(t) -> str:
+    op = getattr(t, "op", None)
+    if op is not None:
+        return f"{t.name!r} (op type {op.type})"
+    return repr(t)
+
+
+def _graph_of(values: Sequence, what: str) -> tf.Graph | None:
+    graph = None
+    for v in values:
+        g = getattr(v, "graph", None)
+        if g is None:
+            continue
+        if graph is None:
+            graph = g
+        elif g is not graph:
+            raise GraphMismatchError(
+                f"memsave.gradients: {what} {_describe(v)} is in another graph than the ys; "
+                "build ys, xs, grad_ys and checkpoints in one graph (or one tf.function)"
+            )
+    return graph
+
+
+def _normalize(ys, xs, grad_ys, stop_gradients, checkpoints) -> tuple:
+    ys = _as_list(ys)
+    xs = _as_list(xs)
+    if not ys:
+        raise ValueError("memsave.gradients: ys is empty; pass at least one tensor")
+    for y in ys:
+        if _is_eager(y):
+            raise EagerExecutionError(
+                f"memsave.gradients: y {y!r} is an eager tensor. Like tf.gradients, memsave "
+                "rewrites a graph: call it inside a tf.function (or a tf.compat.v1 Graph); "
+                "in eager code use tf.GradientTape"
+            )
+    ys = [tf.convert_to_tensor(y) if _tf_private.is_resource_variable(y) else y for y in ys]
+    graph = _graph_of(ys, "y")
+    if graph is None:
+        raise EagerExecutionError(
+            "memsave.gradients: ys are not graph tensors; call it inside a tf.function "
+            "or a tf.compat.v1 Graph, or use tf.GradientTape in eager code"
+        )
+    with graph.as_default():
+        xs = _tf_private.convert_xs(xs)
+    for x in xs:
+        if _is_eager(x):
+            raise EagerExecutionError(
+                f"memsave.gradients: x {x!r} is an eager tensor; differentiate with respect to "
+                "tensors or variables used inside the same tf.function or graph"
+            )
+    _graph_of(ys + list(xs), "x")
+    if grad_ys is None:
+        grad_ys = [None] * len(ys)
+    else:
+        grad_ys = _as_list(grad_ys)
+        if len(grad_ys) != len(ys):
+            raise ValueError(
+                f"memsave.gradients: passed {len(grad_ys)} grad_ys for {len(ys)} ys; "
+                "pass one per y (None for the default ones)"
+            )
+        _graph_of(ys + [g for g in grad_ys if g is not None and not _is_eager(g)], "grad_y")
+    stop_gradients = _as_list(stop_gradients)
+    _graph_of(ys + stop_gradients, "stop_gradients tensor")
+    if not isinstance(checkpoints, str):
+        _graph_of(ys + _as_list(checkpoints), "checkpoint")
+    return ys, xs, grad_ys, stop_gradients, graph
+
+
+def _is_eager(t) -> bool:
+    return isinstance(t, tf.Tensor) and not tf.is_symbolic_tensor(t)
+
+
+def _validate_list(checkpoints: Sequence, ex: Extraction, ys, xs) -> tuple[int, ...]:
+    y_refs = {y.ref() for y in ys}
+    x_refs = {x.ref() for x in xs}
+    chosen = []
+    for c in checkpoints:
+        if not isinstance(c, tf.Tensor) or _is_eager(c):
+            raise CheckpointError(
+                f"memsave.gradients: checkpoints must be graph tensors, got {c!r} "
+                f"({type(c).__name__}); pass the output tensor (e.g. op.outputs[0])"
+            )
+        if c.ref() in y_refs:
+            raise CheckpointError(
+                f"memsave.gradients: checkpoint {_describe(c)} is one of the ys; keeping a y "
+                "saves nothing: remove it from checkpoints"
+            )
+        if c.ref() in x_refs:
+            logger.debug("memsave: checkpoint %s is an x, which is kept anyway", c.name)
+            continue
+        i = ex.id_of(c)
+        if i is None or ex.fg.tensors[i].kind != "internal":
+            raise CheckpointError(
+                f"memsave.gradients: checkpoint {_describe(c)} is not between xs and ys "
+                "(no differentiable path from an x through it to a y); remove it, or check "
+                "that it is computed from the xs and used by the ys"
+            )
+        chosen.append(i)
+    return tuple(sorted(set(chosen)))
+
+
+def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options) -> _Prepared:
+    ys, xs, grad_ys, stop_gradients, graph = _normalize(ys, xs, grad_ys, stop_gradients, checkpoints)
+    if isinstance(checkpoints, str):
+        strategy = strategies.get(checkpoints)
+        name = checkpoints
+    elif isinstance(checkpoints, (list, tuple)):
+        strategy, name = None, "list"
+        if strategy_options:
+            raise TypeError("memsave.gradients: strategy_options apply to named strategies only")
+    else:
+        raise CheckpointError(
+            f"memsave.gradients: checkpoints={checkpoints!r} is neither a strategy name "
+            f"({', '.join(strategies.available())}) nor a list of tensors"
+        )
+    tagged = []
+    if name == "collection":
+        tagged = [t for t in graph.get_collection(COLLECTION_KEY) if isinstance(t, tf.Tensor)]
+    with graph.as_default():
+        ex = extract(ys, xs, stop_gradients, tagged)
+    if strategy is None:
+        ids = _validate_list(checkpoints, ex, ys, xs)
+        reasons = {i: "given" for i in ids}
+        note = "" if ids else "the checkpoint list is empty"
+    else:
+        sel = strategy(ex.fg, **dict(strategy_options or {}))
+        ids, reasons, note = sel.checkpoints, sel.reasons, sel.note
+    schedule = build_schedule(ex.fg, ids) if ids else None
+    return _Prepared(ys, xs, grad_ys, stop_gradients, graph, ex, name, ids, reasons, note, schedule)
+
+
+@tf.autograph.experimental.do_not_convert
+def plan(
+    ys,
+    xs,
+    checkpoints: Checkpoints = "collection",
+    *,
+    stop_gradients=None,
+    strategy_options: Mapping[str, Any] | None = None,
+) -> Plan:
+    """What :func:`gradients` would keep and recompute, without building it.
+
+    Examples
+    --------
+    >>> print(memsave.plan(loss, params, checkpoints="memory").summary())  # doctest: +SKIP
+    """
+    p = _prepare(ys, xs, None, checkpoints, stop_gradients, strategy_options)
+    fg = p.ex.fg
+    return Plan(
+        strategy=p.strategy,
+        checkpoints=tuple(fg.describe(p.checkpoints)),
+        reasons=tuple(p.reasons[i] for i in p.checkpoints),
+        kept_tensors=len(p.schedule.kept) if p.schedule else 0,
+        recomputed_ops=p.schedule.recomputed_ops if p.schedule else 0,
+        steps=len(p.schedule.steps) if p.schedule else 0,
+        forward_ops=len(fg.ops),
+        activation_bytes=fg.activation_bytes(),
+        checkpoint_bytes=sum(fg.tensors[i].size_B for i in p.checkpoints),
+        note=p.note,
+    )
+
+
+@tf.autograph.experimental.do_not_convert
+def gradients(
+    ys,
+    xs,
+    grad_ys=None,
+    checkpoints: Checkpoints = "collection",
+    *,
+    name: str | None = "gradients",
+    colocate_gradients_with_ops: bool = False,
+    gate_gradients: bool = False,
+    aggregation_method=None,
+    stop_gradients=None,
+    unconnected_gradients=tf.UnconnectedGradients.NONE,
+    strategy_options: Mapping[str, Any] | None = None,
+) -> list:
+    """Symbolic derivatives of sum(ys) w.r.t. xs, recomputing between checkpoints.
+
+    Takes the arguments of ``tf.gradients`` (keyword-only after
+    ``checkpoints``) and returns what it returns: a list aligned with
+    ``xs``, None (or zeros, per ``unconnected_gradients``) where an x is not
+    connected, IndexedSlices where tf.gradients gives them.
+
+    Parameters
+    ----------
+    checkpoints : str or list of tf.Tensor
+        ``'collection'`` (tensors added with
+        ``tf.compat.v1.add_to_collection('checkpoints', t)``), ``'memory'``
+        (about sqrt(n) articulation points), ``'speed'`` (outputs of
+        convolutions and matrix products), any name registered with
+        :func:`memsave.strategies.register`, or a list of tensors between
+        xs and ys.
+    strategy_options : mapping, optional
+        Keyword options for the named strategy (e.g.
+        ``{"num_checkpoints": 8}`` for ``'memory'``).
+
+    Raises
+    ------
+    EagerExecutionError
+        When called eagerly (use tf.function, or tf.GradientTape).
+    GraphMismatchError
+        When ys, xs, grad_ys or checkpoints come from different graphs.
+    CheckpointError
+        When a listed checkpoint is a y or is not between xs and ys.
+    UnknownStrategyError
+        When ``checkpoints`` names no registered strategy.
+    """
+    try:
+        unconnected = tf.UnconnectedGradients(unconnected_gradients)
+    except ValueError:
+        raise ValueError(
+            f"memsave.gradients: unconnected_gradients={unconnected_gradients!r}; use one of "
+            f"{[u.value for u in tf.UnconnectedGradients]}"
+        ) from None
+    p = _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options)
+    stock = dict(
+        gate_gradients=gate_gradients,
+        aggregation_method=aggregation_method,
+        colocate_gradients_with_ops=colocate_gradients_with_ops,
+    )
+    if p.schedule is None:
+        logger.warning(
+            "memsave.gradients(checkpoints=%r): nothing to checkpoint, so no memory is saved "
+            "and the gradients are tf.gradients' own: %s",
+            p.strategy, p.note or "no tensor between xs and ys",
+        )
+        return _tf_private.original_gradients(
+            p.ys, p.xs, p.grad_ys, name=name, stop_gradients=p.stop_gradients,
+            unconnected_gradients=unconnected, **stock,
+        )
+    logger.info(
+        "memsave.gradients(checkpoints=%r): keeping %d checkpoints, recomputing %d ops",
+        p.strategy, len(p.checkpoints), p.schedule.recomputed_ops,
+    )
+    with p.graph.as_default(), tf.name_scope(name or "gradients"):
+        grad_ys = [
+            tf.ones_like(y) if g is None else tf.convert_to_tensor(g, dtype=y.dtype)
+            for y, g in zip(p.ys, p.grad_ys)
+        ]
+        received = rewrite(p.ex, p.schedule, grad_ys, **stock)
+        out = []
+        for x, grads in zip(p.xs, received):
+            g = aggregate(grads, dense=False)
+            if g is None and unconnected is tf.UnconnectedGradients.ZERO:
+                g = _tf_private.original_gradients(
+                    p.ys, [x], unconnected_gradients=unconnected, **stock
+                )[0]
+            out.append(g)
+    return out
+
+
+def gradients_memory(ys, xs, grad_ys=None, **kwargs) -> list:
+    """:func:`gradients` with ``checkpoints='memory'``."""
+    return gradients(ys, xs, grad_ys, checkpoints="memory", **kwargs)
+
+
+def gradients_speed(ys, xs, grad_ys=None, **kwargs) -> list:
+    """:func:`gradients` with ``checkpoints='speed'``."""
+    return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)
+
+
+def gradients_collection(ys, xs, grad_ys=None, **kwargs) -> list:
+    """:func:`gradients` with ``checkpoints='collection'``."""
+    return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)

@@ -1,0 +1,173 @@
+"""The forward graph between xs and ys, as plain data (no TensorFlow).
+
+:mod:`memsave.extract` reads a TensorFlow graph into a :class:`ForwardGraph`;
+everything after that (strategies, the schedule, the memory estimate) works on
+this value alone, so it can be tested on graphs built by hand.
+
+Numbering
+---------
+Ops are numbered ``0..len(ops)-1`` in a topological order of the forward
+graph (inputs before consumers, ties broken by creation order, so the numbering
+is deterministic). Tensors are numbered separately: every tensor an op of the
+forward graph produces or consumes has an id. A tensor is
+
+* ``internal`` when an op of the forward graph produces it,
+* ``source`` when it is one of the xs and no op of the forward graph produces
+  it (a variable handle, a placeholder given as x),
+* ``external`` otherwise: consumed by the forward graph but not reachable from
+  any x (input data, constants, random masks). External tensors carry no
+  gradient and are never recomputed.
+
+An op is *recomputable* when copying it gives the same values: stateful ops
+(random draws, variable reads, assignments) are not, and their outputs are kept
+whatever the strategy says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import networkx as nx
+
+__all__ = ["OpNode", "TensorNode", "ForwardGraph"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorNode:
+    """One tensor of the forward graph.
+
+    Attributes
+    ----------
+    id : int
+        Position in :attr:`ForwardGraph.tensors`.
+    name : str
+        The TensorFlow name (``"dense/MatMul:0"``), for messages only.
+    kind : str
+        ``"internal"``, ``"source"`` or ``"external"`` (see module docstring).
+    producer : int or None
+        Index of the producing op for internal tensors, else None.
+    size_B : int
+        Static size in bytes; dimensions unknown at graph-build time count
+        as 1 (see ``size_known``), so sizes stay comparable between tensors
+        that share an unknown batch dimension.
+    size_known : bool
+        Whether every dimension was known.
+    trainable : bool
+        Whether a gradient can flow through the tensor (floating, complex,
+        resource or variant dtype), by TensorFlow's own rule.
+    tagged : bool
+        Whether the user added the tensor to the ``'checkpoints'`` collection.
+    """
+
+    id: int
+    name: str
+    kind: str
+    producer: int | None
+    size_B: int
+    size_known: bool
+    trainable: bool
+    tagged: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class OpNode:
+    """One op of the forward graph.
+
+    ``inputs`` and ``outputs`` are tensor ids; ``control_inputs`` are indices
+    of forward-graph ops this op waits for.
+    """
+
+    index: int
+    name: str
+    type: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    control_inputs: tuple[int, ...]
+    recomputable: bool
+    device: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardGraph:
+    """The ops on paths from xs to ys, in topological order.
+
+    Attributes
+    ----------
+    ops : tuple of OpNode
+        ``ops[i].index == i``; producers come before consumers.
+    tensors : tuple of TensorNode
+        ``tensors[i].id == i``.
+    xs, ys : tuple of int
+        Tensor ids of the xs and ys, in the caller's order (an entry may
+        repeat if the caller repeated a tensor).
+    """
+
+    ops: tuple[OpNode, ...]
+    tensors: tuple[TensorNode, ...]
+    xs: tuple[int, ...]
+    ys: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for i, op in enumerate(self.ops):
+            if op.index != i:
+                raise ValueError(f"ops[{i}].index is {op.index}: ops must be numbered in order")
+            for t in op.inputs:
+                p = self.tensors[t].producer
+                if p is not None and p >= i:
+                    raise ValueError(
+                        f"op {op.name!r} (#{i}) consumes {self.tensors[t].name!r} "
+                        f"produced by op #{p}: ops must be in topological order"
+                    )
+        for i, t in enumerate(self.tensors):
+            if t.id != i:
+                raise ValueError(f"tensors[{i}].id is {t.id}: tensors must be numbered in order")
+
+    # -- queries -----------------------------------------------------------
+
+    def consumers(self) -> list[list[int]]:
+        """For each tensor id, the forward-graph ops that consume it, in order."""
+        out: list[list[int]] = [[] for _ in self.tensors]
+        for op in self.ops:
+            for t in dict.fromkeys(op.inputs):
+                out[t].append(op.index)
+        return out
+
+    def internal_tensors(self) -> Iterable[TensorNode]:
+        """Tensors produced by forward-graph ops, in op order."""
+        for op in self.ops:
+            for t in op.outputs:
+                yield self.tensors[t]
+
+    def activation_bytes(self) -> int:
+        """Bytes of all trainable tensors produced by recomputable ops."""
+        return sum(
+            t.size_B
+            for t in self.internal_tensors()
+            if t.trainable and self.ops[t.producer].recomputable
+        )
+
+    def to_networkx(self) -> nx.DiGraph:
+        """Directed op graph: an edge per (producer op, consumer op) pair.
+
+        Nodes are op indices with the :class:`OpNode` under ``"op"``; each
+        edge carries the ids of the tensors that flow along it under
+        ``"tensors"``.
+        """
+        g = nx.DiGraph()
+        for op in self.ops:
+            g.add_node(op.index, op=op)
+        for op in self.ops:
+            for t in op.inputs:
+                p = self.tensors[t].producer
+                if p is None:
+                    continue
+                if g.has_edge(p, op.index):
+                    g.edges[p, op.index]["tensors"].append(t)
+                else:
+                    g.add_edge(p, op.index, tensors=[t])
+        return g
+
+    def describe(self, tensor_ids: Sequence[int]) -> list[str]:
+        """Names of the given tensors, for messages."""
+        return [self.tensors[t].name for t in tensor_ids]

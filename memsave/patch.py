@@ -1,0 +1,144 @@
+"""Route every alias of tf.gradients through memsave, reversibly.
+
+``tf.gradients`` is bound under many names in a TensorFlow process
+(``tf.gradients``, ``tf.compat.v1.gradients``, the ``tensorflow._api``
+copies, ``tensorflow.python.ops.gradients`` which tf.compat.v1 optimizers
+call, ``gradients_impl`` itself, ...). :func:`patch` finds every module
+attribute bound to the stock function, replaces it with a wrapper of the
+same signature that calls :func:`memsave.gradients`, and remembers what it
+replaced; leaving the ``with`` block (or :meth:`Patch.undo`) puts each back.
+memsave itself calls the original it saved at import, so it never recurses.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.python.ops import gradients_impl
+
+from memsave import _tf_private
+from memsave.gradients import gradients as _memsave_gradients
+
+__all__ = ["Patch", "patch", "unpatch"]
+
+_lock = threading.Lock()
+_active: list["Patch"] = []
+
+_ORIGINAL_V1 = _tf_private.original_gradients
+_ORIGINAL_V2 = gradients_impl.gradients_v2
+
+
+def _wrappers(checkpoints, strategy_options):
+    @functools.wraps(_ORIGINAL_V1)
+    def gradients_v1(ys, xs, grad_ys=None, name="gradients", colocate_gradients_with_ops=False,
+                     gate_gradients=False, aggregation_method=None, stop_gradients=None,
+                     unconnected_gradients=tf.UnconnectedGradients.NONE):
+        return _memsave_gradients(
+            ys, xs, grad_ys, checkpoints, name=name,
+            colocate_gradients_with_ops=colocate_gradients_with_ops,
+            gate_gradients=gate_gradients, aggregation_method=aggregation_method,
+            stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients,
+            strategy_options=strategy_options,
+        )
+
+    @functools.wraps(_ORIGINAL_V2)
+    def gradients_v2(ys, xs, grad_ys=None, name="gradients", gate_gradients=False,
+                     aggregation_method=None, stop_gradients=None,
+                     unconnected_gradients=tf.UnconnectedGradients.NONE):
+        return gradients_v1(ys, xs, grad_ys, name, False, gate_gradients, aggregation_method,
+                            stop_gradients, unconnected_gradients)
+
+    gradients_v1.memsave_checkpoints = checkpoints
+    gradients_v2.memsave_checkpoints = checkpoints
+    return gradients_v1, gradients_v2
+
+
+def _aliases():
+    """(module, attribute, original) for every binding of the stock functions."""
+    found = []
+    for mod_name, module in list(sys.modules.items()):
+        if module is None or not mod_name.startswith("tensorflow"):
+            continue
+        try:
+            namespace = vars(module)
+        except TypeError:
+            continue
+        for attr, value in list(namespace.items()):
+            if value is _ORIGINAL_V1 or value is _ORIGINAL_V2:
+                found.append((module, attr, value))
+    return found
+
+
+class Patch:
+    """An applied patch; a context manager that undoes itself on exit."""
+
+    def __init__(self, checkpoints, strategy_options: Mapping[str, Any] | None = None):
+        self.checkpoints = checkpoints
+        v1, v2 = _wrappers(checkpoints, strategy_options)
+        with _lock:
+            self._saved = []
+            for module, attr, value in _aliases():
+                setattr(module, attr, v1 if value is _ORIGINAL_V1 else v2)
+                self._saved.append((module, attr, value))
+            # A patch applied over another replaces the other's wrappers too.
+            for outer in _active:
+                for module, attr, _ in outer._saved:
+                    current = vars(module).get(attr)
+                    if getattr(current, "memsave_checkpoints", None) is not None:
+                        wrapper = v1 if current.__wrapped__ is _ORIGINAL_V1 else v2
+                        self._saved.append((module, attr, current))
+                        setattr(module, attr, wrapper)
+            _active.append(self)
+        self._undone = False
+
+    @property
+    def aliases(self) -> int:
+        """How many module attributes this patch replaced."""
+        return len(self._saved)
+
+    def undo(self) -> None:
+        """Put back what this patch replaced. Patches undo in reverse order."""
+        with _lock:
+            if self._undone:
+                return
+            if _active[-1] is not self:
+                raise RuntimeError(
+                    "memsave.patch: undo the innermost patch first (patches nest like "
+                    "with-blocks)"
+                )
+            for module, attr, value in reversed(self._saved):
+                setattr(module, attr, value)
+            _active.pop()
+            self._undone = True
+
+    def __enter__(self) -> "Patch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+def patch(checkpoints="memory", *, strategy_options: Mapping[str, Any] | None = None) -> Patch:
+    """Make tf.gradients (every alias) and tf.compat.v1 optimizers use memsave.
+
+    Use as a context manager::
+
+        with memsave.patch(checkpoints="memory"):
+            train_op = tf.compat.v1.train.AdamOptimizer().minimize(loss)
+
+    or call it and later :func:`unpatch` (or ``p.undo()``).
+    """
+    return Patch(checkpoints, strategy_options)
+
+
+def unpatch() -> None:
+    """Undo the most recent :func:`patch` still applied (no-op when none is)."""
+    with _lock:
+        last = _active[-1] if _active else None
+    if last is not None:
+        last.undo()

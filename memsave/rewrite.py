@@ -1,0 +1,188 @@
+"""Run a Schedule: copy segments, gate them on gradients, differentiate them.
+
+Data flow, for each step of the schedule in order:
+
+1. Sum what the earlier steps sent to each of the step's heads (the seeds
+   are grad_ys on the ys).
+2. ``recompute`` steps: make a *gate*, a float32 zero that is computed from
+   the heads' incoming gradients (``where(b == b, 0, nan)`` of a scalar read
+   off them). Give each boundary tensor a fresh proxy: the checkpoints get
+   ``t + gate`` (a data dependency, which neither Grappler nor XLA removes),
+   other boundary tensors ``identity(t)``. Copy the step's ops in
+   topological order, reading proxies instead of kept tensors, on the
+   devices of the originals and under a control dependency on the gate, so
+   the segment is recomputed only once backprop reaches it. Call the stock
+   tf.gradients on the copies of the heads with respect to the proxies.
+   Fresh proxies per step keep each call's forward walk inside its own
+   segment, so building the whole graph stays linear in its size.
+3. ``backprop`` steps (ops that must not be copied, such as variable reads):
+   call the stock tf.gradients on the original ops, stopping at their inputs.
+4. Add each returned gradient to what its boundary tensor has received.
+
+Finally each x's gradient is the sum of what it received: dense gradients
+with ``add_n``, IndexedSlices concatenated (kept sparse), a mix densified, as
+tf.gradients aggregates them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from memsave import _tf_private
+from memsave.extract import Extraction
+from memsave.schedule import Schedule, Step
+
+__all__ = ["rewrite", "aggregate"]
+
+logger = logging.getLogger(__name__)
+
+def _gateable(dtype: tf.DType) -> bool:
+    return dtype.is_floating or dtype.is_complex
+
+
+def aggregate(grads: Sequence, *, dense: bool):
+    """Sum gradients of one tensor; IndexedSlices stay sparse unless ``dense``."""
+    if not grads:
+        return None
+    sparse = [isinstance(g, tf.IndexedSlices) for g in grads]
+    if all(sparse) and not dense:
+        if len(grads) == 1:
+            return grads[0]
+        return tf.IndexedSlices(
+            tf.concat([g.values for g in grads], axis=0),
+            tf.concat([g.indices for g in grads], axis=0),
+            grads[0].dense_shape,
+        )
+    dense_grads = [tf.convert_to_tensor(g) for g in grads]
+    return dense_grads[0] if len(dense_grads) == 1 else tf.math.add_n(dense_grads)
+
+
+def _gate(grads: Sequence) -> tf.Tensor | None:
+    """A float32 zero that cannot be computed before ``grads`` are."""
+    bits = []
+    for g in grads:
+        v = g.values if isinstance(g, tf.IndexedSlices) else g
+        if not _gateable(v.dtype):
+            continue
+        with v.graph.colocate_with(v.op, ignore_existing=True):
+            first = tf.reshape(v, [-1])[:1]
+            if v.dtype.is_complex:
+                first = tf.math.real(first)
+            bits.append(tf.cast(tf.reduce_sum(first), tf.float32))
+    if not bits:
+        return None
+    b = bits[0] if len(bits) == 1 else tf.math.add_n(bits)
+    return tf.where(tf.equal(b, b), tf.constant(0.0), tf.constant(float("nan")))
+
+
+def _proxy(t: tf.Tensor, gate: tf.Tensor | None) -> tf.Tensor:
+    with t.graph.colocate_with(t.op, ignore_existing=True):
+        if gate is not None:
+            return tf.math.add(t, tf.cast(gate, t.dtype), name="gated")
+        return tf.identity(t, name="proxy")
+
+
+def rewrite(
+    ex: Extraction,
+    schedule: Schedule,
+    grad_ys: Sequence,
+    *,
+    gate_gradients: bool = False,
+    aggregation_method=None,
+    colocate_gradients_with_ops: bool = False,
+) -> list:
+    """Build the checkpointed backward graph; return one gradient list per x.
+
+    ``grad_ys`` is aligned with ``ex.fg.ys`` and fully specified (no None).
+    The returned list is aligned with ``ex.fg.xs``; an entry is None when
+    nothing reached that x.
+    """
+    fg = ex.fg
+    received: dict[int, list] = collections.defaultdict(list)
+    for y, gy in zip(fg.ys, grad_ys):
+        received[y].append(gy)
+    stock = dict(
+        gate_gradients=gate_gradients,
+        aggregation_method=aggregation_method,
+        colocate_gradients_with_ops=colocate_gradients_with_ops,
+    )
+
+    for k, step in enumerate(schedule.steps):
+        heads = [h for h in step.heads if received.get(h)]
+        if not heads or not step.boundary:
+            continue
+        head_grads = [aggregate(received[h], dense=True) for h in heads]
+        with tf.name_scope(f"{step.kind}_{k}"):
+            if step.kind == "recompute":
+                grads = _recompute(ex, step, heads, head_grads, stock)
+            else:
+                grads = _tf_private.original_gradients(
+                    [ex.tensors[h] for h in heads],
+                    [ex.tensors[b] for b in step.boundary],
+                    grad_ys=head_grads,
+                    stop_gradients=[ex.tensors[b] for b in step.boundary],
+                    **stock,
+                )
+        for b, g in zip(step.boundary, grads):
+            if g is not None:
+                received[b].append(g)
+    return [received.get(x, []) for x in fg.xs]
+
+
+def _recompute(ex: Extraction, step: Step, heads, head_grads, stock) -> list:
+    fg = ex.fg
+    gate = _gate(head_grads)
+    activations = [
+        b for b in step.boundary
+        if fg.tensors[b].kind == "internal"
+        and fg.ops[fg.tensors[b].producer].recomputable
+        and _gateable(ex.tensors[b].dtype)
+    ]
+    if not activations:
+        floats = [b for b in step.boundary if _gateable(ex.tensors[b].dtype)]
+        activations = sorted(floats, key=lambda b: fg.tensors[b].size_B)[:1]
+    gated = set(activations) if gate is not None else set()
+    proxies = {b: _proxy(ex.tensors[b], gate if b in gated else None) for b in step.boundary}
+
+    if gate is not None:
+        waits = [gate.op]
+    else:
+        waits = [g.op for g in head_grads if not isinstance(g, tf.IndexedSlices)]
+    copies: dict[int, tf.Tensor] = {}
+    copied_ops: dict[int, tf.Operation] = {}
+    graph = ex.ops[0].graph
+    with graph.control_dependencies(waits):
+        for o in step.ops:
+            op = ex.ops[o]
+            node = fg.ops[o]
+            inputs = []
+            for t in node.inputs:
+                if t in copies:
+                    inputs.append(copies[t])
+                elif t in proxies:
+                    inputs.append(proxies[t])
+                else:
+                    inputs.append(ex.tensors[t])
+            new = _tf_private.copy_op(op, inputs, name=op.name)
+            # Wait for what the original waited for: copies of ops copied
+            # in this step, the originals otherwise (already run).
+            controls = [
+                copied_ops.get(ex.op_index.get(c), c) for c in op.control_inputs
+            ]
+            if controls:
+                _tf_private.add_control_inputs(new, controls)
+            copied_ops[o] = new
+            for t, out in zip(node.outputs, new.outputs):
+                copies[t] = out
+    logger.debug("memsave: recomputing %d ops for heads %s", len(step.ops), fg.describe(heads))
+    return _tf_private.original_gradients(
+        [copies[h] for h in heads],
+        [proxies[b] for b in step.boundary],
+        grad_ys=head_grads,
+        **stock,
+    )
+

@@ -1,0 +1,181 @@
+"""From a set of checkpoints to the order of backward steps (no TensorFlow).
+
+Given the checkpoints a strategy chose, :func:`build_schedule` decides
+
+* which tensors stay in memory (*kept*): the checkpoints, the xs, and the
+  inputs and outputs of every op that must not be recomputed (stateful ops);
+* for every kept tensor produced in the forward graph (a *head*), the
+  *segment* that recomputes it: the ops reached walking back from its
+  producer up to kept tensors (the segment's *boundary*);
+* the order of the backward steps.
+
+Correctness
+-----------
+Treat every kept tensor as an independent variable. A head ``c`` is then a
+function of its boundary, and the gradient of the ys with respect to an x is
+the sum, over the steps, of what each step propagates from its heads to its
+boundary, provided each head's gradient is complete before its step runs
+(chain rule; every path from an x to a y crosses the segments once). Steps
+therefore run in reverse topological order of the heads: the heads are
+layered by longest path (``toposort``), and each layer is one step, whose
+heads depend on nothing else in the layer. The ys that are not kept form the
+first step. A head whose producer is not recomputable is differentiated in
+place (a *backprop* step on the original op) rather than copied.
+
+Complexity: each segment walk stops at kept tensors, so the total work is
+the sum of segment sizes, linear in the graph size when segments do not
+overlap (ops shared by heads of different layers are copied once per layer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import toposort
+
+from memsave.graph import ForwardGraph
+
+__all__ = ["Step", "Schedule", "build_schedule"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One call of the stock gradient code.
+
+    Attributes
+    ----------
+    kind : {"recompute", "backprop"}
+        ``recompute``: copy ``ops``, differentiate the copies of ``heads``
+        with respect to ``boundary``. ``backprop``: differentiate the original
+        ``ops`` (which must not be copied) from ``heads`` to ``boundary``.
+    heads : tuple of int
+        Tensor ids whose gradients the step consumes.
+    ops : tuple of int
+        Op indices, in topological order.
+    boundary : tuple of int
+        Differentiable kept tensor ids the step sends gradients to.
+    """
+
+    kind: Literal["recompute", "backprop"]
+    heads: tuple[int, ...]
+    ops: tuple[int, ...]
+    boundary: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The backward steps in the order they run, and what stays in memory."""
+
+    checkpoints: tuple[int, ...]
+    kept: tuple[int, ...]
+    steps: tuple[Step, ...]
+
+    @property
+    def recomputed_ops(self) -> int:
+        """How many op copies the rewrite makes."""
+        return sum(len(s.ops) for s in self.steps if s.kind == "recompute")
+
+
+def build_schedule(fg: ForwardGraph, checkpoints: tuple[int, ...]) -> Schedule:
+    """Order the backward steps for ``fg`` with ``checkpoints`` kept.
+
+    Parameters
+    ----------
+    fg : ForwardGraph
+    checkpoints : tuple of int
+        Internal tensor ids to keep; outputs of non-recomputable ops and
+        xs are kept whether listed or not.
+
+    Returns
+    -------
+    Schedule
+
+    Examples
+    --------
+    A chain x -> a -> b -> y with b kept recomputes y's segment first, then
+    b's: the ys step, then one step per layer of heads.
+    """
+    tensors = fg.tensors
+    kept: set[int] = set(checkpoints)
+    for x in fg.xs:
+        kept.add(x)
+    for op in fg.ops:
+        if not op.recomputable:
+            kept.update(op.outputs)
+            kept.update(t for t in op.inputs if tensors[t].kind != "external")
+
+    def differentiable(t: int) -> bool:
+        return t in kept and tensors[t].trainable and tensors[t].kind != "external"
+
+    def segment(head: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Ops recomputing ``head`` back to kept tensors, and that boundary."""
+        seen = {tensors[head].producer}
+        stack = [tensors[head].producer]
+        boundary: set[int] = set()
+        while stack:
+            op = fg.ops[stack.pop()]
+            for t in op.inputs:
+                node = tensors[t]
+                if t in kept:
+                    if differentiable(t):
+                        boundary.add(t)
+                elif node.kind == "internal" and node.producer not in seen:
+                    seen.add(node.producer)
+                    stack.append(node.producer)
+        return tuple(sorted(seen)), tuple(sorted(boundary))
+
+    # Units of work: ("t", tensor) recomputes a head; ("o", op) backprops a
+    # non-recomputable op in place.
+    def unit_of(t: int) -> tuple[str, int]:
+        producer = tensors[t].producer
+        assert producer is not None, "this is a bug in memsave: unit of a non-internal tensor"
+        return ("t", t) if fg.ops[producer].recomputable else ("o", producer)
+
+    deps: dict[tuple[str, int], set[tuple[str, int]]] = {}
+    segments: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for t in sorted(kept):
+        if tensors[t].kind != "internal":
+            continue
+        unit = unit_of(t)
+        if unit[0] == "t":
+            segments[t] = segment(t)
+            boundary = segments[t][1]
+        else:
+            op = fg.ops[unit[1]]
+            boundary = tuple(x for x in op.inputs if differentiable(x))
+        deps.setdefault(unit, set()).update(
+            unit_of(b) for b in boundary if tensors[b].kind == "internal"
+        )
+
+    steps: list[Step] = []
+    y_heads = tuple(
+        dict.fromkeys(
+            y for y in fg.ys if y not in kept and tensors[y].kind == "internal"
+        )
+    )
+    if y_heads:
+        steps.append(_recompute_step(y_heads, [segment(y) for y in y_heads]))
+
+    for layer in reversed(list(toposort.toposort(deps))):
+        heads = sorted(u[1] for u in layer if u[0] == "t")
+        if heads:
+            steps.append(_recompute_step(tuple(heads), [segments[h] for h in heads]))
+        forced = sorted(u[1] for u in layer if u[0] == "o")
+        if forced:
+            outs = tuple(t for o in forced for t in fg.ops[o].outputs if tensors[t].trainable)
+            bnd = tuple(
+                sorted({t for o in forced for t in fg.ops[o].inputs if differentiable(t)})
+            )
+            steps.append(Step("backprop", outs, tuple(forced), bnd))
+    return Schedule(
+        checkpoints=tuple(sorted(set(checkpoints))),
+        kept=tuple(sorted(kept)),
+        steps=tuple(steps),
+    )
+
+
+def _recompute_step(heads, parts) -> Step:
+    ops = sorted({o for seg, _ in parts for o in seg})
+    boundary = sorted({b for _, bnd in parts for b in bnd})
+    return Step("recompute", heads, tuple(ops), tuple(boundary))
