@@ -58,6 +58,13 @@ url = direct.get("url", "")
 if not (direct.get("dir_info", {}).get("editable")
         and os.path.realpath(url.removeprefix("file://")) == os.path.realpath(root)):
     sys.exit(f"memsave installed from {url!r}, not {root!r}")
+# An editable install made while memsave/ had no __init__.py maps it as a
+# namespace package for good; reinstall once the package is a real one.
+init = os.path.join(root, "memsave", "__init__.py")
+if os.path.exists(init):
+    origin = importlib.util.find_spec("memsave").origin or ""
+    if os.path.realpath(origin) != os.path.realpath(init):
+        sys.exit(f"memsave resolves to {origin!r}, not {init!r}")
 EOF
 }
 
