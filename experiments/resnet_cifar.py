@@ -13,8 +13,9 @@ steps inside a ``tf.function``, once per gradient method:
 - ``GradientTape``        what Keras ``fit`` uses
 
 Each method gets its own copy of the same initial weights and sees the same
-batch, so their loss trajectories must agree; the largest difference from
-tf.gradients' losses is reported as a correctness check.
+batch, so their loss trajectories and final weights must agree; the
+largest differences from tf.gradients' are reported as a correctness check
+(and a difference beyond round-off makes the run exit 1).
 
 Measured per method:
 
@@ -75,6 +76,8 @@ CHECKPOINT_COLLECTION = "checkpoints"
 # Loss trajectories of methods that compute the same gradients differ only by
 # float round-off (op fusion and summation order differ between graphs).
 LOSS_TOLERANCE = 1e-3
+# Same for the trained weights (lr * round-off of the gradients, summed).
+WEIGHT_TOLERANCE = 1e-4
 
 
 # --------------------------------------------------------------------------
@@ -227,6 +230,7 @@ class Result:
     peak_B: list[int] = dataclasses.field(default_factory=list)
     idle_B: list[int] = dataclasses.field(default_factory=list)
     losses: list[float] = dataclasses.field(default_factory=list)
+    final_weights: list[np.ndarray] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -372,6 +376,9 @@ def run(args: argparse.Namespace) -> list[Result]:
                 for m in order if results[m].ok
             ),
         )
+    for m in ok:
+        if results[m].ok:
+            results[m].final_weights = [v.numpy() for v in trainers[m].variables]
     return [results[m] for m in args.methods]
 
 
@@ -408,6 +415,11 @@ def tabulate(results: list[Result]) -> tuple[list[dict], str]:
                 row["loss_max_abs_diff"] = max(
                     abs(a - b) for a, b in zip(base.losses[:n], r.losses[:n])
                 )
+                if len(base.losses) == len(r.losses):  # same number of steps taken
+                    row["weight_max_abs_diff"] = max(
+                        float(np.max(np.abs(a - b)))
+                        for a, b in zip(base.final_weights, r.final_weights)
+                    )
             row["final_loss"] = r.losses[-1]
         rows.append(row)
 
@@ -416,7 +428,7 @@ def tabulate(results: list[Result]) -> tuple[list[dict], str]:
         header.append(title)
         if key in RATIO_KEYS:
             header.append("x")
-    header.append("max abs dloss")
+    header += ["max abs dloss", "max abs dw"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         if row["status"] != "ok":
@@ -429,6 +441,7 @@ def tabulate(results: list[Result]) -> tuple[list[dict], str]:
                 if key in RATIO_KEYS:
                     cells.append(f"{row[key + '_ratio']:.2f}")
             cells.append(f"{row.get('loss_max_abs_diff', math.nan):.1e}")
+            cells.append(f"{row.get('weight_max_abs_diff', math.nan):.1e}")
         lines.append("| " + " | ".join(cells) + " |")
     return rows, "\n".join(lines)
 
@@ -542,8 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"x: ratio to {BASELINE}. peak: CPU allocator peak over {args.steps} steps "
           f"(median of rounds). trace: building the step's graph (min of "
-          f"{args.build_repeats}); 1st call: Grappler plus one step. max abs dloss: largest "
-          f"difference from {BASELINE}'s loss at the same step.")
+          f"{args.build_repeats}); 1st call: Grappler plus one step. max abs dloss / dw: largest "
+          f"difference from {BASELINE}'s loss at the same step / trained weights at the end.")
     log.info("wrote %s%s in %.0f s total", csv_path, f" and {png_path}" if png_path else "",
              time.perf_counter() - t0)
 
@@ -555,6 +568,11 @@ def main(argv: list[str] | None = None) -> int:
         elif row.get("loss_max_abs_diff", 0.0) > LOSS_TOLERANCE:
             log.error("%s: losses differ from %s by %.2e (> %.0e): its gradients are wrong",
                       row["method"], BASELINE, row["loss_max_abs_diff"], LOSS_TOLERANCE)
+            status = 1
+        elif row.get("weight_max_abs_diff", 0.0) > WEIGHT_TOLERANCE:
+            log.error("%s: trained weights differ from %s by %.2e (> %.0e): its gradients "
+                      "are wrong", row["method"], BASELINE, row["weight_max_abs_diff"],
+                      WEIGHT_TOLERANCE)
             status = 1
     return status
 
