@@ -13,9 +13,9 @@ steps inside a ``tf.function``, once per gradient method:
 - ``GradientTape``        what Keras ``fit`` uses
 
 Each method gets its own copy of the same initial weights and sees the same
-batch, so their loss trajectories and final weights must agree; the
-largest differences from tf.gradients' are reported as a correctness check
-(and a difference beyond round-off makes the run exit 1).
+batch. As a correctness check, each method's gradients at the initial
+weights are compared with tf.gradients' (a difference beyond float32
+round-off makes the run exit 1), and so are the losses along training.
 
 Measured per method:
 
@@ -73,11 +73,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BASELINE = "tf.gradients"
 MiB = 2**20
 CHECKPOINT_COLLECTION = "checkpoints"
-# Loss trajectories of methods that compute the same gradients differ only by
-# float round-off (op fusion and summation order differ between graphs).
-LOSS_TOLERANCE = 1e-3
-# Same for the trained weights (lr * round-off of the gradients, summed).
-WEIGHT_TOLERANCE = 1e-4
+# Gradients of the same loss from different graphs differ by float32
+# round-off (op fusion and summation order differ): a few 1e-6 relative to the
+# largest gradient entry was seen here. Anything near this bound is a bug.
+GRAD_RTOL = 1e-4
 
 
 # --------------------------------------------------------------------------
@@ -230,7 +229,7 @@ class Result:
     peak_B: list[int] = dataclasses.field(default_factory=list)
     idle_B: list[int] = dataclasses.field(default_factory=list)
     losses: list[float] = dataclasses.field(default_factory=list)
-    final_weights: list[np.ndarray] = dataclasses.field(default_factory=list)
+    init_grads: list[np.ndarray] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -273,6 +272,13 @@ class Trainer:
             return loss
 
         return tf.function(train_step)
+
+    def gradients(self, x: tf.Tensor, y: tf.Tensor) -> list[np.ndarray]:
+        """The method's gradients at the current weights, without a step."""
+        grad_method = METHODS[self.method]
+        fn = tf.function(lambda: grad_method(
+            lambda: forward_loss(self.cfg, self.params, x, y), self.variables)[1])
+        return [g.numpy() for g in fn()]
 
 
 def _short_error(exc: BaseException) -> str:
@@ -335,6 +341,16 @@ def run(args: argparse.Namespace) -> list[Result]:
             log.info("%-20s trace %d/%d: %.2f s", m, rep + 1, args.build_repeats,
                      results[m].trace_s[-1])
 
+    # Correctness: every method's gradients at the (shared) initial weights,
+    # compared with tf.gradients' in the report. Directly, because after a few
+    # SGD steps round-off differences between graphs have grown.
+    for m in [m for m in args.methods if results[m].ok]:
+        try:
+            results[m].init_grads = trainers[m].gradients(x, y)
+        except Exception as exc:
+            log.exception("%s: computing gradients failed", m)
+            results[m].error = _short_error(exc)
+
     # First call (Grappler + one step): every method takes this step, so all
     # loss trajectories stay aligned.
     for m in [m for m in args.methods if results[m].ok]:
@@ -376,9 +392,6 @@ def run(args: argparse.Namespace) -> list[Result]:
                 for m in order if results[m].ok
             ),
         )
-    for m in ok:
-        if results[m].ok:
-            results[m].final_weights = [v.numpy() for v in trainers[m].variables]
     return [results[m] for m in args.methods]
 
 
@@ -415,11 +428,10 @@ def tabulate(results: list[Result]) -> tuple[list[dict], str]:
                 row["loss_max_abs_diff"] = max(
                     abs(a - b) for a, b in zip(base.losses[:n], r.losses[:n])
                 )
-                if len(base.losses) == len(r.losses):  # same number of steps taken
-                    row["weight_max_abs_diff"] = max(
-                        float(np.max(np.abs(a - b)))
-                        for a, b in zip(base.final_weights, r.final_weights)
-                    )
+                row["grad_max_rel_err"] = max(
+                    float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(a))), 1e-30))
+                    for a, b in zip(base.init_grads, r.init_grads)
+                )
             row["final_loss"] = r.losses[-1]
         rows.append(row)
 
@@ -428,7 +440,7 @@ def tabulate(results: list[Result]) -> tuple[list[dict], str]:
         header.append(title)
         if key in RATIO_KEYS:
             header.append("x")
-    header += ["max abs dloss", "max abs dw"]
+    header += ["grad rel err", "max abs dloss"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         if row["status"] != "ok":
@@ -440,8 +452,8 @@ def tabulate(results: list[Result]) -> tuple[list[dict], str]:
                 cells.append(fmt.format(row[key]))
                 if key in RATIO_KEYS:
                     cells.append(f"{row[key + '_ratio']:.2f}")
+            cells.append(f"{row.get('grad_max_rel_err', math.nan):.1e}")
             cells.append(f"{row.get('loss_max_abs_diff', math.nan):.1e}")
-            cells.append(f"{row.get('weight_max_abs_diff', math.nan):.1e}")
         lines.append("| " + " | ".join(cells) + " |")
     return rows, "\n".join(lines)
 
@@ -555,8 +567,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"x: ratio to {BASELINE}. peak: CPU allocator peak over {args.steps} steps "
           f"(median of rounds). trace: building the step's graph (min of "
-          f"{args.build_repeats}); 1st call: Grappler plus one step. max abs dloss / dw: largest "
-          f"difference from {BASELINE}'s loss at the same step / trained weights at the end.")
+          f"{args.build_repeats}); 1st call: Grappler plus one step. grad rel err: largest difference "
+          f"from {BASELINE}'s gradients at the initial weights, relative to the largest entry "
+          f"of each; max abs dloss: largest difference from its loss at the same step "
+          f"(round-off grows over training steps).")
     log.info("wrote %s%s in %.0f s total", csv_path, f" and {png_path}" if png_path else "",
              time.perf_counter() - t0)
 
@@ -565,14 +579,9 @@ def main(argv: list[str] | None = None) -> int:
         if row["status"] != "ok":
             log.error("%s failed: %s", row["method"], row["error"])
             status = 1
-        elif row.get("loss_max_abs_diff", 0.0) > LOSS_TOLERANCE:
-            log.error("%s: losses differ from %s by %.2e (> %.0e): its gradients are wrong",
-                      row["method"], BASELINE, row["loss_max_abs_diff"], LOSS_TOLERANCE)
-            status = 1
-        elif row.get("weight_max_abs_diff", 0.0) > WEIGHT_TOLERANCE:
-            log.error("%s: trained weights differ from %s by %.2e (> %.0e): its gradients "
-                      "are wrong", row["method"], BASELINE, row["weight_max_abs_diff"],
-                      WEIGHT_TOLERANCE)
+        elif not row.get("grad_max_rel_err", 0.0) <= GRAD_RTOL:  # NaN fails too
+            log.error("%s: gradients differ from %s's by %.2e relative (> %.0e): they are wrong",
+                      row["method"], BASELINE, row["grad_max_rel_err"], GRAD_RTOL)
             status = 1
     return status
 
