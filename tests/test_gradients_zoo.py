@@ -1,0 +1,305 @@
+"""Differential tests: memsave.gradients == tf.gradients over a model zoo.
+
+Every case builds one forward pass, asks both memsave.gradients and
+tf.gradients for the gradients of the same ys with respect to the same xs,
+and evaluates both lists in the same execution (one session.run, or one call
+of one tf.function), so stateful random ops (dropout) have one mask for both.
+The lists must agree in length, in None positions, in sparse
+(tf.IndexedSlices) versus dense positions, in dtypes and shapes, and in
+values within a tolerance chosen by dtype (see TOLERANCES).
+
+Cases: each zoo model (tests/zoo.py) x each strategy ('collection',
+'memory', 'speed', and 'explicit': the model's own list of mid-graph
+tensors) x each mode (Session graph, tf.function); seeded random DAGs with
+random checkpoint subsets; stateful dropout forced into a recomputed segment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+import zoo
+
+NAMED_STRATEGIES = ("collection", "memory", "speed")
+EXPLICIT = "explicit"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """Allowed |ours - ref| <= atol + rtol * |ref|, atol = atol_scale * max|ref|.
+
+    The absolute part scales with the largest entry of the reference gradient
+    so that entries that are small only because of cancellation are judged
+    against the size of the terms that cancelled, not against themselves.
+    """
+
+    rtol: float
+    atol_scale: float
+
+
+# memsave recomputes the same ops on the same inputs, so recomputed forward
+# values match the originals (to the last bit on CPU, or to a few ulps when
+# Grappler fuses an original op differently from its copy). What differs is
+# how the gradient contributions are summed: per segment, then added, in an
+# order tf.gradients does not use. Reassociating a sum of k terms moves it by
+# about k ulps of its largest term. Measured at the first memsave commit
+# (af215bf), all strategies and modes: float32 differs by at most 1.6e-6 of
+# max|ref| (the batch-norm ResNets), the float16/bfloat16 chains are
+# bit-identical; the margins below are for other op orders, not slack for
+# wrong answers.
+TOLERANCES = {
+    # eps 1.2e-7: 1e-5 allows ~80 ulps, enough for the small sums here, and
+    # is still ~1e4 times smaller than the errors a wrong mask or a missing
+    # gradient contribution produce.
+    tf.float32: Tolerance(rtol=1e-5, atol_scale=1e-5),
+    tf.float64: Tolerance(rtol=1e-10, atol_scale=1e-10),
+    # eps 9.8e-4: partial gradients summed in float16 differ by a few ulps
+    # when summed in another order, and the error then flows through the
+    # remaining float16 backward ops: ~10 ulps.
+    tf.float16: Tolerance(rtol=1e-2, atol_scale=1e-2),
+    # eps 7.8e-3 (8 mantissa bits): same reasoning, ~6 ulps.
+    tf.bfloat16: Tolerance(rtol=5e-2, atol_scale=5e-2),
+}
+
+
+def _tolerance(*dtypes):
+    """The loosest tolerance among the given dtypes (those the values went
+    through, e.g. the model's compute dtype and the gradient's own)."""
+    tols = [TOLERANCES[tf.as_dtype(d)] for d in dtypes]
+    return Tolerance(max(t.rtol for t in tols), max(t.atol_scale for t in tols))
+
+
+def _label(x):
+    name = getattr(x, "name", None)
+    try:
+        return f"{name} {tuple(x.shape)}"
+    except (TypeError, ValueError):
+        return str(name)
+
+
+def _memsave_gradients(fwd, checkpoints, kwargs):
+    return memsave.gradients(fwd.ys, fwd.xs, checkpoints=checkpoints, **kwargs)
+
+
+def _both_gradients(fwd, checkpoints, gradient_kwargs, ours_fn=_memsave_gradients,
+                    reference_first=False):
+    """memsave.gradients and tf.gradients, same arguments, same graph.
+
+    The reference is tf.compat.v1.gradients: it is tf.gradients with the one
+    extra keyword memsave also accepts (colocate_gradients_with_ops).
+    memsave runs first unless reference_first: then its analysis sees a graph
+    where the forward tensors already have consumers outside the forward pass
+    (tf.gradients' own backward ops), as in a graph that was differentiated
+    before.
+    """
+    kwargs = dict(grad_ys=fwd.grad_ys, stop_gradients=fwd.stop_gradients, **gradient_kwargs)
+    if reference_first:
+        ref = tf.compat.v1.gradients(fwd.ys, fwd.xs, **kwargs)
+        ours = ours_fn(fwd, checkpoints, kwargs)
+    else:
+        ours = ours_fn(fwd, checkpoints, kwargs)
+        ref = tf.compat.v1.gradients(fwd.ys, fwd.xs, **kwargs)
+    return ours, ref
+
+
+def _gradient_body(model, strategy_of, **both_kwargs):
+    """body(variables) for Evaluator: forward, both gradient lists, metadata."""
+
+    def body(variables):
+        fwd = model.forward(variables)
+        checkpoints = strategy_of(fwd)
+        ours, ref = _both_gradients(fwd, checkpoints, model.gradient_kwargs, **both_kwargs)
+        out = {
+            "ours": list(ours),
+            "ref": list(ref),
+            # trace-time facts, kept as Python values
+            "ours_is_list": isinstance(ours, list),
+            "labels": [_label(x) for x in fwd.xs],
+            "x_shapes": [tuple(x.shape) for x in fwd.xs],
+            "ours_dtypes": [None if g is None else g.dtype.name for g in ours],
+            "ref_dtypes": [None if g is None else g.dtype.name for g in ref],
+            "probes": dict(fwd.probes),
+        }
+        return out
+
+    return body
+
+
+def assert_gradients_match(result, compute_dtype, SparseValue):
+    ours, ref, labels = result["ours"], result["ref"], result["labels"]
+    assert result["ours_is_list"], "memsave.gradients must return a list, like tf.gradients"
+    assert len(ours) == len(ref), f"memsave returned {len(ours)} gradients, tf.gradients {len(ref)}"
+    assert [g is None for g in ours] == [g is None for g in ref], (
+        "None positions differ: memsave "
+        f"{[i for i, g in enumerate(ours) if g is None]}, tf.gradients "
+        f"{[i for i, g in enumerate(ref) if g is None]} (xs: {labels})"
+    )
+    sparse_ours = [isinstance(g, SparseValue) for g in ours]
+    sparse_ref = [isinstance(g, SparseValue) for g in ref]
+    assert sparse_ours == sparse_ref, (
+        f"IndexedSlices positions differ: memsave {sparse_ours}, tf.gradients {sparse_ref} "
+        f"(xs: {labels})"
+    )
+    assert result["ours_dtypes"] == result["ref_dtypes"], "gradient dtypes differ"
+
+    nontrivial = False
+    for i, (g_ours, g_ref) in enumerate(zip(ours, ref)):
+        if g_ref is None:
+            continue
+        shape = result["x_shapes"][i]
+        if isinstance(g_ref, SparseValue):
+            a, b = g_ours.to_dense(shape), g_ref.to_dense(shape)
+        else:
+            a, b = np.asarray(g_ours, np.float64), np.asarray(g_ref, np.float64)
+        assert a.shape == b.shape, f"gradient {i} ({labels[i]}): shape {a.shape} != {b.shape}"
+        assert np.all(np.isfinite(b)), f"reference gradient {i} ({labels[i]}) is not finite"
+        tol = _tolerance(compute_dtype, result["ref_dtypes"][i])
+        scale = float(np.max(np.abs(b))) if b.size else 0.0
+        nontrivial = nontrivial or scale > 0.0
+        np.testing.assert_allclose(
+            a, b, rtol=tol.rtol, atol=tol.atol_scale * scale,
+            err_msg=f"gradient {i} of {len(ref)} ({labels[i]}), max|ref|={scale:.3g}",
+        )
+    assert nontrivial, "every reference gradient is zero or None: the case tests nothing"
+
+
+# ----------------------------------------------------------------------------
+# the zoo
+
+
+def _zoo_cases():
+    for name, model in zoo.ZOO.items():
+        strategies = NAMED_STRATEGIES + ((EXPLICIT,) if model.has_explicit_checkpoints else ())
+        for strategy in strategies:
+            for mode in model.modes:
+                yield pytest.param(name, strategy, mode, id=f"{name}-{strategy}-{mode}")
+
+
+def _strategy_of(strategy):
+    if strategy == EXPLICIT:
+        return lambda fwd: list(fwd.checkpoints)
+    return lambda fwd: strategy
+
+
+@pytest.mark.parametrize("model_name, strategy, mode", list(_zoo_cases()))
+def test_zoo_gradients_match_tf_gradients(model_name, strategy, mode, evaluate):
+    model = zoo.ZOO[model_name]
+    result = evaluate(mode, model.make_variables, _gradient_body(model, _strategy_of(strategy)))
+    assert_gradients_match(result, model.compute_dtype, evaluate.SparseValue)
+
+
+def test_zoo_embedding_gradient_is_sparse(evaluate):
+    """Guard for the zoo itself: the embedding model must really produce an
+    IndexedSlices gradient, or the sparse check above proves nothing."""
+    model = zoo.ZOO["embedding"]
+    result = evaluate(zoo.SESSION, model.make_variables,
+                      _gradient_body(model, _strategy_of("memory")))
+    assert isinstance(result["ref"][0], evaluate.SparseValue)
+
+
+@pytest.mark.parametrize("mode", zoo.MODES)
+@pytest.mark.parametrize(
+    "model_name", ["mlp", "resnet_bn", "transformer", "embedding", "rnn_while", "two_losses"]
+)
+def test_zoo_reference_computed_first(model_name, mode, evaluate):
+    """tf.gradients already built in the graph when memsave.gradients runs."""
+    model = zoo.ZOO[model_name]
+    body = _gradient_body(model, _strategy_of("memory"), reference_first=True)
+    result = evaluate(mode, model.make_variables, body)
+    assert_gradients_match(result, model.compute_dtype, evaluate.SparseValue)
+
+
+PRESETS = {
+    "gradients_memory": lambda: memsave.gradients_memory,
+    "gradients_speed": lambda: memsave.gradients_speed,
+    "gradients_collection": lambda: memsave.gradients_collection,
+}
+
+
+@pytest.mark.parametrize("mode", zoo.MODES)
+@pytest.mark.parametrize("model_name", ["mlp", "embedding"])
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_presets_match_tf_gradients(preset, model_name, mode, evaluate):
+    """memsave.gradients_memory / _speed / _collection, called like tf.gradients."""
+    model = zoo.ZOO[model_name]
+    fn = PRESETS[preset]()
+
+    def ours_fn(fwd, _checkpoints, kwargs):
+        rest = {k: v for k, v in kwargs.items() if k != "grad_ys"}
+        return fn(fwd.ys, fwd.xs, kwargs["grad_ys"], **rest)
+
+    body = _gradient_body(model, lambda fwd: None, ours_fn=ours_fn)
+    result = evaluate(mode, model.make_variables, body)
+    assert_gradients_match(result, model.compute_dtype, evaluate.SparseValue)
+
+
+@pytest.mark.parametrize("mode", zoo.MODES)
+def test_single_tensor_ys_and_xs_return_a_list(mode, evaluate):
+    """ys and xs given as one tensor / one variable, not lists: the result is
+    still a list of one gradient, as tf.gradients returns."""
+    model = zoo.ZOO["mlp"]
+
+    def ours_fn(fwd, checkpoints, kwargs):
+        return memsave.gradients(fwd.ys, fwd.xs, checkpoints=checkpoints, **kwargs)
+
+    def body(variables):
+        fwd = model.forward(variables)
+        fwd = dataclasses.replace(fwd, xs=variables["w3"])
+        ours, ref = _both_gradients(fwd, "memory", {}, ours_fn=ours_fn)
+        return {
+            "ours": list(ours), "ref": list(ref), "ours_is_list": isinstance(ours, list),
+            "labels": [_label(variables["w3"])], "x_shapes": [tuple(variables["w3"].shape)],
+            "ours_dtypes": [g.dtype.name for g in ours], "ref_dtypes": [g.dtype.name for g in ref],
+        }
+
+    result = evaluate(mode, model.make_variables, body)
+    assert len(result["ours"]) == 1
+    assert_gradients_match(result, model.compute_dtype, evaluate.SparseValue)
+
+
+# ----------------------------------------------------------------------------
+# seeded random DAGs
+
+RANDOM_DAG_SEEDS = range(10)
+
+
+def _random_dag_cases():
+    for seed in RANDOM_DAG_SEEDS:
+        for mode in zoo.MODES:
+            yield pytest.param(seed, EXPLICIT, mode, id=f"seed{seed}-random_subset-{mode}")
+    # The automatic strategies on the same DAGs, in one mode to keep time down.
+    for seed in RANDOM_DAG_SEEDS:
+        for strategy in NAMED_STRATEGIES:
+            yield pytest.param(seed, strategy, zoo.SESSION, id=f"seed{seed}-{strategy}-session")
+
+
+@pytest.mark.parametrize("seed, strategy, mode", list(_random_dag_cases()))
+def test_random_dag_gradients_match_tf_gradients(seed, strategy, mode, evaluate):
+    model = zoo.build_random_dag(seed)
+    result = evaluate(mode, model.make_variables, _gradient_body(model, _strategy_of(strategy)))
+    assert_gradients_match(result, model.compute_dtype, evaluate.SparseValue)
+
+
+# ----------------------------------------------------------------------------
+# stateful dropout inside a recomputed segment
+
+
+@pytest.mark.parametrize("mode", zoo.MODES)
+@pytest.mark.parametrize("strategy", ["memory", EXPLICIT])
+def test_stateful_dropout_in_recomputed_segment(strategy, mode, evaluate):
+    """tf.nn.dropout(rate=0.5) between two explicit checkpoints (or wherever
+    'memory' puts it): the recomputed segment must reuse the forward mask.
+    A fresh mask would change about half the entries of the gradients."""
+    model = zoo.build_dropout_recompute_chain()
+    result = evaluate(mode, model.make_variables, _gradient_body(model, _strategy_of(strategy)))
+    pre = result["probes"]["pre_dropout"]
+    post = result["probes"]["post_dropout"]
+    dropped = np.mean(post == 0.0)
+    assert 0.25 < dropped < 0.75, f"dropout dropped {dropped:.0%}: mask not active?"
+    np.testing.assert_allclose(post[post != 0], 2.0 * pre[post != 0], rtol=1e-6)
+    assert_gradients_match(result, model.compute_dtype, evaluate.SparseValue)
