@@ -8,10 +8,12 @@ of them breaks this module only. Each function says what it relies on.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.framework import indexed_slices, op_def_registry
 from tensorflow.python.framework import ops as tf_ops
@@ -51,9 +53,32 @@ def op_creation_index(op: tf.Operation) -> int:
     return op._id  # pylint: disable=protected-access
 
 
+@functools.lru_cache(maxsize=None)
+def _dtype_trainable(dtype: tf.DType) -> bool:
+    return backprop_util.IsTrainable(dtype)
+
+
 def is_trainable(t: tf.Tensor) -> bool:
     """TensorFlow's own rule for whether a gradient can flow through ``t``."""
-    return backprop_util.IsTrainable(t)
+    return _dtype_trainable(t.dtype)
+
+
+def identity(t: tf.Tensor, name: str) -> tf.Tensor:
+    """``tf.identity(t)`` on ``t``'s device, without the op-wrapper overhead.
+
+    A proxy is made for every boundary tensor of every segment; creating it
+    directly costs a third of going through ``tf.identity``.
+    """
+    graph = t.graph
+    op = graph._create_op_internal(  # pylint: disable=protected-access
+        "Identity", [t], dtypes=[t.dtype], name=name,
+        attrs={"T": attr_value_pb2.AttrValue(type=t.dtype.as_datatype_enum)},
+        compute_device=False,
+    )
+    op._set_device(t.op.device)  # pylint: disable=protected-access
+    out = op.outputs[0]
+    handle_data_util.copy_handle_data(t, out)
+    return out
 
 
 def is_resource_variable(x) -> bool:

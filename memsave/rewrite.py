@@ -80,10 +80,10 @@ def _gate(grads: Sequence) -> tf.Tensor | None:
 
 
 def _proxy(t: tf.Tensor, gate: tf.Tensor | None) -> tf.Tensor:
+    if gate is None:
+        return _tf_private.identity(t, name="proxy")
     with t.graph.colocate_with(t.op, ignore_existing=True):
-        if gate is not None:
-            return tf.math.add(t, tf.cast(gate, t.dtype), name="gated")
-        return tf.identity(t, name="proxy")
+        return tf.math.add(t, tf.cast(gate, t.dtype), name="gated")
 
 
 def rewrite(
