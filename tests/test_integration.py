@@ -1,0 +1,328 @@
+"""memsave in the places users call tf.gradients from, and its errors.
+
+Patching, tf.compat.v1 optimizers, XLA, devices, tf.distribute, the
+fallback warning, the plan, and every user error the API documents.
+"""
+
+import json
+import logging
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+from memsave import _tf_private
+
+RNG = np.random.RandomState(0)
+W_INIT = [RNG.randn(8, 8).astype(np.float32) * 0.5 for _ in range(6)]
+DATA = RNG.randn(4, 8).astype(np.float32)
+
+
+def chain(h, ws):
+    for w in ws:
+        h = tf.tanh(tf.matmul(h, w))
+    return tf.reduce_sum(h * h)
+
+
+def assert_close(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * np.abs(w).max())
+
+
+def recompute_ops(graph):
+    """Ops memsave copied (they live under a recompute_<k> name scope)."""
+    return [op for op in graph.get_operations() if "/recompute_" in op.name]
+
+
+# -- patching ---------------------------------------------------------------
+
+
+def test_patch_replaces_every_alias_and_restores_them():
+    import tensorflow.python.ops.gradients as ops_gradients
+
+    before = (tf.gradients, tf.compat.v1.gradients, ops_gradients.gradients)
+    with memsave.patch(checkpoints="memory") as p:
+        assert p.aliases >= 3
+        assert tf.gradients is not before[0]
+        assert tf.compat.v1.gradients is not before[1]
+        assert ops_gradients.gradients is not before[2]
+    assert (tf.gradients, tf.compat.v1.gradients, ops_gradients.gradients) == before
+
+
+def test_patch_call_and_unpatch_pair():
+    original = tf.compat.v1.gradients
+    memsave.patch(checkpoints="speed")
+    try:
+        assert tf.compat.v1.gradients is not original
+    finally:
+        memsave.unpatch()
+    assert tf.compat.v1.gradients is original
+
+
+def test_nested_patches_undo_in_order():
+    original = tf.gradients
+    with memsave.patch(checkpoints="memory"):
+        outer = tf.gradients
+        with memsave.patch(checkpoints="speed"):
+            assert tf.gradients is not outer
+            assert tf.gradients.memsave_checkpoints == "speed"
+        assert tf.gradients is outer
+    assert tf.gradients is original
+
+
+def test_v1_optimizer_minimize_goes_through_memsave_and_matches():
+    def train(patched):
+        g = tf.Graph()
+        with g.as_default():
+            ws = [tf.compat.v1.Variable(w) for w in W_INIT]
+            loss = chain(tf.constant(DATA), ws)
+            opt = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+            if patched:
+                with memsave.patch(checkpoints="memory"):
+                    train_op = opt.minimize(loss, var_list=ws)
+            else:
+                train_op = opt.minimize(loss, var_list=ws)
+            copies = len(recompute_ops(g))
+            with tf.compat.v1.Session(graph=g) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                for _ in range(3):
+                    sess.run(train_op)
+                return sess.run(ws), copies
+
+    plain, plain_copies = train(False)
+    patched, patched_copies = train(True)
+    assert plain_copies == 0
+    assert patched_copies > 0, "minimize under memsave.patch built no recomputation"
+    assert_close(patched, plain)
+
+
+def test_patched_tf_gradients_inside_tf_function():
+    ws = [tf.Variable(w) for w in W_INIT]
+
+    @tf.function
+    def f():
+        loss = chain(tf.constant(DATA), ws)
+        want = _tf_private.original_gradients(loss, ws)
+        with memsave.patch(checkpoints="memory"):
+            got = tf.gradients(loss, ws)
+        return got, want, len(recompute_ops(tf.compat.v1.get_default_graph()))
+
+    got, want, copies = f()
+    assert int(copies) > 0
+    assert_close([g.numpy() for g in got], [w.numpy() for w in want])
+
+
+# -- XLA, devices, tf.distribute ---------------------------------------------
+
+
+def test_xla_gradients_match():
+    ws = [tf.Variable(w) for w in W_INIT]
+
+    @tf.function(jit_compile=True)
+    def f():
+        loss = chain(tf.constant(DATA), ws)
+        return memsave.gradients(loss, ws, checkpoints="memory"), tf.gradients(loss, ws)
+
+    got, want = f()
+    assert_close([g.numpy() for g in got], [w.numpy() for w in want])
+
+
+def test_copies_keep_the_device_of_their_original():
+    g = tf.Graph()
+    with g.as_default():
+        ws = [tf.compat.v1.Variable(w) for w in W_INIT]
+        h = tf.constant(DATA)
+        for i, w in enumerate(ws):
+            with tf.device(f"/device:CPU:{i % 2}"):
+                h = tf.tanh(tf.matmul(h, w))
+        loss = tf.reduce_sum(h)
+        memsave.gradients(loss, ws, checkpoints="memory")
+        originals = {op.name: op for op in g.get_operations()}
+        copies = recompute_ops(g)
+        checked = set()
+        for op in copies:
+            # A copy is named <scope>/recompute_<k>/<original name>.
+            original_name = op.name.split("/recompute_", 1)[1].split("/", 1)[1]
+            original = originals.get(original_name)
+            if original is not None and original.type == op.type:
+                assert op.device == original.device, op.name
+                checked.add(op.device)
+        assert {"/device:CPU:0", "/device:CPU:1"} <= checked
+
+
+_MIRRORED_SCRIPT = r"""
+import json
+import numpy as np
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import memsave
+
+rng = np.random.RandomState(0)
+w_init = [rng.randn(8, 8).astype(np.float32) * 0.5 for _ in range(6)]
+data = tf.constant(rng.randn(4, 8).astype(np.float32))
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    ws = [tf.Variable(w) for w in w_init]
+
+@tf.function
+def step():
+    def replica_fn():
+        ctx = tf.distribute.get_replica_context()
+        h = data * tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+        for w in ws:
+            h = tf.tanh(tf.matmul(h, w))
+        loss = tf.reduce_sum(h * h)
+        got = memsave.gradients(loss, ws, checkpoints="memory")
+        want = tf.gradients(loss, ws)
+        n_ops = memsave.plan(loss, ws, checkpoints="memory").forward_ops
+        return got, want, tf.constant(n_ops)
+    return strategy.run(replica_fn)
+
+got, want, n_ops = step()
+local = strategy.experimental_local_results
+print(json.dumps({
+    "forward_ops": [int(n) for n in local(n_ops)],
+    "max_abs_diff": max(float(np.abs(a.numpy() - b.numpy()).max())
+                        for g, w in zip(got, want) for a, b in zip(local(g), local(w))),
+    "grad_scale": max(float(np.abs(b.numpy()).max()) for w in want for b in local(w)),
+    "replica_grads_differ": bool(np.abs(local(want[0])[0].numpy() - local(want[0])[1].numpy()).max() > 0),
+}))
+"""
+
+
+def test_mirrored_strategy_each_replica_touches_its_own_ops():
+    out = subprocess.run([sys.executable, "-c", _MIRRORED_SCRIPT], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    # 6 layers of (read, matmul, tanh), then mul and sum: each replica's own ops only.
+    assert result["forward_ops"] == [20, 20]
+    assert result["replica_grads_differ"]
+    assert result["max_abs_diff"] <= 1e-5 * result["grad_scale"]
+
+
+# -- fallback, plan, linear size ---------------------------------------------
+
+
+def test_empty_collection_warns_and_returns_exact_gradients(caplog):
+    g = tf.Graph()
+    with g.as_default():
+        ws = [tf.compat.v1.Variable(w) for w in W_INIT]
+        loss = chain(tf.constant(DATA), ws)
+        with caplog.at_level(logging.WARNING, logger="memsave"):
+            got = memsave.gradients(loss, ws)  # empty 'checkpoints' collection
+        want = tf.gradients(loss, ws)
+        assert not recompute_ops(g)
+        with tf.compat.v1.Session(graph=g) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            got, want = sess.run([got, want])
+    assert "add_to_collection" in caplog.text
+    assert_close(got, want)
+
+
+def test_plan_lists_checkpoints_and_reasons():
+    g = tf.Graph()
+    with g.as_default():
+        ws = [tf.compat.v1.Variable(tf.zeros([8, 8])) for _ in range(16)]
+        loss = chain(tf.zeros([4, 8]), ws)
+        p = memsave.plan(loss, ws, checkpoints="memory")
+    assert 2 <= len(p.checkpoints) <= 8
+    assert set(p.reasons) == {"articulation point"}
+    assert p.checkpoint_bytes < p.activation_bytes
+    assert p.checkpoints[0] in p.summary()
+
+
+@pytest.mark.parametrize("strategy", ["memory", "speed"])
+def test_rewrite_size_is_linear_in_depth(strategy):
+    def ops_added(n):
+        g = tf.Graph()
+        with g.as_default():
+            ws = [tf.compat.v1.Variable(tf.zeros([8, 8])) for _ in range(n)]
+            loss = chain(tf.zeros([4, 8]), ws)
+            before = len(g.get_operations())
+            memsave.gradients(loss, ws, checkpoints=strategy)
+            return len(g.get_operations()) - before
+
+    small, large = ops_added(100), ops_added(200)
+    assert 1.8 < large / small < 2.2
+
+
+# -- errors ------------------------------------------------------------------
+
+
+def test_eager_call_raises_with_the_fix():
+    w = tf.Variable(W_INIT[0])
+    loss = tf.reduce_sum(tf.matmul(tf.constant(DATA), w))
+    with pytest.raises(memsave.EagerExecutionError, match="tf.function"):
+        memsave.gradients(loss, [w])
+    assert issubclass(memsave.EagerExecutionError, RuntimeError)
+
+
+def test_tensors_from_different_graphs_raise():
+    g1, g2 = tf.Graph(), tf.Graph()
+    with g1.as_default():
+        x1 = tf.compat.v1.placeholder(tf.float32, [4], name="x_in_g1")
+        y1 = tf.reduce_sum(tf.tanh(x1))
+    with g2.as_default():
+        x2 = tf.compat.v1.placeholder(tf.float32, [4], name="x_in_g2")
+    with pytest.raises(memsave.GraphMismatchError, match="x_in_g2"):
+        memsave.gradients(y1, [x2], checkpoints="memory")
+
+
+def test_checkpoint_not_between_xs_and_ys_raises():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4])
+        h = tf.tanh(x)
+        y = tf.reduce_sum(tf.tanh(h))
+        elsewhere = tf.sin(tf.ones([4]), name="elsewhere")
+        with pytest.raises(memsave.CheckpointError, match=r"elsewhere:0.*op type Sin.*not between"):
+            memsave.gradients(y, [x], checkpoints=[h, elsewhere])
+
+
+def test_checkpoint_equal_to_a_y_raises():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4])
+        y = tf.reduce_sum(tf.tanh(x), name="the_loss")
+        with pytest.raises(memsave.CheckpointError, match=r"the_loss:0.*op type Sum.*one of the ys"):
+            memsave.gradients(y, [x], checkpoints=[y])
+
+
+def test_checkpoint_that_is_not_a_tensor_raises():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4])
+        h = tf.tanh(x)
+        y = tf.reduce_sum(tf.tanh(h))
+        with pytest.raises(memsave.CheckpointError, match="graph tensors"):
+            memsave.gradients(y, [x], checkpoints=[h.op])
+
+
+def test_unknown_strategy_lists_the_known_ones():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4])
+        y = tf.reduce_sum(tf.tanh(x))
+        with pytest.raises(memsave.UnknownStrategyError, match="'fastest'.*collection.*memory.*speed"):
+            memsave.gradients(y, [x], checkpoints="fastest")
+
+
+def test_grad_ys_of_wrong_length_raises():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4])
+        y = tf.reduce_sum(tf.tanh(x))
+        with pytest.raises(ValueError, match="2 grad_ys for 1 ys"):
+            memsave.gradients(y, [x], grad_ys=[tf.ones([]), tf.ones([])], checkpoints="memory")
+
+
+def test_every_error_derives_from_the_base():
+    for exc in (memsave.EagerExecutionError, memsave.GraphMismatchError, memsave.CheckpointError,
+                memsave.UnknownStrategyError, memsave.UnsupportedGraphError):
+        assert issubclass(exc, memsave.MemsaveError)
