@@ -21,7 +21,6 @@ from memsave.errors import (
     GraphMismatchError,
     MemsaveError,
     UnknownStrategyError,
-    UnsupportedGraphError,
 )
 from memsave.gradients import (
     Plan,
@@ -51,5 +50,4 @@ __all__ = [
     "GraphMismatchError",
     "CheckpointError",
     "UnknownStrategyError",
-    "UnsupportedGraphError",
 ]

@@ -147,11 +147,15 @@ def _fdef_read_only(fdef, graph, seen) -> bool:
 def is_recomputable(op: tf.Operation) -> bool:
     """Whether copying ``op`` gives the values the original gave.
 
-    Stateless ops are. Stateful ops are not (a random op draws again, an
-    assignment writes twice), except calls and control flow whose bodies
-    only read variables (``READ_ONLY_STATEFUL_TYPES``).
+    Stateless ops are, unless they read a reference variable. Stateful ops
+    are not (a random op draws again, an assignment writes twice), except
+    calls and control flow whose bodies only read variables
+    (``READ_ONLY_STATEFUL_TYPES``). Version 1 control flow is not copied.
     """
     if op.type in V1_CONTROL_FLOW_TYPES:
+        return False
+    if any(t.dtype._is_ref_dtype for t in op.inputs):  # pylint: disable=protected-access
+        # Reads a tf.compat.v1 reference variable (``Variable/read``).
         return False
     if not op._is_stateful:  # pylint: disable=protected-access
         return True

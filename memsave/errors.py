@@ -15,7 +15,6 @@ __all__ = [
     "GraphMismatchError",
     "CheckpointError",
     "UnknownStrategyError",
-    "UnsupportedGraphError",
 ]
 
 
@@ -37,7 +36,3 @@ class CheckpointError(MemsaveError, ValueError):
 
 class UnknownStrategyError(MemsaveError, ValueError):
     """``checkpoints=`` names no registered strategy."""
-
-
-class UnsupportedGraphError(MemsaveError):
-    """The forward graph holds something memsave cannot rewrite."""

@@ -242,6 +242,14 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options) -> 
         tagged = [t for t in graph.get_collection(COLLECTION_KEY) if isinstance(t, tf.Tensor)]
     with graph.as_default():
         ex = extract(ys, xs, stop_gradients, tagged)
+    v1_flow = sorted({op.type for op in ex.fg.ops} & _tf_private.V1_CONTROL_FLOW_TYPES)
+    if v1_flow:
+        note = (
+            f"the forward graph uses TF1 control flow ({', '.join(v1_flow)}), which memsave "
+            "does not rewrite; build it with control flow v2 (the TF2 default: do not call "
+            "tf.compat.v1.disable_control_flow_v2 or disable_v2_behavior)"
+        )
+        return _Prepared(ys, xs, grad_ys, stop_gradients, graph, ex, name, (), {}, note, None)
     if strategy is None:
         ids = _validate_list(checkpoints, ex, ys, xs)
         reasons = {i: "given" for i in ids}
