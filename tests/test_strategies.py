@@ -1,0 +1,380 @@
+"""Checkpoint selection strategies on hand-built ForwardGraphs (no TF graphs).
+
+Each graph is small enough to work out the answer by hand; the expected
+checkpoints are written as tensor names. The last test checks, on seeded
+random DAGs, the articulation search against a brute-force oracle (remove
+each op and count connected components).
+"""
+
+from __future__ import annotations
+
+import math
+
+import networkx as nx
+import numpy as np
+import pytest
+
+import memsave
+from memsave import strategies
+from memsave.strategies import Selection, articulation_candidates
+
+import handgraphs as H
+from handgraphs import Builder, names
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """Give the test its own copy of the strategy registry, restored afterwards.
+
+    memsave has no public way to unregister a strategy, so the module's
+    registry dict is swapped (a private name: the only way to keep a test's
+    registrations from leaking into the other tests).
+    """
+    monkeypatch.setattr(strategies, "_REGISTRY", dict(strategies._REGISTRY))
+    return strategies._REGISTRY
+
+
+# -- articulation candidates ---------------------------------------------------
+
+
+def test_chain_candidates_are_every_inner_op_output():
+    fg = H.chain(6)
+    # op0 touches only x (not part of the undirected op graph) and op1, so
+    # removing it disconnects nothing; op5's output is the y, never a candidate.
+    assert names(fg, articulation_candidates(fg)) == ["op1:0", "op2:0", "op3:0", "op4:0"]
+
+
+def test_residual_block_keeps_block_boundaries_not_bypassed_ops():
+    fg = H.residual_block()
+    cands = names(fg, articulation_candidates(fg))
+    assert cands == ["a:0", "add:0", "post:0"]
+    # b and c lie on a cycle with the skip connection: keeping either would
+    # still leave a's output needed by add, so neither cuts the graph.
+    assert "b:0" not in cands and "c:0" not in cands
+
+
+def test_unet_long_skip_leaves_no_candidate_in_the_bypassed_region():
+    fg = H.unet()
+    cands = names(fg, articulation_candidates(fg))
+    assert cands == ["e1:0", "d1:0", "out:0"]
+    bypassed = {"e2:0", "e3:0", "mid:0", "d2:0", "up:0"}
+    assert not bypassed & set(cands)
+
+
+def test_candidates_skip_non_trainable_multi_output_and_stateful_ops():
+    b = Builder()
+    x = b.source("x")
+    h = b.op("h0", "Tanh", [x])
+    h = b.op("h1", "Tanh", [h])
+    idx = b.op("argmax", "ArgMax", [h], trainable=False)  # int output: no gradient
+    g = b.op("gather", "GatherV2", [h, idx])
+    s1, s2 = b.op("split", "Split", [g], n_out=2)  # two used outputs: not a single cut
+    c = b.op("concat", "ConcatV2", [s1, s2])
+    r = b.op("rand", "StatefulOp", [c], recomputable=False)
+    h = b.op("h2", "Tanh", [r])
+    h = b.op("h3", "Tanh", [h])
+    y = b.op("h4", "Tanh", [h])
+    fg = b.build(["x"], [y])
+    cands = names(fg, articulation_candidates(fg))
+    assert "argmax:0" not in cands  # not trainable
+    assert "split:0" not in cands and "split:1" not in cands  # op has two used outputs
+    assert "rand:0" not in cands  # not recomputable (kept anyway)
+    # h1 feeds argmax and gather, which meet again: h1 is the cut before them.
+    assert cands == ["h1:0", "gather:0", "h3:0"]
+
+
+# -- 'speed' and 'collection' ---------------------------------------------------
+
+
+def _mixed_graph(tag=()):
+    """MatMul/Conv2D interleaved with cheap ops; ``tag`` names tensors to tag."""
+    b = Builder()
+    x = b.source("x")
+    data = b.external("data", trainable=True)
+    tagged = set(tag)
+
+    def op(name, type, inputs, **kw):
+        return b.op(name, type, inputs, tagged=f"{name}:0" in tagged, **kw)
+
+    h = op("mm1", "MatMul", [data, x])
+    h = op("bias1", "BiasAdd", [h])
+    h = op("tanh1", "Tanh", [h])
+    h = op("conv", "Conv2D", [h])
+    h = op("relu", "Relu", [h])
+    n = op("shape", "Shape", [h], trainable=False)
+    h = op("reshape", "Reshape", [h, n])
+    h = op("mm2", "MatMul", [h])
+    h = op("add", "AddV2", [h])
+    y = op("mm3", "MatMul", [h])  # the y: never a checkpoint
+    return b.build(["x"], [y])
+
+
+def test_speed_keeps_matmul_and_conv2d_outputs_only():
+    fg = _mixed_graph()
+    sel = strategies.get("speed")(fg)
+    assert names(fg, sel.checkpoints) == ["mm1:0", "conv:0", "mm2:0"]
+    assert [sel.reasons[t] for t in sel.checkpoints] == [
+        "output of MatMul", "output of Conv2D", "output of MatMul",
+    ]
+    assert sel.note == ""
+
+
+def test_speed_with_no_expensive_op_says_so():
+    sel = strategies.speed(H.chain(5, type="Relu"))
+    assert sel.checkpoints == ()
+    assert "checkpoints='memory'" in sel.note
+
+
+def test_speed_op_types_option():
+    fg = _mixed_graph()
+    sel = strategies.speed(fg, op_types=frozenset({"Relu", "Tanh"}))
+    assert names(fg, sel.checkpoints) == ["tanh1:0", "relu:0"]
+
+
+def test_collection_keeps_tagged_tensors_only():
+    fg = _mixed_graph(tag=("bias1:0", "relu:0", "add:0"))
+    sel = strategies.get("collection")(fg)
+    assert names(fg, sel.checkpoints) == ["bias1:0", "relu:0", "add:0"]
+    assert set(sel.reasons.values()) == {"tagged"}
+    assert sel.note == ""
+
+
+def test_collection_ignores_tagged_ys_and_untrainable_tensors():
+    fg = _mixed_graph(tag=("shape:0", "mm3:0", "tanh1:0"))
+    assert names(fg, strategies.collection(fg).checkpoints) == ["tanh1:0"]
+
+
+def test_collection_with_nothing_tagged_says_how_to_tag():
+    sel = strategies.collection(_mixed_graph())
+    assert sel.checkpoints == ()
+    assert "add_to_collection('checkpoints'" in sel.note
+
+
+# -- 'memory' ------------------------------------------------------------------
+
+
+def _producers(fg, sel: Selection) -> list[int]:
+    return [fg.tensors[t].producer for t in sel.checkpoints]
+
+
+@pytest.mark.parametrize("n", [16, 36, 100, 400])
+def test_memory_spreads_about_sqrt_n_checkpoints_along_a_uniform_chain(n):
+    fg = H.chain(n)
+    sel = strategies.get("memory")(fg)
+    k = len(sel.checkpoints)
+    # Chen et al.'s balance: about sqrt(n) segments of about sqrt(n) ops.
+    assert math.sqrt(n) - 2 <= k <= math.sqrt(n) + 1, (n, k)
+    pos = _producers(fg, sel)
+    assert pos == sorted(set(pos)), "checkpoints must be distinct and in topological order"
+    assert set(sel.checkpoints) <= set(articulation_candidates(fg))
+    assert set(sel.reasons.values()) == {"articulation point"}
+    # Segment lengths (ops recomputed per segment) never grow toward the end:
+    # more checkpoints are alive when the later segments run backprop first.
+    seg = np.diff([-1, *pos, n - 1])
+    assert seg.sum() == n
+    assert all(a >= b for a, b in zip(seg, seg[1:])), seg
+    assert seg[0] > seg[-1]
+    # No segment is longer than a few sqrt(n) ops, so the estimated peak
+    # (kept checkpoints + half the largest segment) is O(sqrt(n)), not O(n).
+    assert seg.max() <= 2 * math.sqrt(n) + 1, seg
+    peak = k + 0.5 * seg.max()
+    assert peak <= 2.5 * math.sqrt(n), peak
+
+
+def test_memory_on_a_short_chain_is_exact():
+    fg = H.chain(16)
+    # Segments of 7, 5, 3 and 1 ops: the 1 + 3 + 5 + 7 = 16 split.
+    assert names(fg, strategies.memory(fg).checkpoints) == ["op6:0", "op11:0", "op14:0"]
+
+
+def test_memory_weights_positions_by_bytes_not_op_count():
+    # The first 8 ops produce tiny tensors, the last 8 large ones: checkpoints
+    # go where the bytes are.
+    b = Builder()
+    h = b.source("x")
+    for i in range(8):
+        h = b.op(f"small{i}", "Tanh", [h], size_B=16)
+    for i in range(8):
+        h = b.op(f"big{i}", "Tanh", [h], size_B=H.MiB)
+    fg = b.build(["x"], [h])
+    chosen = names(fg, strategies.memory(fg).checkpoints)
+    assert chosen and all(c.startswith("big") for c in chosen), chosen
+
+
+@pytest.mark.parametrize(
+    "k, expected",
+    [
+        (1, ["op49:0"]),
+        (4, ["op19:0", "op39:0", "op59:0", "op79:0"]),
+        (9, [f"op{10 * j - 1}:0" for j in range(1, 10)]),
+    ],
+)
+def test_memory_num_checkpoints_spreads_evenly(k, expected):
+    fg = H.chain(100)
+    sel = strategies.get("memory")(fg, num_checkpoints=k)
+    assert names(fg, sel.checkpoints) == expected
+
+
+def test_memory_num_checkpoints_bounds():
+    fg = H.chain(10)
+    cands = articulation_candidates(fg)
+    assert strategies.memory(fg, num_checkpoints=0).checkpoints == ()
+    assert strategies.memory(fg, num_checkpoints=len(cands)).checkpoints == tuple(cands)
+    assert strategies.memory(fg, num_checkpoints=50).checkpoints == tuple(cands)
+    with pytest.raises(ValueError, match="num_checkpoints"):
+        strategies.memory(fg, num_checkpoints=-1)
+
+
+def test_memory_on_residual_and_unet_picks_only_cut_points():
+    for fg in (H.residual_block(), H.unet()):
+        chosen = set(strategies.memory(fg).checkpoints)
+        assert chosen and chosen <= set(articulation_candidates(fg))
+
+
+def test_memory_without_articulation_points_returns_nothing_and_says_why():
+    # Two parallel branches from one op, joined at the y: every op is bypassed.
+    b = Builder()
+    x = b.source("x")
+    p = q = b.op("root", "MatMul", [x])
+    for i in range(4):
+        p = b.op(f"p{i}", "Tanh", [p])
+        q = b.op(f"q{i}", "Relu", [q])
+    y = b.op("join", "AddV2", [p, q])
+    fg = b.build(["x"], [y])
+    assert articulation_candidates(fg) == []
+    sel = strategies.memory(fg)
+    assert sel.checkpoints == ()
+    assert "no articulation point" in sel.note
+
+
+def test_branches_that_start_at_an_x_can_each_be_cut():
+    # Same, but the branches read x itself: x is always kept, so a branch
+    # can be recomputed from x and keeping p1 cuts p0, p1 off the rest.
+    b = Builder()
+    p = q = b.source("x")
+    for i in range(4):
+        p = b.op(f"p{i}", "Tanh", [p])
+        q = b.op(f"q{i}", "Relu", [q])
+    y = b.op("join", "AddV2", [p, q])
+    fg = b.build(["x"], [y])
+    assert names(fg, articulation_candidates(fg)) == [
+        "p1:0", "q1:0", "p2:0", "q2:0", "p3:0", "q3:0",
+    ]
+
+
+# -- registry ------------------------------------------------------------------
+
+
+def test_builtin_strategies_are_registered():
+    assert {"collection", "memory", "speed"} <= set(strategies.available())
+    assert strategies.available() == sorted(strategies.available())
+    assert strategies.get("memory") is strategies.memory
+
+
+@pytest.mark.parametrize("bad", ["nope", "Memory", "", None, ["memory"]])
+def test_unknown_strategy_raises_and_lists_known_names(bad):
+    with pytest.raises(memsave.UnknownStrategyError) as info:
+        strategies.get(bad)
+    msg = str(info.value)
+    for known in ("'collection'", "'memory'", "'speed'"):
+        assert known in msg
+    assert repr(bad) in msg
+    # Code written against tf.gradients catches ValueError for bad arguments.
+    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, memsave.MemsaveError)
+
+
+def test_register_custom_strategy(registry):
+    @strategies.register("every_other")
+    def every_other(fg, *, start=0):
+        inner = [t for op in fg.ops for t in op.outputs if t not in fg.ys]
+        chosen = inner[start::2]
+        return Selection(tuple(chosen), {t: "every other" for t in chosen})
+
+    assert "every_other" in strategies.available()
+    fg = H.chain(6)
+    assert strategies.get("every_other") is every_other
+    assert names(fg, strategies.get("every_other")(fg).checkpoints) == [
+        "op0:0", "op2:0", "op4:0",
+    ]
+    assert names(fg, strategies.get("every_other")(fg, start=1).checkpoints) == [
+        "op1:0", "op3:0",
+    ]
+
+
+def test_register_duplicate_name_raises(registry):
+    @strategies.register("mine")
+    def mine(fg):
+        return Selection((), {})
+
+    with pytest.raises(ValueError, match="'mine' is registered already"):
+        strategies.register("mine")(mine)
+    with pytest.raises(ValueError, match="'memory' is registered already"):
+        strategies.register("memory")(mine)
+    assert strategies.get("memory") is strategies.memory
+    assert strategies.get("mine") is mine
+
+
+def test_registry_fixture_restores_the_registry():
+    # Runs after the register tests (file order): nothing leaked.
+    assert "every_other" not in strategies.available()
+    assert "mine" not in strategies.available()
+
+
+# -- articulation search against brute force on random DAGs -----------------------
+
+
+def _random_dag(seed: int):
+    rs = np.random.RandomState(seed)
+    b = Builder()
+    live = [b.source("x0"), b.source("x1")]
+    for i in range(int(rs.randint(6, 30))):
+        k = 1 + rs.binomial(2, 0.3)
+        # Mostly read recent tensors (long chains), sometimes far back (skips).
+        picks = {len(live) - 1 - min(int(rs.geometric(0.5)) - 1, len(live) - 1) for _ in range(k)}
+        live.append(b.op(f"op{i}", "Op", [live[j] for j in sorted(picks)],
+                         recomputable=rs.rand() > 0.1))
+    consumed = {t for op in b.ops for t in op.inputs}
+    ys = [n for n in live[2:] if b.ids[n] not in consumed]
+    return b.build(["x0", "x1"], ys)
+
+
+def _brute_force_candidates(fg) -> list[int]:
+    g = nx.Graph()
+    g.add_node("sink")
+    rec = [op.index for op in fg.ops if op.recomputable]
+    g.add_nodes_from(rec)
+    for op in fg.ops:
+        if not op.recomputable:
+            continue
+        for t in op.inputs:
+            p = fg.tensors[t].producer
+            if p is not None and fg.ops[p].recomputable:
+                g.add_edge(p, op.index)
+    for y in fg.ys:
+        p = fg.tensors[y].producer
+        if fg.ops[p].recomputable:
+            g.add_edge(p, "sink")
+    base = nx.number_connected_components(g)
+    used = {t for op in fg.ops for t in op.inputs}
+    out = []
+    for i in rec:
+        h = g.copy()
+        h.remove_node(i)
+        if nx.number_connected_components(h) > base:
+            outs = [
+                t for t in fg.ops[i].outputs
+                if fg.tensors[t].trainable and t in used and t not in fg.ys
+            ]
+            if len(outs) == 1:
+                out.append(outs[0])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_articulation_candidates_match_brute_force_on_random_dags(seed):
+    fg = _random_dag(seed)
+    assert articulation_candidates(fg) == _brute_force_candidates(fg)
+    sel = strategies.memory(fg)
+    assert list(sel.checkpoints) == sorted(sel.checkpoints)
+    assert set(sel.checkpoints) <= set(articulation_candidates(fg))
