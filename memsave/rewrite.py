@@ -161,10 +161,12 @@ def _recompute(ex: Extraction, step: Step, heads, head_grads, stock) -> list:
             node = fg.ops[o]
             inputs = []
             for t in node.inputs:
-                if t in copies:
-                    inputs.append(copies[t])
-                elif t in proxies:
+                # A kept tensor is read through its proxy even when its
+                # producer is copied in this step (a sibling output).
+                if t in proxies:
                     inputs.append(proxies[t])
+                elif t in copies:
+                    inputs.append(copies[t])
                 else:
                     inputs.append(ex.tensors[t])
             new = _tf_private.copy_op(op, inputs, name=op.name)

@@ -15,16 +15,6 @@ import tensorflow as tf
 import memsave
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "memsave bug: an x that is one output of a multi-output op (tf.split) "
-        "whose other output is recomputed in the same step gets no gradient: "
-        "rewrite._recompute wires the x's consumers to the x's copy instead of "
-        "its proxy (copies are looked up before proxies), so the gradient "
-        "flows through the copy and never reaches the x"
-    ),
-)
 def test_gradient_wrt_an_x_whose_sibling_output_is_recomputed(graph, session):
     rs = np.random.RandomState(0)
     data = tf.constant(rs.randn(4, 6).astype(np.float32))
