@@ -105,6 +105,8 @@ def build_schedule(fg: ForwardGraph, checkpoints: tuple[int, ...]) -> Schedule:
             kept.update(op.outputs)
             kept.update(t for t in op.inputs if tensors[t].kind != "external")
 
+    _keep_shared_frontier(fg, kept)
+
     def differentiable(t: int) -> bool:
         return t in kept and tensors[t].trainable and tensors[t].kind != "external"
 
@@ -173,6 +175,52 @@ def build_schedule(fg: ForwardGraph, checkpoints: tuple[int, ...]) -> Schedule:
         kept=tuple(sorted(kept)),
         steps=tuple(steps),
     )
+
+
+def _keep_shared_frontier(fg: ForwardGraph, kept: set[int]) -> None:
+    """Keep tensors so that no op is recomputed by two different heads.
+
+    When the kept tensors do not cut the graph (checkpoints off the residual
+    stream, say), the walk back from two heads reaches the same ops and
+    each step would recompute them again: quadratic time on a deep
+    network. A reverse sweep finds, for each recomputable op, the heads it
+    feeds through unkept tensors (capped at two); where an op feeds two,
+    its outputs read by an op that feeds one are kept (the frontier), and
+    the sweep repeats until nothing is shared. Linear per sweep.
+    """
+    consumers = fg.consumers()
+    y_set = set(fg.ys)
+    while True:
+        reach: list[frozenset] = [frozenset()] * len(fg.ops)
+        for op in reversed(fg.ops):
+            if not op.recomputable:
+                continue
+            heads: set = set()
+            for t in op.outputs:
+                if t in kept:
+                    heads.add(("op", op.index))  # its kept outputs share one step
+                else:
+                    if t in y_set:
+                        heads.add(("ys",))  # unkept ys are the heads of the first step
+                    for c in consumers[t]:
+                        if fg.ops[c].recomputable:
+                            heads |= reach[c]
+                if len(heads) > 1:
+                    break
+            reach[op.index] = frozenset(list(heads)[:2])
+        shared = [op for op in fg.ops if len(reach[op.index]) > 1]
+        if not shared:
+            return
+        frontier = {
+            t
+            for op in shared
+            for t in op.outputs
+            if t not in kept
+            and any(fg.ops[c].recomputable and len(reach[c]) == 1 for c in consumers[t])
+        }
+        if not frontier:
+            frontier = {t for op in shared for t in op.outputs}
+        kept.update(frontier)
 
 
 def _recompute_step(heads, parts) -> Step:

@@ -138,17 +138,40 @@ def test_residual_block_with_memory_checkpoint():
     ]
 
 
-def test_a_y_read_by_later_ops_is_a_head_of_the_first_step():
+def test_a_y_read_by_later_ops_is_kept_so_nothing_is_recomputed_twice():
     b = Builder()
     h = b.source("x")
     for i in range(6):
         h = b.op(f"op{i}", "Tanh", [h])
     fg = b.build(["x"], ["op2:0", "op5:0"])
     sched = build_schedule(fg, _ids(fg, "op3:0"))
+    # op0..op2 feed both the y op2:0 and the checkpoint op3:0: rather than
+    # recompute them in two steps, op2:0 is kept and becomes a head.
+    assert _ids(fg, "op2:0")[0] in sched.kept
     assert _steps(fg, sched) == [
-        ("recompute", ["op2:0", "op5:0"], ["op0", "op1", "op2", "op4", "op5"], ["x", "op3:0"]),
-        ("recompute", ["op3:0"], ["op0", "op1", "op2", "op3"], ["x"]),
+        ("recompute", ["op5:0"], ["op4", "op5"], ["op3:0"]),
+        ("recompute", ["op3:0"], ["op3"], ["op2:0"]),
+        ("recompute", ["op2:0"], ["op0", "op1", "op2"], ["x"]),
     ]
+
+
+def test_residual_stream_off_the_checkpoints_is_kept_not_recomputed_per_block():
+    # Checkpoints on the branches only ('speed' on a ResNet): without keeping
+    # the stream, each block's step would walk back to x and recompute all.
+    b = Builder()
+    h = b.source("x")
+    branch_outs = []
+    for i in range(4):
+        m = b.op(f"mm{i}", "MatMul", [h])
+        branch_outs.append(f"mm{i}:0")
+        r = b.op(f"relu{i}", "Relu", [m])
+        h = b.op(f"add{i}", "AddV2", [r, h])
+    y = b.op("loss", "Sum", [h])
+    fg = b.build(["x"], [y])
+    sched = build_schedule(fg, _ids(fg, *branch_outs))
+    assert sched.recomputed_ops == sum(op.recomputable for op in fg.ops)
+    kept_names = set(fg.describe(sched.kept))
+    assert {"add0:0", "add1:0", "add2:0"} <= kept_names
 
 
 # -- random DAGs -------------------------------------------------------------------
@@ -211,13 +234,16 @@ def _check_invariants(fg, sched: Schedule, checkpoints) -> None:
     tensors = fg.tensors
     kept = set(sched.kept)
 
-    # What is kept: checkpoints, xs, and what stateful ops touch; nothing else.
+    # What is kept: checkpoints, xs, what stateful ops touch, and outputs of
+    # recomputable ops that two steps would otherwise both recompute.
     expected = set(checkpoints) | set(fg.xs)
     for op in fg.ops:
         if not op.recomputable:
             expected |= set(op.outputs)
             expected |= {t for t in op.inputs if tensors[t].kind != "external"}
-    assert kept == expected
+    assert expected <= kept
+    for t in kept - expected:
+        assert tensors[t].kind == "internal" and fg.ops[tensors[t].producer].recomputable
     assert list(sched.kept) == sorted(kept)
 
     def differentiable(t):
@@ -243,6 +269,7 @@ def _check_invariants(fg, sched: Schedule, checkpoints) -> None:
                     assert t in kept or node.kind == "external" or node.producer in ops, (
                         f"step {k} reads {node.name}, neither kept, external nor recomputed"
                     )
+            assert not ops & recomputed, "an op is recomputed by two steps"
             recomputed |= ops
         else:
             assert step.kind == "backprop"
@@ -372,8 +399,10 @@ def test_random_dags_exercise_the_interesting_cases():
         seen["checkpoints"] += bool(cps)
         seen["backprop step"] += any(s.kind == "backprop" for s in sched.steps)
         seen["multi-head step"] += any(len(s.heads) > 1 for s in sched.steps)
-        seen["op copied twice"] += sched.recomputed_ops > sum(
-            op.recomputable for op in fg.ops
+        seen["shared ops kept"] += len(sched.kept) > len(
+            set(cps) | set(fg.xs)
+            | {t for op in fg.ops if not op.recomputable for t in op.outputs + op.inputs
+               if fg.tensors[t].kind != "external"}
         )
         seen["internal x"] += any(fg.tensors[x].kind == "internal" for x in fg.xs)
         seen["repeated y"] += len(set(fg.ys)) < len(fg.ys)
