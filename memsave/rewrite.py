@@ -111,6 +111,7 @@ def rewrite(
         colocate_gradients_with_ops=colocate_gradients_with_ops,
     )
 
+    previous: list = []
     for k, step in enumerate(schedule.steps):
         heads = [h for h in step.heads if received.get(h)]
         if not heads or not step.boundary:
@@ -118,7 +119,7 @@ def rewrite(
         head_grads = [aggregate(received[h], dense=True) for h in heads]
         with tf.name_scope(f"{step.kind}_{k}"):
             if step.kind == "recompute":
-                grads = _recompute(ex, step, heads, head_grads, stock)
+                grads = _recompute(ex, step, heads, head_grads, stock, previous)
             else:
                 grads = _tf_private.original_gradients(
                     [ex.tensors[h] for h in heads],
@@ -127,13 +128,15 @@ def rewrite(
                     stop_gradients=[ex.tensors[b] for b in step.boundary],
                     **stock,
                 )
+        previous = []
         for b, g in zip(step.boundary, grads):
             if g is not None:
                 received[b].append(g)
+                previous.append((g.values if isinstance(g, tf.IndexedSlices) else g).op)
     return [received.get(x, []) for x in fg.xs]
 
 
-def _recompute(ex: Extraction, step: Step, heads, head_grads, stock) -> list:
+def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous) -> list:
     fg = ex.fg
     gate = _gate(head_grads)
     activations = [
@@ -149,7 +152,7 @@ def _recompute(ex: Extraction, step: Step, heads, head_grads, stock) -> list:
     proxies = {b: _proxy(ex.tensors[b], gate if b in gated else None) for b in step.boundary}
 
     if gate is not None:
-        waits = [gate.op]
+        waits = [gate.op] + previous
     else:
         waits = [g.op for g in head_grads if not isinstance(g, tf.IndexedSlices)]
     copies: dict[int, tf.Tensor] = {}
