@@ -16,7 +16,6 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.framework import indexed_slices, op_def_registry
-from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util_v2, gradients_impl, handle_data_util
 from tensorflow.python.ops import resource_variable_ops
 
@@ -24,6 +23,8 @@ from tensorflow.python.ops import resource_variable_ops
 #: saved when memsave is imported so that memsave.patch can replace every
 #: public alias and memsave still reaches the original.
 original_gradients = gradients_impl.gradients
+#: The stock tf.gradients of the TF2 API (no colocate_gradients_with_ops).
+original_gradients_v2 = gradients_impl.gradients_v2
 
 #: Stateful op types that only read state: recomputing them inside a called
 #: function or a control-flow body reads the same value, because variable
@@ -90,11 +91,6 @@ def convert_xs(xs: Sequence) -> list:
     """Convert xs as tf.gradients does (variables to handles, capture in functions)."""
     xs = [x.handle if is_resource_variable(x) else x for x in xs]
     return indexed_slices.internal_convert_n_to_tensor_or_indexed_slices(xs, name="x", as_ref=True)
-
-
-def is_func_graph(graph: tf.Graph) -> bool:
-    """Whether ``graph`` is a FuncGraph (the body of a tf.function)."""
-    return getattr(graph, "is_control_flow_graph", False) or hasattr(graph, "outer_graph")
 
 
 def _function_defs(op: tf.Operation):
@@ -224,13 +220,3 @@ def _give_private_func_graphs(op: tf.Operation) -> None:
 def add_control_inputs(op: tf.Operation, control_ops: Sequence[tf.Operation]) -> None:
     """Make ``op`` wait for ``control_ops``."""
     op._add_control_inputs(list(control_ops))  # pylint: disable=protected-access
-
-
-def set_device(op: tf.Operation, device: str) -> None:
-    """Pin ``op`` to ``device`` (the device string of another op)."""
-    op._set_device(device)  # pylint: disable=protected-access
-
-
-def get_default_graph() -> tf.Graph:
-    """The graph ops are being added to (a FuncGraph while tracing)."""
-    return tf_ops.get_default_graph()

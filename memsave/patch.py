@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.ops import gradients_impl
 
 from memsave import _tf_private
 from memsave.gradients import gradients as _memsave_gradients
@@ -30,7 +29,7 @@ _lock = threading.Lock()
 _active: list["Patch"] = []
 
 _ORIGINAL_V1 = _tf_private.original_gradients
-_ORIGINAL_V2 = gradients_impl.gradients_v2
+_ORIGINAL_V2 = _tf_private.original_gradients_v2
 
 
 def _wrappers(checkpoints, strategy_options):

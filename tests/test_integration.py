@@ -195,11 +195,16 @@ print(json.dumps({
 """
 
 
-def test_mirrored_strategy_each_replica_touches_its_own_ops():
-    out = subprocess.run([sys.executable, "-c", _MIRRORED_SCRIPT], capture_output=True,
-                         text=True, timeout=300)
+def _run_json_script(script: str) -> dict:
+    """Run ``script`` in a fresh Python (its own global TF state); its last line is JSON."""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_mirrored_strategy_each_replica_touches_its_own_ops():
+    result = _run_json_script(_MIRRORED_SCRIPT)
     # 6 layers of (read, matmul, tanh), then mul and sum: each replica's own ops only.
     assert result["forward_ops"] == [20, 20]
     assert result["replica_grads_differ"]
@@ -360,7 +365,6 @@ with tf.compat.v1.Session() as sess:
     got, want = sess.run([memsave.gradients(cond_loss, ws, checkpoints="memory"),
                           tf.gradients(cond_loss, ws)], feed)
     result["cond"] = max(float(np.abs(a - b).max()) for a, b in zip(got, want))
-result["scale"] = 1.0
 result["cond_warned"] = any("TF1 control flow" in m for m in records)
 result["copies"] = sum("/recompute_" in op.name for op in tf.compat.v1.get_default_graph().get_operations())
 print(json.dumps(result))
@@ -368,10 +372,7 @@ print(json.dumps(result))
 
 
 def test_tf1_behaviour_reference_variables_and_v1_control_flow():
-    out = subprocess.run([sys.executable, "-c", _V1_SCRIPT], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = _run_json_script(_V1_SCRIPT)
     assert result["copies"] > 0
     assert result["memory"] <= 1e-5 and result["speed"] <= 1e-5
     # TF1 cond is not rewritten: a warning, and tf.gradients' own answer.
