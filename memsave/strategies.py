@@ -259,33 +259,36 @@ def memory(
     num_checkpoints: int | None = None,
     segment_live_fraction: float = SEGMENT_LIVE_FRACTION,
 ) -> Selection:
-    """Keep about sqrt(n) articulation points, spread by activation bytes.
+    """Keep articulation points under the smallest byte budget that works.
 
     Parameters
     ----------
     num_checkpoints : int, optional
-        How many to keep. By default the ``k`` (searched up to
-        ``4 * ceil(sqrt(n))`` for ``n`` candidates) that minimises the
-        estimated peak ``bytes(checkpoints) + segment_live_fraction *
-        bytes(largest segment)``: backprop starts at the last segment while
-        every checkpoint is still alive. For a uniform chain this is the
-        sqrt(n) balance of Chen et al. (2016).
+        Keep exactly this many (fewer if there are fewer candidates), spread
+        so that the segments between them hold about the same bytes.
     segment_live_fraction : float
         See :data:`SEGMENT_LIVE_FRACTION`.
 
     Notes
     -----
-    Candidates are :func:`articulation_candidates`. Each gets the cumulative
-    bytes of the activations produced up to it (in topological order); for
-    a given ``k`` the chosen ones are those closest to ``j * total / (k + 1)``
-    for ``j = 1..k`` (found by bisection), so that segments hold about the
-    same bytes. ``O(n log n)`` over the searched ``k`` after the linear
-    articulation search.
+    Candidates are :func:`articulation_candidates`, each placed at the
+    cumulative bytes of the activations produced up to it (topological
+    order). Backprop runs the segments last to first, and while segment
+    ``m`` is recomputed the checkpoints before it are alive, so the peak is
+    estimated as ``max_m (bytes of checkpoints before m + frac * bytes of
+    segment m)``. For a budget, :func:`_greedy` makes each segment as long
+    as the budget allows; the smallest budget it meets is found by
+    bisection. Segments then shrink toward the end of the graph, and for a
+    uniform chain of ``n`` equal tensors about ``sqrt(n)`` are kept (3 of 16,
+    31 of 1024):
+    the O(sqrt(n)) memory of Chen et al. (2016). ``O(k log n)`` per budget
+    tried, after the linear articulation search.
 
     References
     ----------
     T. Chen, B. Xu, C. Zhang, C. Guestrin. Training Deep Nets with Sublinear
     Memory Cost. arXiv:1604.06174, 2016.
+    A. Griewank, A. Walther. Algorithm 799: revolve. ACM TOMS 26(1), 2000.
     """
     cands = articulation_candidates(fg)
     if not cands:
