@@ -378,3 +378,45 @@ def test_tf1_behaviour_reference_variables_and_v1_control_flow():
     # TF1 cond is not rewritten: a warning, and tf.gradients' own answer.
     assert result["cond_warned"]
     assert result["cond"] == 0.0
+
+
+# -- tf.custom_gradient --------------------------------------------------------
+
+
+@tf.custom_gradient
+def _scaled_tanh(x):
+    """tanh whose gradient is deliberately not tanh's: 0.5 * (1 - y**2)."""
+    y = tf.tanh(x)
+    return y, lambda dy: 0.5 * dy * (1.0 - y * y)
+
+
+@pytest.mark.parametrize("mode", ["session", "function"])
+@pytest.mark.parametrize("checkpoints", ["memory", "list"])
+def test_custom_gradient_ops_are_recomputed_with_their_own_gradient(mode, checkpoints):
+    def build(ws):
+        h, acts = tf.constant(DATA), []
+        for w in ws:
+            h = _scaled_tanh(tf.matmul(h, w))
+            acts.append(h)
+        loss = tf.reduce_sum(h * h)
+        cps = "memory" if checkpoints == "memory" else [acts[1], acts[3]]
+        got = memsave.gradients(loss, ws, checkpoints=cps)
+        want = _tf_private.original_gradients(loss, ws)
+        graph = tf.compat.v1.get_default_graph()
+        copied = sum(op.type == "IdentityN" for op in recompute_ops(graph)
+                     if "/gradients" not in op.name)
+        return got, want, copied
+
+    if mode == "session":
+        g = tf.Graph()
+        with g.as_default():
+            got, want, copied = build([tf.compat.v1.Variable(w) for w in W_INIT])
+            with tf.compat.v1.Session(graph=g) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                got, want = sess.run([got, want])
+    else:
+        ws = [tf.Variable(w) for w in W_INIT]
+        got, want, copied = tf.function(lambda: build(ws))()
+        got, want = [g.numpy() for g in got], [w.numpy() for w in want]
+    assert int(copied) >= 2, "no custom-gradient op was recomputed"
+    assert_close(got, want)
