@@ -382,16 +382,19 @@ def gradients(
     return out
 
 
+@tf.autograph.experimental.do_not_convert
 def gradients_memory(ys, xs, grad_ys=None, **kwargs) -> list:
     """:func:`gradients` with ``checkpoints='memory'``."""
     return gradients(ys, xs, grad_ys, checkpoints="memory", **kwargs)
 
 
+@tf.autograph.experimental.do_not_convert
 def gradients_speed(ys, xs, grad_ys=None, **kwargs) -> list:
     """:func:`gradients` with ``checkpoints='speed'``."""
     return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)
 
 
+@tf.autograph.experimental.do_not_convert
 def gradients_collection(ys, xs, grad_ys=None, **kwargs) -> list:
     """:func:`gradients` with ``checkpoints='collection'``."""
     return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)

@@ -33,6 +33,7 @@ _ORIGINAL_V2 = _tf_private.original_gradients_v2
 
 
 def _wrappers(checkpoints, strategy_options):
+    @tf.autograph.experimental.do_not_convert
     @functools.wraps(_ORIGINAL_V1)
     def gradients_v1(ys, xs, grad_ys=None, name="gradients", colocate_gradients_with_ops=False,
                      gate_gradients=False, aggregation_method=None, stop_gradients=None,
@@ -45,6 +46,7 @@ def _wrappers(checkpoints, strategy_options):
             strategy_options=strategy_options,
         )
 
+    @tf.autograph.experimental.do_not_convert
     @functools.wraps(_ORIGINAL_V2)
     def gradients_v2(ys, xs, grad_ys=None, name="gradients", gate_gradients=False,
                      aggregation_method=None, stop_gradients=None,
