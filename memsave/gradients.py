@@ -27,7 +27,7 @@ from memsave import _tf_private, strategies
 from memsave.errors import CheckpointError, EagerExecutionError, GraphMismatchError
 from memsave.extract import Extraction, extract
 from memsave.rewrite import aggregate, rewrite
-from memsave.schedule import Schedule, build_schedule
+from memsave.schedule import Schedule, build_schedule, estimate_peak_bytes
 
 __all__ = [
     "gradients",
@@ -70,6 +70,12 @@ class Plan:
         dimensions counted as 1).
     checkpoint_bytes : int
         Bytes of the chosen checkpoints (same convention).
+    predicted_peak_bytes : int
+        Estimated peak of activation bytes during the backward pass
+        (:func:`memsave.schedule.estimate_peak_bytes`); compare it with
+        ``baseline_peak_bytes``, the same estimate for tf.gradients.
+    baseline_peak_bytes : int
+        ``activation_bytes`` times the same live fraction.
     note : str
         Empty, or why nothing was chosen and what to do.
     """
@@ -83,6 +89,8 @@ class Plan:
     forward_ops: int
     activation_bytes: int
     checkpoint_bytes: int
+    predicted_peak_bytes: int
+    baseline_peak_bytes: int
     note: str = ""
 
     def summary(self) -> str:
@@ -92,6 +100,8 @@ class Plan:
             f"{self.kept_tensors} kept tensors, {self.recomputed_ops} ops recomputed "
             f"in {self.steps} steps, over {self.forward_ops} forward ops",
             f"  checkpoint bytes {self.checkpoint_bytes:,} of {self.activation_bytes:,} activation bytes",
+            f"  estimated activation peak {self.predicted_peak_bytes:,} bytes "
+            f"(tf.gradients: {self.baseline_peak_bytes:,})",
         ]
         lines += [f"  {name}  ({why})" for name, why in zip(self.checkpoints, self.reasons)]
         if self.note:
@@ -278,6 +288,7 @@ def plan(
     """
     p = _prepare(ys, xs, None, checkpoints, stop_gradients, strategy_options)
     fg = p.ex.fg
+    baseline = int(strategies.SEGMENT_LIVE_FRACTION * fg.activation_bytes())
     return Plan(
         strategy=p.strategy,
         checkpoints=tuple(fg.describe(p.checkpoints)),
@@ -288,6 +299,11 @@ def plan(
         forward_ops=len(fg.ops),
         activation_bytes=fg.activation_bytes(),
         checkpoint_bytes=sum(fg.tensors[i].size_B for i in p.checkpoints),
+        predicted_peak_bytes=(
+            estimate_peak_bytes(fg, p.schedule, live_fraction=strategies.SEGMENT_LIVE_FRACTION)
+            if p.schedule else baseline
+        ),
+        baseline_peak_bytes=baseline,
         note=p.note,
     )
 

@@ -239,6 +239,7 @@ def test_plan_lists_checkpoints_and_reasons():
     assert 2 <= len(p.checkpoints) <= 8
     assert set(p.reasons) == {"articulation point"}
     assert p.checkpoint_bytes < p.activation_bytes
+    assert 0 < p.predicted_peak_bytes < p.baseline_peak_bytes / 2
     assert p.checkpoints[0] in p.summary()
 
 

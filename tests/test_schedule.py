@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from memsave import strategies
-from memsave.schedule import Schedule, Step, build_schedule
+from memsave.schedule import Schedule, Step, build_schedule, estimate_peak_bytes
 
 import handgraphs as H
 from handgraphs import Builder, names, op_names
@@ -415,3 +415,14 @@ def test_step_and_schedule_are_values():
     b = build_schedule(fg, _ids(fg, "op1:0"))
     assert a == b and hash(a.steps) == hash(b.steps)
     assert isinstance(a.steps[0], Step)
+
+
+def test_estimated_peak_counts_alive_checkpoints_and_the_recomputed_segment():
+    # x -> op0 .. op9 = y, 1 MiB each, op3 and op6 kept. Steps: y's (op7..op9,
+    # reads op6), op6's (op4..op6, reads op3), op3's (op0..op3, reads x).
+    fg = H.chain(10)
+    sched = build_schedule(fg, _ids(fg, "op3:0", "op6:0"))
+    # Step 0: op3 and op6 alive (2 MiB) + half of 3 MiB recomputed.
+    # Step 1: op3 alive (1 MiB) + half of 3 MiB. Step 2: half of 4 MiB.
+    assert estimate_peak_bytes(fg, sched, live_fraction=0.5) == int(3.5 * H.MiB)
+    assert estimate_peak_bytes(fg, sched, live_fraction=1.0) == 5 * H.MiB
