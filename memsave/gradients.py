@@ -373,10 +373,11 @@ def gradients(
             "and the gradients are tf.gradients' own: %s",
             p.strategy, p.note or "no tensor between xs and ys",
         )
-        return _tf_private.original_gradients(
-            p.ys, p.xs, p.grad_ys, name=name, stop_gradients=p.stop_gradients,
-            unconnected_gradients=unconnected, **stock,
-        )
+        with p.graph.as_default():
+            return _tf_private.original_gradients(
+                p.ys, p.xs, p.grad_ys, name=name, stop_gradients=p.stop_gradients,
+                unconnected_gradients=unconnected, **stock,
+            )
     logger.info(
         "memsave.gradients(checkpoints=%r): keeping %d checkpoints, recomputing %d ops",
         p.strategy, len(p.checkpoints), p.schedule.recomputed_ops,

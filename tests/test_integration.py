@@ -421,3 +421,22 @@ def test_custom_gradient_ops_are_recomputed_with_their_own_gradient(mode, checkp
         got, want = [g.numpy() for g in got], [w.numpy() for w in want]
     assert int(copied) >= 2, "no custom-gradient op was recomputed"
     assert_close(got, want)
+
+
+@pytest.mark.parametrize("checkpoints", ["memory", "collection"])
+def test_graph_tensors_can_be_differentiated_outside_their_graph_context(checkpoints):
+    # TF2 runs eagerly by default; tf.gradients accepts a finished Graph's
+    # tensors from outside its `with` block, so memsave must too, on the
+    # rewrite path ('memory') and the fallback path (empty collection).
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4])
+        h = tf.tanh(tf.tanh(tf.tanh(x)))
+        y = tf.reduce_sum(tf.tanh(h))
+    assert tf.executing_eagerly()
+    got = memsave.gradients(y, [x], checkpoints=checkpoints)
+    with g.as_default():
+        want = tf.gradients(y, [x])
+    with tf.compat.v1.Session(graph=g) as sess:
+        feed = {x: DATA[0, :4]}
+        assert_close(sess.run(got, feed), sess.run(want, feed))
