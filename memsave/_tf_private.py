@@ -16,7 +16,8 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.framework import indexed_slices, op_def_registry
-from tensorflow.python.ops import control_flow_util_v2, gradients_impl, handle_data_util
+from tensorflow.python.ops import control_flow_util_v2, gradients_impl, gradients_util
+from tensorflow.python.ops import handle_data_util
 from tensorflow.python.ops import resource_variable_ops
 
 #: The stock tf.gradients (v1 signature, with colocate_gradients_with_ops),
@@ -80,6 +81,15 @@ def identity(t: tf.Tensor, name: str) -> tf.Tensor:
     out = op.outputs[0]
     handle_data_util.copy_handle_data(t, out)
     return out
+
+
+def zeros_like_gradient(x: tf.Tensor) -> tf.Tensor:
+    """The zero gradient tf.gradients returns for an unconnected ``x``.
+
+    ``gradients_util._ZerosLike``: for a resource handle, zeros of the
+    variable's shape and dtype.
+    """
+    return gradients_util._ZerosLike(x)  # pylint: disable=protected-access
 
 
 def is_resource_variable(x) -> bool:

@@ -139,7 +139,12 @@ def _describe(t) -> str:
     return repr(t)
 
 
-def _graph_of(values: Sequence, what: str) -> tf.Graph | None:
+def _graph_of(values: Sequence, what: str, *, outer_ok: bool = False) -> tf.Graph | None:
+    """The graph of ``values[0]``; raise if another value is elsewhere.
+
+    With ``outer_ok``, a value from a graph enclosing the first one's (a
+    tf.function or loop body reading an outer tensor) is allowed.
+    """
     graph = None
     for v in values:
         g = getattr(v, "graph", None)
@@ -147,12 +152,21 @@ def _graph_of(values: Sequence, what: str) -> tf.Graph | None:
             continue
         if graph is None:
             graph = g
-        elif g is not graph:
+        elif g is not graph and not (outer_ok and g in _enclosing_graphs(graph)):
             raise GraphMismatchError(
                 f"memsave.gradients: {what} {_describe(v)} is in another graph than the ys; "
                 "build ys, xs, grad_ys and checkpoints in one graph (or one tf.function)"
             )
     return graph
+
+
+def _enclosing_graphs(graph: tf.Graph) -> list:
+    out = []
+    g = getattr(graph, "outer_graph", None)
+    while g is not None:
+        out.append(g)
+        g = getattr(g, "outer_graph", None)
+    return out
 
 
 def _normalize(ys, xs, grad_ys, stop_gradients, checkpoints) -> tuple:
@@ -182,7 +196,7 @@ def _normalize(ys, xs, grad_ys, stop_gradients, checkpoints) -> tuple:
                 f"memsave.gradients: x {x!r} is an eager tensor; differentiate with respect to "
                 "tensors or variables used inside the same tf.function or graph"
             )
-    _graph_of(ys + list(xs), "x")
+    _graph_of(ys + list(xs), "x", outer_ok=True)
     if grad_ys is None:
         grad_ys = [None] * len(ys)
     else:
@@ -192,9 +206,10 @@ def _normalize(ys, xs, grad_ys, stop_gradients, checkpoints) -> tuple:
                 f"memsave.gradients: passed {len(grad_ys)} grad_ys for {len(ys)} ys; "
                 "pass one per y (None for the default ones)"
             )
-        _graph_of(ys + [g for g in grad_ys if g is not None and not _is_eager(g)], "grad_y")
+        _graph_of(ys + [g for g in grad_ys if g is not None and not _is_eager(g)], "grad_y",
+                  outer_ok=True)
     stop_gradients = _as_list(stop_gradients)
-    _graph_of(ys + stop_gradients, "stop_gradients tensor")
+    _graph_of(ys + stop_gradients, "stop_gradients tensor", outer_ok=True)
     if not isinstance(checkpoints, str):
         _graph_of(ys + _as_list(checkpoints), "checkpoint")
     return ys, xs, grad_ys, stop_gradients, graph
@@ -252,6 +267,14 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options) -> 
         tagged = [t for t in graph.get_collection(COLLECTION_KEY) if isinstance(t, tf.Tensor)]
     with graph.as_default():
         ex = extract(ys, xs, stop_gradients, tagged)
+    outer = [x for x in xs if getattr(x, "graph", graph) is not graph]
+    if outer:
+        note = (
+            f"x {_describe(outer[0])} lives in a graph enclosing the ys' (a loop or function "
+            "body reading an outer value, as tf.hessians does); memsave rewrites one graph at "
+            "a time"
+        )
+        return _Prepared(ys, xs, grad_ys, stop_gradients, graph, ex, name, (), {}, note, None)
     v1_flow = sorted({op.type for op in ex.fg.ops} & _tf_private.V1_CONTROL_FLOW_TYPES)
     if v1_flow:
         note = (
@@ -392,9 +415,7 @@ def gradients(
         for x, grads in zip(p.xs, received):
             g = aggregate(grads, dense=False)
             if g is None and unconnected is tf.UnconnectedGradients.ZERO:
-                g = _tf_private.original_gradients(
-                    p.ys, [x], unconnected_gradients=unconnected, **stock
-                )[0]
+                g = _tf_private.zeros_like_gradient(x)
             out.append(g)
     return out
 

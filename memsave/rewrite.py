@@ -5,8 +5,8 @@ Data flow, for each step of the schedule in order:
 1. Sum what the earlier steps sent to each of the step's heads (the seeds
    are grad_ys on the ys).
 2. ``recompute`` steps: make a *gate*, a float32 zero that is computed from
-   the heads' incoming gradients (``where(b == b, 0, nan)`` of a scalar read
-   off them). Give each boundary tensor a fresh proxy: the checkpoints get
+   the heads' incoming gradients (``where(b == b, 0, nan)`` with ``b`` the
+   gradient's first element, NaN replaced by 0, so the gate is never NaN). Give each boundary tensor a fresh proxy: the checkpoints get
    ``t + gate`` (a data dependency, which neither Grappler nor XLA removes),
    other boundary tensors ``identity(t)``. Copy the step's ops in
    topological order, reading proxies instead of kept tensors, on the
@@ -72,10 +72,14 @@ def _gate(grads: Sequence) -> tf.Tensor | None:
             first = tf.reshape(v, [-1])[:1]
             if v.dtype.is_complex:
                 first = tf.math.real(first)
+            # NaN replaced by 0: a NaN in the gradient must not spread to
+            # every tensor this gate touches.
+            first = tf.where(tf.math.is_nan(first), tf.zeros_like(first), first)
             bits.append(tf.cast(tf.reduce_sum(first), tf.float32))
     if not bits:
         return None
     b = bits[0] if len(bits) == 1 else tf.math.add_n(bits)
+    # Always 0.0, but no compiler can prove it without the gradient's value.
     return tf.where(tf.equal(b, b), tf.constant(0.0), tf.constant(float("nan")))
 
 

@@ -31,3 +31,70 @@ def test_gradient_wrt_an_x_whose_sibling_output_is_recomputed(graph, session):
     assert np.abs(ref_v[1]).max() > 0.1  # the gradient is not small
     np.testing.assert_allclose(ours_v[0], ref_v[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ours_v[1], ref_v[1], rtol=1e-5, atol=1e-6)
+
+
+def _run(session, fetches):
+    session.run(tf.compat.v1.global_variables_initializer())
+    return session.run(fetches)
+
+
+def test_zero_gradient_for_an_x_cut_off_by_stop_gradients(graph, session):
+    # u reaches y only through a, which stop_gradients cuts: tf.gradients
+    # gives zeros for u with unconnected_gradients='zero'. memsave once
+    # re-differentiated without stop_gradients and returned u's full gradient.
+    rs = np.random.RandomState(0)
+    w = tf.Variable(rs.randn(4, 4).astype(np.float32))
+    u = tf.Variable(rs.randn(4, 4).astype(np.float32))
+    x = tf.constant(rs.randn(3, 4).astype(np.float32))
+    h, acts = x, []
+    for _ in range(6):
+        h = tf.tanh(tf.matmul(h, w))
+        acts.append(h)
+    a = tf.tanh(tf.matmul(x, u))
+    y = tf.reduce_sum(h) + tf.reduce_sum(a)
+    kw = dict(stop_gradients=[a], unconnected_gradients="zero")
+    ref = tf.compat.v1.gradients(y, [w, u], **kw)
+    ours = memsave.gradients(y, [w, u], checkpoints=acts[1::2], **kw)
+    ref_v, ours_v = _run(session, [ref, ours])
+    assert np.abs(ref_v[1]).max() == 0.0
+    np.testing.assert_array_equal(ours_v[1], ref_v[1])
+    np.testing.assert_allclose(ours_v[0], ref_v[0], rtol=1e-5, atol=1e-6)
+
+
+def test_hessians_under_patch_differentiate_inside_a_loop_body(graph, session):
+    # tf.hessians calls the (patched) tf.gradients inside a while-loop body
+    # with xs from the enclosing graph; memsave used to raise
+    # GraphMismatchError there. It now answers with tf.gradients' own.
+    w = tf.Variable(np.linspace(0.5, 1.5, 4).astype(np.float32))
+    h = w
+    for _ in range(8):
+        h = tf.sin(h) * 1.1 + h * 0.1
+    y = tf.reduce_sum(h * h)
+    ref = tf.hessians(y, w)
+    with memsave.patch(checkpoints="memory"):
+        ours = tf.hessians(y, w)
+    ref_v, ours_v = _run(session, [ref, ours])
+    assert np.abs(ref_v[0]).max() > 0.1
+    np.testing.assert_allclose(ours_v[0], ref_v[0], rtol=1e-5, atol=1e-6)
+
+
+@tf.custom_gradient
+def _nan_in_column_0(t):
+    return tf.identity(t), lambda dy: dy * tf.constant([np.nan, 1, 1, 1], tf.float32)
+
+
+def test_a_nan_in_the_incoming_gradient_stays_where_tf_gradients_puts_it(graph, session):
+    # Columns are independent (elementwise chain): a NaN arriving in column
+    # 0 only must leave columns 1-3 finite. The gate once read the NaN and
+    # poisoned every recomputed tensor.
+    w = tf.Variable(np.linspace(0.5, 1.5, 4).astype(np.float32))
+    h, acts = tf.constant(np.array([[1.0, 1, 2, 3]], np.float32)), []
+    for _ in range(6):
+        h = tf.sin(h * w) + h
+        acts.append(h)
+    y = tf.reduce_sum(_nan_in_column_0(h))
+    ref = tf.compat.v1.gradients(y, [w])
+    ours = memsave.gradients(y, [w], checkpoints=acts[1::2])
+    ref_v, ours_v = _run(session, [ref, ours])
+    assert np.isnan(ref_v[0][0]) and np.isfinite(ref_v[0][1:]).all()
+    np.testing.assert_allclose(ours_v[0], ref_v[0], rtol=1e-5, equal_nan=True)
