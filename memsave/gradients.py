@@ -405,6 +405,16 @@ def gradients(
         "memsave.gradients(checkpoints=%r): keeping %d checkpoints, recomputing %d ops",
         p.strategy, len(p.checkpoints), p.schedule.recomputed_ops,
     )
+    fg = p.ex.fg
+    predicted = estimate_peak_bytes(fg, p.schedule, live_fraction=strategies.SEGMENT_LIVE_FRACTION)
+    if predicted >= strategies.SEGMENT_LIVE_FRACTION * fg.activation_bytes():
+        logger.warning(
+            "memsave.gradients(checkpoints=%r): this plan is not expected to save memory "
+            "(estimated activation peak %s bytes, tf.gradients' %s): the kept tensors hold as "
+            "much as backprop would. See memsave.plan(...).summary(); try checkpoints='memory' "
+            "or fewer checkpoints",
+            p.strategy, f"{predicted:,}", f"{int(strategies.SEGMENT_LIVE_FRACTION * fg.activation_bytes()):,}",
+        )
     with p.graph.as_default(), tf.name_scope(name or "gradients"):
         grad_ys = [
             tf.ones_like(y) if g is None else tf.convert_to_tensor(g, dtype=y.dtype)

@@ -249,13 +249,17 @@ def estimate_peak_bytes(fg: ForwardGraph, schedule: Schedule, *, live_fraction: 
         for b in step.boundary:
             if is_activation(b):
                 last_use[b] = k
+    freed = [0] * len(schedule.steps)
+    for t, last in last_use.items():
+        freed[last] += tensors[t].size_B
+    alive = sum(freed)
     peak = 0
     for k, step in enumerate(schedule.steps):
-        alive = sum(tensors[t].size_B for t, last in last_use.items() if last >= k)
         recomputed = 0
         if step.kind == "recompute":
             recomputed = sum(
                 tensors[t].size_B for o in step.ops for t in fg.ops[o].outputs if tensors[t].trainable
             )
         peak = max(peak, alive + int(live_fraction * recomputed))
+        alive -= freed[k]
     return peak

@@ -154,21 +154,42 @@ def speed(fg: ForwardGraph, *, op_types: frozenset[str] = EXPENSIVE_OP_TYPES) ->
     return _selection(fg, chosen, lambda t: f"output of {fg.ops[fg.tensors[t].producer].type}", note)
 
 
-def articulation_candidates(fg: ForwardGraph) -> list[int]:
+#: A differentiable tensor with a fully known size at most this fraction of
+#: the largest activation (a scalar auxiliary loss on the first layer) does
+#: not tie the graph together in the articulation search; nor does any
+#: non-differentiable one (a ``tf.shape`` of an early activation read at the
+#: end). Either would otherwise bypass every candidate and leave nothing to
+#: keep; the schedule keeps what such a bypass needs. Sizes count unknown
+#: dimensions as 1, so "largest" is per example when the batch is dynamic.
+#: Override with ``small_tensor_fraction=``.
+SMALL_TENSOR_FRACTION = 1 / 64
+
+
+def articulation_candidates(
+    fg: ForwardGraph, *, small_tensor_fraction: float = SMALL_TENSOR_FRACTION
+) -> list[int]:
     """Tensors that cut the recomputable forward graph in two.
 
-    Build an undirected graph of the recomputable ops (edges where a tensor
-    flows), plus one node joined to the producers of the ys; an op is a
-    cut if removing it disconnects that graph (an articulation point). Its
-    output is a candidate when it is the op's only differentiable output
-    consumed in the forward graph: keeping it then lets everything after it
-    be recomputed without anything before it.
+    Build an undirected graph of the recomputable ops (edges where a
+    differentiable tensor flows, leaving out tensors smaller than
+    ``small_tensor_fraction`` of the largest activation), plus one node joined to the producers of the ys;
+    an op is a cut if removing it disconnects that graph (an articulation
+    point). Its output is a candidate when it is the op's only
+    differentiable output consumed in the forward graph: keeping it then
+    lets everything after it be recomputed without anything before it.
 
     Notes
     -----
     Articulation points are found with Hopcroft-Tarjan's depth-first search
     (``networkx.articulation_points``), linear in ops plus edges.
     """
+    largest = max((t.size_B for t in fg.internal_tensors() if t.trainable), default=0)
+    small = largest * small_tensor_fraction
+
+    def ties(t: int) -> bool:
+        node = fg.tensors[t]
+        return node.trainable and not (node.size_known and node.size_B <= small)
+
     g = nx.Graph()
     sink = -1
     g.add_node(sink)
@@ -179,7 +200,7 @@ def articulation_candidates(fg: ForwardGraph) -> list[int]:
         g.add_node(op.index)
         for t in op.inputs:
             p = fg.tensors[t].producer
-            if p is not None and fg.ops[p].recomputable:
+            if p is not None and fg.ops[p].recomputable and ties(t):
                 g.add_edge(p, op.index)
     for y in fg.ys:
         p = fg.tensors[y].producer
@@ -258,6 +279,7 @@ def memory(
     *,
     num_checkpoints: int | None = None,
     segment_live_fraction: float = SEGMENT_LIVE_FRACTION,
+    small_tensor_fraction: float = SMALL_TENSOR_FRACTION,
 ) -> Selection:
     """Keep articulation points under the smallest byte budget that works.
 
@@ -268,6 +290,8 @@ def memory(
         so that the segments between them hold about the same bytes.
     segment_live_fraction : float
         See :data:`SEGMENT_LIVE_FRACTION`.
+    small_tensor_fraction : float
+        See :data:`SMALL_TENSOR_FRACTION`.
 
     Notes
     -----
@@ -290,7 +314,7 @@ def memory(
     Memory Cost. arXiv:1604.06174, 2016.
     A. Griewank, A. Walther. Algorithm 799: revolve. ACM TOMS 26(1), 2000.
     """
-    cands = articulation_candidates(fg)
+    cands = articulation_candidates(fg, small_tensor_fraction=small_tensor_fraction)
     if not cands:
         return Selection((), {}, (
             "the forward graph has no articulation point (every tensor is bypassed by "

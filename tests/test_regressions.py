@@ -98,3 +98,26 @@ def test_a_nan_in_the_incoming_gradient_stays_where_tf_gradients_puts_it(graph, 
     ref_v, ours_v = _run(session, [ref, ours])
     assert np.isnan(ref_v[0][0]) and np.isfinite(ref_v[0][1:]).all()
     np.testing.assert_allclose(ours_v[0], ref_v[0], rtol=1e-5, equal_nan=True)
+
+
+def test_a_shape_of_an_early_activation_read_at_the_end_keeps_the_savings():
+    # With a dynamic batch, tf.shape(h_first) is computed at run time; read
+    # at the end it once tied the whole chain together: no articulation
+    # point, nothing saved.
+    ws = [tf.Variable(np.random.RandomState(i).randn(16, 16).astype(np.float32) * 0.3)
+          for i in range(12)]
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 16], tf.float32)])
+    def plan(x):
+        h = x
+        acts = []
+        for w in ws:
+            h = tf.tanh(tf.matmul(h, w))
+            acts.append(h)
+        y = tf.reduce_sum(tf.reshape(h, tf.shape(acts[0])))
+        p = memsave.plan(y, ws, checkpoints="memory")
+        return tf.constant([len(p.checkpoints), p.predicted_peak_bytes, p.baseline_peak_bytes])
+
+    n, predicted, baseline = plan.get_concrete_function()(tf.zeros([4, 16])).numpy()
+    assert n >= 2
+    assert predicted < baseline / 2

@@ -16,6 +16,7 @@ import pytest
 
 import memsave
 from memsave import strategies
+from memsave.schedule import build_schedule
 from memsave.strategies import Selection, articulation_candidates
 
 import handgraphs as H
@@ -378,3 +379,40 @@ def test_articulation_candidates_match_brute_force_on_random_dags(seed):
     sel = strategies.memory(fg)
     assert list(sel.checkpoints) == sorted(sel.checkpoints)
     assert set(sel.checkpoints) <= set(articulation_candidates(fg))
+
+
+def _chain_with_scalar_bypass(n=8):
+    """x -> op0 .. op{n-1}; aux = sum(op0) (4 bytes) added to the loss at the end."""
+    b = Builder()
+    h = b.source("x")
+    first = None
+    for i in range(n):
+        h = b.op(f"op{i}", "Tanh", [h])
+        first = first or h
+    aux = b.op("aux", "Sum", [first], size_B=4)
+    main = b.op("main", "Sum", [h], size_B=4)
+    y = b.op("loss", "AddV2", [main, aux], size_B=4)
+    return b.build(["x"], [y])
+
+
+def test_a_scalar_bypass_does_not_hide_the_articulation_points():
+    fg = _chain_with_scalar_bypass()
+    cands = names(fg, articulation_candidates(fg))
+    assert {"op2:0", "op3:0", "op4:0", "op5:0"} <= set(cands)
+    # Counting the 4-byte edge as a tie, the bypass spans the chain.
+    assert all(
+        n not in names(fg, articulation_candidates(fg, small_tensor_fraction=0.0))
+        for n in ("op2:0", "op3:0", "op4:0", "op5:0")
+    )
+
+
+def test_the_schedule_keeps_what_a_scalar_bypass_needs():
+    fg = _chain_with_scalar_bypass()
+    sel = strategies.memory(fg)
+    assert sel.checkpoints
+    sched = build_schedule(fg, sel.checkpoints)
+    # op0 feeds both the main chain and the scalar: kept rather than
+    # recomputed by two steps, so no op is copied twice.
+    assert "op0:0" in names(fg, sched.kept)
+    copied = [o for s in sched.steps if s.kind == "recompute" for o in s.ops]
+    assert len(copied) == len(set(copied))
