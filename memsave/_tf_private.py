@@ -127,26 +127,29 @@ def _function_defs(op: tf.Operation):
     return out
 
 
-def _fdef_read_only(fdef, graph, seen) -> bool:
-    for node in fdef.node_def:
-        op_def = op_def_registry.get(node.op)
-        if op_def is None:
-            # A call of a function defined in the library (old-style call).
-            return False
-        if not op_def.is_stateful or node.op in READ_ONLY_STATEFUL_TYPES:
-            continue
-        if node.op not in _CALL_TYPES:
-            return False
-        for attr in node.attr.values():
-            names = [attr.func.name] if attr.HasField("func") else (
-                [f.name for f in attr.list.func] if attr.HasField("list") else [])
-            for name in names:
-                if name in seen:
-                    continue
-                seen.add(name)
-                func = graph._get_function(name)  # pylint: disable=protected-access
-                if func is None or not _fdef_read_only(func.cached_definition, graph, seen):
-                    return False
+def _fdef_read_only(fdef, graph) -> bool:
+    """Whether a function body (and the functions it calls) only reads state."""
+    stack, seen = [fdef], set()
+    while stack:
+        for node in stack.pop().node_def:
+            op_def = op_def_registry.get(node.op)
+            if op_def is None:
+                return False  # a call of a library function by name (old-style call)
+            if not op_def.is_stateful or node.op in READ_ONLY_STATEFUL_TYPES:
+                continue
+            if node.op not in _CALL_TYPES:
+                return False
+            for attr in node.attr.values():
+                names = [attr.func.name] if attr.HasField("func") else (
+                    [f.name for f in attr.list.func] if attr.HasField("list") else [])
+                for name in names:
+                    if name in seen:
+                        continue
+                    seen.add(name)
+                    func = graph._get_function(name)  # pylint: disable=protected-access
+                    if func is None:
+                        return False
+                    stack.append(func.cached_definition)
     return True
 
 
@@ -170,7 +173,7 @@ def is_recomputable(op: tf.Operation) -> bool:
     fdefs = _function_defs(op)
     if fdefs is None:
         return False
-    return all(_fdef_read_only(f, op.graph, set()) for f in fdefs)
+    return all(_fdef_read_only(f, op.graph) for f in fdefs)
 
 
 def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str) -> tf.Operation:

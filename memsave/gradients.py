@@ -241,8 +241,9 @@ def _validate_list(checkpoints: Sequence, ex: Extraction, ys, xs) -> tuple[int, 
         if i is None or ex.fg.tensors[i].kind != "internal":
             raise CheckpointError(
                 f"memsave.gradients: checkpoint {_describe(c)} is not between xs and ys "
-                "(no differentiable path from an x through it to a y); remove it, or check "
-                "that it is computed from the xs and used by the ys"
+                "(no differentiable path from an x through it to a y, or stop_gradients cuts "
+                "every such path); remove it, or check that it is computed from the xs and "
+                "used by the ys"
             )
         chosen.append(i)
     return tuple(sorted(set(chosen)))

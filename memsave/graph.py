@@ -28,8 +28,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-import networkx as nx
-
 __all__ = ["OpNode", "TensorNode", "ForwardGraph"]
 
 
@@ -146,27 +144,6 @@ class ForwardGraph:
             for t in self.internal_tensors()
             if t.trainable and self.ops[t.producer].recomputable
         )
-
-    def to_networkx(self) -> nx.DiGraph:
-        """Directed op graph: an edge per (producer op, consumer op) pair.
-
-        Nodes are op indices with the :class:`OpNode` under ``"op"``; each
-        edge carries the ids of the tensors that flow along it under
-        ``"tensors"``.
-        """
-        g = nx.DiGraph()
-        for op in self.ops:
-            g.add_node(op.index, op=op)
-        for op in self.ops:
-            for t in op.inputs:
-                p = self.tensors[t].producer
-                if p is None:
-                    continue
-                if g.has_edge(p, op.index):
-                    g.edges[p, op.index]["tensors"].append(t)
-                else:
-                    g.add_edge(p, op.index, tensors=[t])
-        return g
 
     def describe(self, tensor_ids: Sequence[int]) -> list[str]:
         """Names of the given tensors, for messages."""

@@ -191,7 +191,7 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int]) -> None:
     consumers = fg.consumers()
     y_set = set(fg.ys)
     while True:
-        reach: list[frozenset] = [frozenset()] * len(fg.ops)
+        reach: list[tuple] = [()] * len(fg.ops)
         for op in reversed(fg.ops):
             if not op.recomputable:
                 continue
@@ -204,10 +204,10 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int]) -> None:
                         heads.add(("ys",))  # unkept ys are the heads of the first step
                     for c in consumers[t]:
                         if fg.ops[c].recomputable:
-                            heads |= reach[c]
+                            heads.update(reach[c])
                 if len(heads) > 1:
                     break
-            reach[op.index] = frozenset(list(heads)[:2])
+            reach[op.index] = tuple(sorted(heads)[:2])
         shared = [op for op in fg.ops if len(reach[op.index]) > 1]
         if not shared:
             return

@@ -115,7 +115,8 @@ def _candidates(fg: ForwardGraph) -> Iterable[int]:
             continue
         for t in op.outputs:
             node = fg.tensors[t]
-            if node.trainable and t not in ys:
+            # size 0: a handle or a TensorList, whose real size is unknown here.
+            if node.trainable and node.size_B > 0 and t not in ys:
                 yield t
 
 
