@@ -26,6 +26,7 @@ __all__ = [
     "Selection",
     "Strategy",
     "register",
+    "unregister",
     "get",
     "available",
     "collection",
@@ -89,6 +90,20 @@ def register(name: str) -> Callable[[Strategy], Strategy]:
         return fn
 
     return deco
+
+
+def unregister(name: str) -> Strategy:
+    """Remove the strategy registered under ``name`` and return it.
+
+    Built-in strategies can be removed too (and registered again).
+    """
+    try:
+        return _REGISTRY.pop(name)
+    except KeyError:
+        raise UnknownStrategyError(
+            f"memsave.strategies.unregister: {name!r} is not registered; registered: "
+            f"{sorted(_REGISTRY)}"
+        ) from None
 
 
 def get(name: str) -> Strategy:

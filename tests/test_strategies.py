@@ -24,15 +24,13 @@ from handgraphs import Builder, names
 
 
 @pytest.fixture
-def registry(monkeypatch):
-    """Give the test its own copy of the strategy registry, restored afterwards.
-
-    memsave has no public way to unregister a strategy, so the module's
-    registry dict is swapped (a private name: the only way to keep a test's
-    registrations from leaking into the other tests).
-    """
-    monkeypatch.setattr(strategies, "_REGISTRY", dict(strategies._REGISTRY))
-    return strategies._REGISTRY
+def registry():
+    """Unregister whatever the test registers, so nothing leaks into other tests."""
+    before = set(strategies.available())
+    yield
+    for name in set(strategies.available()) - before:
+        strategies.unregister(name)
+    assert set(strategies.available()) == before
 
 
 # -- articulation candidates ---------------------------------------------------
@@ -314,6 +312,17 @@ def test_register_duplicate_name_raises(registry):
         strategies.register("memory")(mine)
     assert strategies.get("memory") is strategies.memory
     assert strategies.get("mine") is mine
+
+
+def test_unregister_removes_and_unknown_names_raise(registry):
+    @strategies.register("gone")
+    def gone(fg):
+        return Selection((), {})
+
+    assert strategies.unregister("gone") is gone
+    assert "gone" not in strategies.available()
+    with pytest.raises(memsave.UnknownStrategyError, match="'gone' is not registered"):
+        strategies.unregister("gone")
 
 
 def test_registry_fixture_restores_the_registry():
