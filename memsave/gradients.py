@@ -249,6 +249,25 @@ def _validate_list(checkpoints: Sequence, ex: Extraction, ys, xs) -> tuple[int, 
     return tuple(sorted(set(chosen)))
 
 
+def _not_rewritable(ex: Extraction, xs, graph: tf.Graph) -> str:
+    """Why memsave must leave this call to tf.gradients, or '' when it need not."""
+    outer = [x for x in xs if getattr(x, "graph", graph) is not graph]
+    if outer:
+        return (
+            f"x {_describe(outer[0])} lives in a graph enclosing the ys' (a loop or function "
+            "body reading an outer value, as tf.hessians does); memsave rewrites one graph at "
+            "a time"
+        )
+    v1_flow = sorted({op.type for op in ex.fg.ops} & _tf_private.V1_CONTROL_FLOW_TYPES)
+    if v1_flow:
+        return (
+            f"the forward graph uses TF1 control flow ({', '.join(v1_flow)}), which memsave "
+            "does not rewrite; build it with control flow v2 (the TF2 default: do not call "
+            "tf.compat.v1.disable_control_flow_v2 or disable_v2_behavior)"
+        )
+    return ""
+
+
 def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options) -> _Prepared:
     ys, xs, grad_ys, stop_gradients, graph = _normalize(ys, xs, grad_ys, stop_gradients, checkpoints)
     if isinstance(checkpoints, str):
@@ -268,22 +287,9 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options) -> 
         tagged = [t for t in graph.get_collection(COLLECTION_KEY) if isinstance(t, tf.Tensor)]
     with graph.as_default():
         ex = extract(ys, xs, stop_gradients, tagged)
-    outer = [x for x in xs if getattr(x, "graph", graph) is not graph]
-    if outer:
-        note = (
-            f"x {_describe(outer[0])} lives in a graph enclosing the ys' (a loop or function "
-            "body reading an outer value, as tf.hessians does); memsave rewrites one graph at "
-            "a time"
-        )
-        return _Prepared(ys, xs, grad_ys, stop_gradients, graph, ex, name, (), {}, note, None)
-    v1_flow = sorted({op.type for op in ex.fg.ops} & _tf_private.V1_CONTROL_FLOW_TYPES)
-    if v1_flow:
-        note = (
-            f"the forward graph uses TF1 control flow ({', '.join(v1_flow)}), which memsave "
-            "does not rewrite; build it with control flow v2 (the TF2 default: do not call "
-            "tf.compat.v1.disable_control_flow_v2 or disable_v2_behavior)"
-        )
-        return _Prepared(ys, xs, grad_ys, stop_gradients, graph, ex, name, (), {}, note, None)
+    unsupported = _not_rewritable(ex, xs, graph)
+    if unsupported:
+        return _Prepared(ys, xs, grad_ys, stop_gradients, graph, ex, name, (), {}, unsupported, None)
     if strategy is None:
         ids = _validate_list(checkpoints, ex, ys, xs)
         reasons = {i: "given" for i in ids}
