@@ -127,8 +127,7 @@ def extract(
         outputs = tuple(tensor_id(t) for t in op.outputs)
         op_nodes.append(OpNode(
             index=i, name=op.name, type=op.type, inputs=inputs, outputs=outputs,
-            control_inputs=tuple(sorted(index[c] for c in op.control_inputs if c in index)),
-            recomputable=_tf_private.is_recomputable(op), device=op.device,
+            recomputable=_tf_private.is_recomputable(op),
         ))
     x_ids = tuple(tensor_id(x) for x in xs)
     y_ids = tuple(tensor_id(y) for y in ys)

@@ -116,7 +116,7 @@ class _Prepared:
     grad_ys: list
     stop_gradients: list
     graph: tf.Graph
-    ex: Extraction | None
+    ex: Extraction
     strategy: str
     checkpoints: tuple[int, ...]
     reasons: dict

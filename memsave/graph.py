@@ -72,8 +72,7 @@ class TensorNode:
 class OpNode:
     """One op of the forward graph.
 
-    ``inputs`` and ``outputs`` are tensor ids; ``control_inputs`` are indices
-    of forward-graph ops this op waits for.
+    ``inputs`` and ``outputs`` are tensor ids.
     """
 
     index: int
@@ -81,9 +80,7 @@ class OpNode:
     type: str
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
-    control_inputs: tuple[int, ...]
     recomputable: bool
-    device: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

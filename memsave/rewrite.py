@@ -155,10 +155,12 @@ def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous) -
     gated = set(activations) if gate is not None else set()
     proxies = {b: _proxy(ex.tensors[b], gate if b in gated else None) for b in step.boundary}
 
+    # Recompute only once the heads' gradients (through the gate) and the
+    # previous step's gradients exist.
     if gate is not None:
         waits = [gate.op] + previous
     else:
-        waits = [g.op for g in head_grads if not isinstance(g, tf.IndexedSlices)]
+        waits = [g.op for g in head_grads if not isinstance(g, tf.IndexedSlices)] + previous
     copies: dict[int, tf.Tensor] = {}
     copied_ops: dict[int, tf.Operation] = {}
     graph = ex.ops[0].graph

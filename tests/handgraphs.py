@@ -71,7 +71,7 @@ class Builder:
             index=index, name=name, type=type,
             inputs=tuple(self.ids[t] for t in inputs),
             outputs=tuple(self.ids[t] for t in outs),
-            control_inputs=(), recomputable=recomputable,
+            recomputable=recomputable,
         ))
         return outs[0] if n_out == 1 else outs
 
