@@ -3,6 +3,9 @@
 ``memsave.gradients(ys, xs, checkpoints=...)`` is a drop-in for
 ``tf.gradients`` that keeps a few forward tensors and recomputes the rest
 during the backward pass, so activation memory grows like sqrt(depth).
+
+``memsave.keras`` (Keras 3 ``fit`` through memsave) is imported on first
+use (``memsave.keras`` or ``import memsave.keras``), not by ``import memsave``.
 """
 
 try:
@@ -33,6 +36,16 @@ from memsave.gradients import (
 from memsave.patch import Patch, patch, unpatch
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # memsave.keras imports Keras: load it only when asked for (PEP 562).
+    if name == "keras":
+        import importlib
+
+        return importlib.import_module("memsave.keras")
+    raise AttributeError(f"module 'memsave' has no attribute {name!r}")
+
 
 __all__ = [
     "gradients",

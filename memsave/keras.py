@@ -1,0 +1,509 @@
+"""Keras 3 ``fit`` with memsave's gradients: :func:`checkpointed` and :func:`restore`.
+
+Keras ``fit`` takes its gradients with ``tf.GradientTape``, which no patch
+of ``tf.gradients`` reaches. :func:`checkpointed` gives one model instance
+a train step of its own (an instance attribute; the class is untouched)
+that does what Keras' TensorFlow ``train_step`` does, with one difference:
+the gradients come from :func:`memsave.gradients`.
+
+Data flow::
+
+    checkpointed(model, checkpoints, ...)
+      -> validate: a Keras 3 model on the TensorFlow backend whose train_step
+         is Keras' own; a known strategy name, or layers of the model;
+         not compiled with run_eagerly=True
+      -> model.train_step = <checkpointed step>;  model.train_function = None
+    model.fit(...)
+      -> make_train_function: tf.function(strategy.run(train_step)), with
+         the model's jit_compile, per replica under tf.distribute
+      -> checkpointed step (traced once per input signature):
+           y_pred = model(x, training=True)     (listed layers' outputs recorded)
+           loss = model._compute_loss(...);  loss tracker updated
+           loss = optimizer.scale_loss(loss)    (loss scaling, mixed_float16)
+           grads = memsave.gradients(loss, model.trainable_weights, checkpoints=...)
+           optimizer.apply_gradients(zip(grads, weights))   (unscales, skips inf)
+           return model.compute_metrics(...)
+    restore(model)
+      -> delete the instance attribute;  model.train_function = None
+
+Everything else ``fit`` does (callbacks, metrics, validation,
+``steps_per_execution``, ``jit_compile``, distribution strategies, the
+optimizer's loss scaling) is Keras' own code, which calls the step.
+
+Every private Keras API this module uses is in the section "Private Keras
+API" at the end, checked against Keras 3.15; the step mirrors
+``keras/src/backend/tensorflow/trainer.py`` ``TensorFlowTrainer.train_step``
+line for line, with ``tape.gradient`` replaced.
+
+Examples
+--------
+>>> import memsave.keras  # doctest: +SKIP
+>>> model = memsave.keras.checkpointed(model, checkpoints="memory")  # doctest: +SKIP
+>>> model.compile(optimizer="adam", loss="mse")  # doctest: +SKIP
+>>> model.fit(x, y, epochs=3)  # doctest: +SKIP
+>>> memsave.keras.restore(model)  # plain fit again  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import threading
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Union
+
+import keras
+import tensorflow as tf
+
+from memsave import strategies
+from memsave.errors import CheckpointError, EagerExecutionError, MemsaveError
+from memsave.gradients import gradients as _memsave_gradients
+
+__all__ = ["checkpointed", "restore", "is_checkpointed", "KerasModelError"]
+
+logger = logging.getLogger(__name__)
+
+LayerRef = Union[str, "keras.layers.Layer"]
+
+
+class KerasModelError(MemsaveError, TypeError):
+    """memsave.keras cannot take over this object's train step."""
+
+
+# -- public API ------------------------------------------------------------
+
+
+def checkpointed(
+    model: keras.Model,
+    checkpoints: str | Sequence[LayerRef] = "memory",
+    *,
+    strategy_options: Mapping[str, Any] | None = None,
+    aggregation_method=None,
+    gate_gradients: bool = False,
+) -> keras.Model:
+    """Make ``model.fit`` compute the train step's gradients with memsave.
+
+    The model (Sequential, functional or subclassed) is not rebuilt or
+    copied: its instance gets a train step that is Keras' own with the
+    gradients taken by :func:`memsave.gradients` instead of
+    ``tf.GradientTape``. Compile before or after; call it again to change
+    the options; :func:`restore` undoes it.
+
+    Parameters
+    ----------
+    model : keras.Model
+        A Keras 3 model on the TensorFlow backend that uses Keras' own
+        ``train_step`` (overriding ``compute_loss`` or ``compute_metrics``
+        is fine).
+    checkpoints : str or sequence of keras.layers.Layer or str
+        A strategy name for :func:`memsave.gradients` (``'memory'``,
+        ``'speed'``, ``'collection'`` or one registered with
+        :func:`memsave.strategies.register`), or layers of the model (or
+        their names): the outputs of each call of those layers in the
+        forward pass are the checkpoints.
+    strategy_options : mapping, optional
+        Options of the named strategy, e.g. ``{"num_checkpoints": 8}``.
+    aggregation_method, gate_gradients
+        Passed to :func:`memsave.gradients` (as to ``tf.gradients``).
+
+    Returns
+    -------
+    keras.Model
+        ``model`` itself.
+
+    Raises
+    ------
+    KerasModelError
+        When ``model`` is not a Keras 3 model on the TensorFlow backend, or
+        its class overrides ``train_step`` (memsave would bypass that code;
+        call :func:`memsave.gradients` in your own train step instead).
+    UnknownStrategyError
+        When ``checkpoints`` names no registered strategy.
+    CheckpointError
+        When a listed layer is not in the model, or ``checkpoints`` is
+        neither a name nor layers.
+    EagerExecutionError
+        When the model is compiled with ``run_eagerly=True`` (here, or from
+        ``fit`` if it is compiled so later): memsave rewrites graphs.
+
+    Notes
+    -----
+    When fit traces the step, memsave rewrites the gradient graph of that
+    trace; each replica's trace under ``tf.distribute`` is rewritten
+    separately. Stateful ops (dropout's seed generator reads, batch
+    normalization's moving-statistics updates) are kept, never recomputed,
+    so the gradients equal plain fit's up to rounding (the order partial
+    gradients are summed in; with bfloat16, which ops Grappler fuses).
+
+    With ``'collection'``, tag tensors in the model's ``call`` while it is
+    traced: ``if not tf.executing_eagerly():
+    tf.compat.v1.add_to_collection('checkpoints', h)``.
+
+    The setting lives on the instance only: it is not saved with the model
+    (``model.save``, ``clone_model`` give plain models); call
+    :func:`checkpointed` again after loading.
+    """
+    _check_model(model)
+    config = _Config(
+        strategy=_check_checkpoints(checkpoints),
+        layers=_resolve_layers(model, checkpoints),
+        gradient_options=dict(
+            strategy_options=_check_strategy_options(strategy_options, checkpoints),
+            aggregation_method=aggregation_method,
+            gate_gradients=gate_gradients,
+        ),
+    )
+    if _private.compiled(model) and model.run_eagerly:
+        raise EagerExecutionError(_EAGER_MESSAGE.format(name=model.name))
+    step = functools.partial(_checkpointed_train_step, model, config)
+    step = tf.autograph.experimental.do_not_convert(step)
+    _private.set_train_step(model, _CheckpointedStep(step, config))
+    _private.drop_train_function(model)
+    logger.info("memsave.keras: model %r trains with memsave (checkpoints=%r)",
+                model.name, checkpoints)
+    return model
+
+
+def restore(model: keras.Model) -> keras.Model:
+    """Undo :func:`checkpointed`: ``model.fit`` takes its gradients with the tape again.
+
+    A no-op on a model that is not checkpointed. Returns ``model``.
+    """
+    if is_checkpointed(model):
+        _private.delete_train_step(model)
+        _private.drop_train_function(model)
+        logger.info("memsave.keras: model %r restored to Keras' train step", model.name)
+    return model
+
+
+def is_checkpointed(model) -> bool:
+    """Whether :func:`checkpointed` is in effect on ``model``."""
+    return isinstance(_private.instance_train_step(model), _CheckpointedStep)
+
+
+# -- the train step ----------------------------------------------------------
+
+_EAGER_MESSAGE = (
+    "memsave.keras: model {name!r} runs its train step eagerly (run_eagerly=True), but "
+    "memsave rewrites the traced graph of the step; compile with run_eagerly=False (the "
+    "default), or memsave.keras.restore(model) to train eagerly without memsave"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    strategy: str | None  # a strategy name, or None when layers are listed
+    layers: tuple  # keras.layers.Layer whose outputs are the checkpoints
+    gradient_options: dict
+
+
+class _CheckpointedStep:
+    """The instance's ``train_step``: a callable that knows it is memsave's."""
+
+    def __init__(self, step, config: _Config):
+        self._step = step
+        self.config = config
+        self.__name__ = "train_step"
+
+    def __call__(self, data):
+        return self._step(data)
+
+    def __repr__(self) -> str:
+        what = self.config.strategy or [layer.name for layer in self.config.layers]
+        return f"<memsave.keras checkpointed train_step, checkpoints={what!r}>"
+
+
+def _checkpointed_train_step(model: keras.Model, config: _Config, data):
+    """Keras' TensorFlowTrainer.train_step with memsave's gradients (see module doc)."""
+    if tf.executing_eagerly():
+        raise EagerExecutionError(_EAGER_MESSAGE.format(name=model.name))
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+
+    with _recording_outputs(config.layers) as outputs:
+        if _private.call_has_training_arg(model):
+            y_pred = model(x, training=True)
+        else:
+            y_pred = model(x)
+    loss = _private.compute_loss(model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+    _private.loss_tracker(model).update_state(
+        _private.unscale_loss_for_distribution(loss),
+        sample_weight=tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0],
+    )
+    if model.optimizer is not None:
+        loss = model.optimizer.scale_loss(loss)
+
+    if model.trainable_weights:
+        trainable_weights = model.trainable_weights
+        checkpoints = config.strategy if config.strategy is not None else _checkpoint_tensors(
+            config.layers, outputs
+        )
+        gradients = _memsave_gradients(
+            loss, trainable_weights, checkpoints=checkpoints, **config.gradient_options
+        )
+        model.optimizer.apply_gradients(zip(gradients, trainable_weights))
+    else:
+        # Keras' own step warns with warnings.warn; so does this one, for the same filters.
+        warnings.warn("The model does not have any trainable weights.")
+
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+@contextlib.contextmanager
+def _recording_outputs(layers: Sequence) -> Iterator[dict]:
+    """Record the outputs of every call of ``layers`` made by this thread in the block.
+
+    Yields ``{id(layer): [output, ...]}``. While any block is open, each
+    listed layer's ``call`` is wrapped (see ``_private.wrap_call``); the
+    wrapper appends to the recording of the thread calling it, so replicas
+    of a MirroredStrategy (one thread each, which may interleave at
+    cross-replica ops) each see their own outputs only.
+    """
+    recorded: dict = {id(layer): [] for layer in layers}
+    previous = getattr(_recording, "current", None)
+    _recording.current = recorded
+    entered = []
+    try:
+        for layer in layers:
+            _wrap(layer)
+            entered.append(layer)
+        yield recorded
+    finally:
+        for layer in reversed(entered):
+            _unwrap(layer)
+        _recording.current = previous
+
+
+_recording = threading.local()
+_wrapped_lock = threading.Lock()
+_wrapped: dict = {}  # id(layer) -> [open blocks, what wrap_call returned]
+
+
+def _wrap(layer) -> None:
+    with _wrapped_lock:
+        entry = _wrapped.get(id(layer))
+        if entry is None:
+            key = id(layer)
+
+            def record(out):
+                current = getattr(_recording, "current", None)
+                if current is not None and key in current:
+                    current[key].append(out)
+
+            entry = _wrapped[key] = [0, _private.wrap_call(layer, record)]
+        entry[0] += 1
+
+
+def _unwrap(layer) -> None:
+    with _wrapped_lock:
+        entry = _wrapped[id(layer)]
+        entry[0] -= 1
+        if entry[0] == 0:
+            _private.unwrap_call(layer, entry[1])
+            del _wrapped[id(layer)]
+
+
+def _checkpoint_tensors(layers: Sequence, recorded: dict) -> list:
+    out = []
+    for layer in layers:
+        calls = recorded[id(layer)]
+        if not calls:
+            raise CheckpointError(
+                f"memsave.keras: checkpoint layer {layer.name!r} was not called in the forward "
+                "pass of the train step; list layers the model calls when training"
+            )
+        for value in calls:
+            out.extend(
+                t for t in tf.nest.flatten(value)
+                if isinstance(t, tf.Tensor) and t.dtype.is_floating
+            )
+    return out
+
+
+# -- validation --------------------------------------------------------------
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, keras.Model):
+        raise KerasModelError(
+            f"memsave.keras.checkpointed: expected a keras.Model (Keras 3), got {model!r} "
+            f"({type(model).__module__}.{type(model).__qualname__}); for tf_keras or custom "
+            "training loops call memsave.gradients(loss, variables) inside the tf.function"
+        )
+    if keras.backend.backend() != "tensorflow":
+        raise KerasModelError(
+            f"memsave.keras.checkpointed: Keras runs on the {keras.backend.backend()!r} "
+            "backend; memsave rewrites TensorFlow graphs: set KERAS_BACKEND=tensorflow"
+        )
+    instance_step = _private.instance_train_step(model)
+    if instance_step is not _MISSING and not isinstance(instance_step, _CheckpointedStep):
+        raise KerasModelError(
+            f"memsave.keras.checkpointed: model {model.name!r} has a train_step set on the "
+            "instance, which memsave would replace; remove it, or call memsave.gradients "
+            "in it instead of tape.gradient"
+        )
+    if _private.class_train_step(model) is not _private.stock_train_step():
+        raise KerasModelError(
+            f"memsave.keras.checkpointed: {type(model).__qualname__} overrides train_step, "
+            "which memsave would bypass; in your train_step compute the gradients with "
+            "memsave.gradients(loss, self.trainable_weights, checkpoints='memory') instead "
+            "of tape.gradient (fit traces it, so memsave can rewrite it)"
+        )
+
+
+def _check_checkpoints(checkpoints) -> str | None:
+    """The strategy name, or None for a list of layers; raise on anything else."""
+    if isinstance(checkpoints, str):
+        strategies.get(checkpoints)  # UnknownStrategyError now, not deep in fit
+        return checkpoints
+    if isinstance(checkpoints, Sequence) and checkpoints and all(
+        isinstance(c, (str, keras.layers.Layer)) for c in checkpoints
+    ):
+        return None
+    raise CheckpointError(
+        f"memsave.keras.checkpointed: checkpoints={checkpoints!r}; pass a strategy name "
+        f"({', '.join(strategies.available())}) or a non-empty list of the model's layers "
+        "(or layer names) whose outputs to keep. Tensors do not exist before fit traces "
+        "the step: tag them with tf.compat.v1.add_to_collection('checkpoints', t) in the "
+        "model's call and use checkpoints='collection'"
+    )
+
+
+def _check_strategy_options(options, checkpoints) -> dict | None:
+    if options is None:
+        return None
+    if not isinstance(checkpoints, str):
+        raise TypeError(
+            "memsave.keras.checkpointed: strategy_options apply to a strategy name only, "
+            f"not to checkpoints={checkpoints!r}"
+        )
+    if not isinstance(options, Mapping):
+        raise TypeError(
+            f"memsave.keras.checkpointed: strategy_options={options!r}; pass a mapping "
+            "such as {'num_checkpoints': 8}"
+        )
+    return dict(options)
+
+
+def _resolve_layers(model: keras.Model, checkpoints) -> tuple:
+    if isinstance(checkpoints, str):
+        return ()
+    by_name: dict = {}
+    every = []
+    stack = list(reversed(getattr(model, "layers", [])))
+    while stack:
+        layer = stack.pop()
+        every.append(layer)
+        by_name.setdefault(layer.name, layer)
+        stack.extend(reversed(getattr(layer, "layers", [])))
+    known = {id(layer) for layer in every}
+    out = []
+    for c in checkpoints:
+        layer = by_name.get(c) if isinstance(c, str) else (c if id(c) in known else None)
+        if layer is None:
+            raise CheckpointError(
+                f"memsave.keras.checkpointed: checkpoint layer {c!r} is not a layer of model "
+                f"{model.name!r}; its layers are {sorted(by_name)}"
+            )
+        if id(layer) not in {id(o) for o in out}:
+            out.append(layer)
+    return tuple(out)
+
+
+# -- Private Keras API (all of it, in one place) -------------------------------
+#
+# Checked against Keras 3.15 (keras/src/backend/tensorflow/trainer.py,
+# keras/src/trainers/trainer.py, keras/src/losses/loss.py).
+
+_MISSING = object()
+
+
+class _private:
+    """Every use of Keras internals by this module."""
+
+    @staticmethod
+    def wrap_call(layer, record):
+        """Make ``layer`` pass each output of its ``call`` to ``record``; returns the undo token.
+
+        Keras' ``Operation.__call__`` looks ``self.call`` up on every call
+        (keras/src/ops/operation.py), so an instance attribute wraps it
+        without touching the class.
+        """
+        previous = vars(layer).get("call", _MISSING)
+        call = layer.call
+
+        @functools.wraps(call)
+        def recording_call(*args, **kwargs):
+            out = call(*args, **kwargs)
+            record(out)
+            return out
+
+        object.__setattr__(layer, "call", recording_call)
+        return previous
+
+    @staticmethod
+    def unwrap_call(layer, previous) -> None:
+        if previous is _MISSING:
+            object.__delattr__(layer, "call")
+        else:
+            object.__setattr__(layer, "call", previous)
+
+    @staticmethod
+    def stock_train_step():
+        """Keras' TensorFlow ``train_step``, the one :func:`checkpointed` replaces."""
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+        return TensorFlowTrainer.train_step
+
+    @staticmethod
+    def class_train_step(model):
+        return type(model).train_step
+
+    @staticmethod
+    def instance_train_step(model):
+        try:
+            return vars(model).get("train_step", _MISSING)
+        except TypeError:
+            return _MISSING
+
+    @staticmethod
+    def set_train_step(model, step) -> None:
+        # object.__setattr__: Layer.__setattr__ would offer the callable to
+        # Keras' tracker (variables, layers, metrics); it is none of those.
+        object.__setattr__(model, "train_step", step)
+
+    @staticmethod
+    def delete_train_step(model) -> None:
+        object.__delattr__(model, "train_step")
+
+    @staticmethod
+    def drop_train_function(model) -> None:
+        # fit calls make_train_function(), which reuses model.train_function
+        # when it is set; compile() resets it the same way.
+        model.train_function = None
+
+    @staticmethod
+    def compiled(model) -> bool:
+        return bool(getattr(model, "compiled", False))
+
+    @staticmethod
+    def call_has_training_arg(model) -> bool:
+        return model._call_has_training_arg  # pylint: disable=protected-access
+
+    @staticmethod
+    def compute_loss(model, **kwargs):
+        # _compute_loss passes training=True only to compute_loss overrides
+        # that accept it (the argument is new in Keras 3.3).
+        return model._compute_loss(training=True, **kwargs)  # pylint: disable=protected-access
+
+    @staticmethod
+    def loss_tracker(model):
+        return model._loss_tracker  # pylint: disable=protected-access
+
+    @staticmethod
+    def unscale_loss_for_distribution(loss):
+        from keras.src.losses.loss import unscale_loss_for_distribution
+
+        return unscale_loss_for_distribution(loss)
