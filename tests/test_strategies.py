@@ -230,6 +230,31 @@ def test_memory_on_residual_and_unet_picks_only_cut_points():
         assert chosen and chosen <= set(articulation_candidates(fg))
 
 
+def test_memory_keeps_nothing_when_the_best_plan_saves_too_little():
+    # Long skips from the stem to the last op bypass 18 of 23 tensors:
+    # keeping the stem cuts the estimated peak from 11.5 to 10.5 MiB (9%).
+    b = Builder()
+    x = b.source("x")
+    h = x
+    for i in range(3):
+        h = b.op(f"pre{i}", "Relu", [h])
+    stem = b.op("stem", "Conv2D", [h])
+    p = q = stem
+    for i in range(9):
+        p = b.op(f"p{i}", "Tanh", [p])
+        q = b.op(f"q{i}", "Relu", [q])
+    y = b.op("join", "AddV2", [p, q, stem])
+    fg = b.build(["x"], [y])
+    assert b.ids["stem:0"] in articulation_candidates(fg)
+    sel = strategies.memory(fg)
+    assert sel.checkpoints == ()
+    assert "only 9%" in sel.note and "min_saving_fraction" in sel.note
+    assert strategies.memory(fg, min_saving_fraction=0.0).checkpoints == (b.ids["stem:0"],)
+    assert strategies.memory(fg, num_checkpoints=1).checkpoints == (b.ids["stem:0"],)
+    with pytest.raises(ValueError, match="min_saving_fraction"):
+        strategies.memory(fg, min_saving_fraction=1.0)
+
+
 def test_memory_without_articulation_points_returns_nothing_and_says_why():
     # Two parallel branches from one op, joined at the y: every op is bypassed.
     b = Builder()
