@@ -25,7 +25,7 @@ checkpointing method, so that raised memsave's peak, on a 20-layer chain of
 1 MiB activations, from about 0.55 to 0.65 of tf.gradients'.) ``grad diff`` compares those sums with tf.gradients' (relative,
 largest over layers): it shows that each method computed the same gradients.
 Step times are not reported: measured in separate processes on a shared
-machine they move up to 2x; experiments/resnet_cifar.py measures them
+machine they move up to 2x; experiments/study.py measures them
 round-robin in one process.
 
 Build time. In a tf.compat.v1 Graph, a chain of N layers on [8, 16]
