@@ -253,6 +253,12 @@ SEGMENT_LIVE_FRACTION = 0.5
 #: step time. Override with ``min_saving_fraction=`` (0 keeps any plan).
 MIN_SAVING_FRACTION = 0.1
 
+#: What to do when ``'memory'`` finds nothing worth keeping.
+_CHOOSE_YOURSELF = (
+    "pass checkpoints as a list of tensors, tag them with "
+    "tf.compat.v1.add_to_collection('checkpoints', t), or use checkpoints='speed'"
+)
+
 #: Bisection steps on the byte budget: 2**-30 of the total is far below one tensor.
 _BUDGET_BISECTIONS = 30
 
@@ -347,9 +353,7 @@ def memory(
     if not cands:
         return Selection((), {}, (
             "the forward graph has no articulation point (every tensor is bypassed by "
-            "another path, e.g. long skip connections); pass checkpoints as a list of "
-            "tensors, tag them with tf.compat.v1.add_to_collection('checkpoints', t), "
-            "or use checkpoints='speed'"
+            "another path, e.g. long skip connections); " + _CHOOSE_YOURSELF
         ))
     if not 0.0 <= min_saving_fraction < 1.0:
         raise ValueError(
@@ -385,9 +389,7 @@ def memory(
                 f"the best plan keeping articulation points would cut the estimated activation "
                 f"peak by only {1.0 - hi / baseline:.0%} (less than min_saving_fraction="
                 f"{min_saving_fraction:g}): long skip connections bypass most of the graph, so "
-                "recomputing it would cost a forward pass for next to nothing; pass checkpoints "
-                "as a list of tensors, tag them with tf.compat.v1.add_to_collection("
-                "'checkpoints', t), or use checkpoints='speed'"
+                "recomputing it would cost a forward pass for next to nothing; " + _CHOOSE_YOURSELF
             ))
     chosen = [cands[i] for i in idx]
     return _selection(fg, chosen, lambda t: "articulation point")
