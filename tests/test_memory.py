@@ -230,10 +230,11 @@ CONV_LAYERS, CONV_CHANNELS, CONV_SIZE, CONV_BATCH = 12, 256, 8, 16
 #: peak is the bytes asked for. See experiments/xla_cnn.py.
 PRESPLIT_B = 1 << 30
 
-# Measured at this commit, 3 fresh processes (peak above the resident
-# variables and batch, MiB): tf.gradients 50.75, 'memory' 23.0 (0.45);
-# 'memory' with only the activations gated (the rewrite before it gated the
-# variable reads under XLA) 33.75 (0.66).
+# Measured at commit 91a07be, 2 fresh processes each (median-of-5 peaks
+# above the resident variables and batch, MiB): tf.gradients 50.75 both,
+# 'memory' 24.25 both (0.48); 'memory' with only the activations gated (the
+# rewrite before 6843059, reproduced by making _tf_private.in_xla_context
+# return False) 33.75 (0.665).
 
 #: 'memory' above-resident peak at most this fraction of tf.gradients'.
 XLA_CONV_MAX_RATIO = 0.55
