@@ -43,6 +43,7 @@ Measured (TF 2.21 CPU, oneDNN on, 64x64, batch 32, pre-split, commit
     | XLA   | method | peak                  | above resident | peak ratio | above ratio |
     | xla   | plain  | 431.6 (431.6, 431.6)  | 340.3          | 1.00       | 1.00        |
     | xla   | memory | 305.9 (306.9, 304.9)  | 215.6          | 0.71       | 0.63        |
+    | xla   | memory at bf35940 (before) | 364.6 (1 process) | 273.3 | 0.84 | 0.80 |
     | noxla | plain  | 367.0 (366.6, 367.3)  | 267.5          | 1.00       | 1.00        |
     | noxla | memory | 216.9 (220.0, 213.8)  | 121.7          | 0.59       | 0.45        |
     | xla   | blocks | 258.2 (1 process)     | 166.9          | 0.60       | 0.49        |
