@@ -70,15 +70,18 @@ IMAGE_SIZE, BATCH = 32, 4
 SEQ, D_MODEL, HEADS, FFN, BLOCKS = 16, 32, 4, 64, 2
 
 # Tape and memsave in one graph compute the forward once and the backward
-# from the same values; measured max|ours - tape| / max|tape| per variable
-# (the floor below for gradients that are zero but for rounding): 0.0 for
-# every custom-loop case here with and without XLA (the recomputed kernels
-# are the originals' and the CPU kernels are deterministic), and up to
-# 3e-6 for fit against plain fit (two separately optimized graphs). 1e-4
-# leaves room for other kernels (GPU, other fusions) through ~50-200
-# layers of float32, and is ~1e4 times below what a wrong mask or a missing
-# gradient part gives (of order 1).
-GRADIENT_RTOL = 1e-4
+# from the same values: on MobileNetV2 (64x64, batch 4) tape, tf.gradients
+# and memsave 'memory' in one tf.function gave bit-identical gradients (the
+# recomputed kernels are the originals'). Separately optimized graphs and
+# XLA differ more, because batch norm over a few positions amplifies
+# rounding: experiments/applications.py measured, at 64x64 batch 4, plain
+# tf.gradients vs the tape under XLA at 3.6e-4 on ResNet50 and memsave vs
+# the tape at up to 4.1e-4 (ResNet50 'speed'). Here, at 32x32 batch 4, in
+# one graph: EfficientNetB0 'memory' differed by 1.10e-4 (block1a_project_bn
+# beta: Grappler/oneDNN fuse a copy differently from its original), the other
+# 12 cases run passed at 1e-4. 1e-3 covers these measured 1e-4..4e-4
+# rounding differences; a wrong mask or a missing gradient part is of order 1.
+GRADIENT_RTOL = 1e-3
 #: Gradients whose largest entry is below this fraction of the largest entry
 #: of all gradients (a batch norm's beta followed by another batch norm:
 #: zero but for rounding) are judged against that floor, not themselves.
