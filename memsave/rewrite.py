@@ -24,6 +24,36 @@ Data flow, for each step of the schedule in order:
 Finally each x's gradient is the sum of what it received: dense gradients
 with ``add_n``, IndexedSlices concatenated (kept sparse), a mix densified, as
 tf.gradients aggregates them.
+
+No shared inputs across steps
+-----------------------------
+A recompute step reads the gradients it receives through proxies of its own
+(``g + gate``, like the gated checkpoints), never the tensors themselves.
+Reason: TensorFlow's graph passes may merge two ops that read one tensor.
+oneDNN's ``MklLayoutRewritePass`` (on by default on CPU, run after Grappler,
+so no Grappler option turns it off) merges a ``BiasAddGrad`` and a
+``Conv2DBackpropFilter`` that read the same gradient into one node, without
+checking whether a path joins them. On conv -> bias_add, step k's
+``BiasAddGrad`` and step k+1's ``Conv2DBackpropFilter`` both read the
+gradient step k sends to the conv output (Grappler removes the Identity
+that tf.gradients puts on grad_ys), and step k+1's copies wait for step k's
+gradients: the merged node waited for itself ("N nodes in a cycle"; in a
+Session "Retval[i] does not have value"). A merge of two ops closes a loop
+only if a path joins them. Every path memsave adds starts at what a step
+receives or at the previous step's gradient ops, and ends at the step's gate,
+proxies and copies. With the gradient proxies, a gradient is read by the
+step that computed it and otherwise only by ops that wait for nothing
+memsave adds (the receiving step's gate and proxies, a backprop step, a
+sum): no memsave edge leads from one reader of a gradient to another, so no
+merge of two readers, by any pass, can close a loop through memsave's edges.
+What two steps' ops still both read are tensors of the forward pass (inputs,
+constants, kept tensors behind their per-step proxies); their readers in the
+forward pass and in tf.gradients' own backward graph are joined by paths as
+well, so a pass that merged those would break tf.gradients too. Merges of a
+producer with its consumer (Conv2D + BiasAdd + Add) need the producer's
+output to have no other reader; a kept tensor and a received gradient always
+have one (the forward pass, the gate). Under XLA the proxy is ``g + 0`` on a
+value XLA cannot predict: it stays, one elementwise add per step.
 """
 
 from __future__ import annotations
@@ -180,6 +210,11 @@ def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, *
         )
     gated = set(activations) if gate is not None else set()
     proxies = {b: _proxy(ex.tensors[b], gate if b in gated else None) for b in step.boundary}
+    if gate is not None:
+        # The step reads what it receives through proxies of its own, never a
+        # tensor an earlier step's ops also read (see "No shared inputs
+        # across steps" in the module docstring).
+        head_grads = [_proxy(g, gate) if _gateable(g.dtype) else g for g in head_grads]
 
     # Recompute only once the heads' gradients (through the gate) and the
     # previous step's gradients exist.
