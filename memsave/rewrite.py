@@ -14,7 +14,9 @@ Data flow, for each step of the schedule in order:
    topological order, reading proxies instead of kept tensors, on the
    devices of the originals and under a control dependency on the gate, so
    the segment is recomputed only once backprop reaches it. Call the stock
-   tf.gradients on the copies of the heads with respect to the proxies.
+   tf.gradients on the copies of the heads with respect to the proxies,
+   with the heads' gradients read through proxies ``g + gate`` too (see
+   "No shared inputs across steps" below).
    Fresh proxies per step keep each call's forward walk inside its own
    segment, so building the whole graph stays linear in its size.
 3. ``backprop`` steps (ops that must not be copied, such as variable reads):
