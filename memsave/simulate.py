@@ -5,7 +5,7 @@ Data flow: ``simulate(fg, schedule, costs)`` turns the forward graph and a
 into a straight-line *program* of buffer reads and writes, then replays it
 once with reference counts, as the executor frees a tensor when its last
 reader has run. It returns a :class:`MemoryTrace`: the allocator peak, the
-bytes resident before the step, and the timeline of bytes alive after each
+bytes resident before the step, and the timeline of bytes alive during each
 event. Every strategy, the Plan, the no-saving warning and the budget
 solvers read this one function; nothing here touches TensorFlow.
 
@@ -111,8 +111,11 @@ class MemoryTrace:
     resident_B : int
         Bytes alive before the step starts (variables, inputs).
     timeline : tuple of (int, str)
-        Bytes alive after each event, in execution order (empty when
+        Bytes alive while each event runs (its outputs allocated, its
+        inputs not yet freed), in execution order (empty when
         ``simulate(..., timeline=False)``).
+    end_B : int
+        Bytes alive after the step: resident bytes and the xs' gradients.
     peak_event : str
         The event at which the peak is reached.
     backward_start : int
@@ -124,6 +127,7 @@ class MemoryTrace:
     timeline: tuple[tuple[int, str], ...]
     peak_event: str
     backward_start: int = 0
+    end_B: int = 0
 
 
 class _Program:
@@ -408,19 +412,20 @@ def simulate(
                 alive += counted(p.size[v])
         if alive > peak:
             peak, peak_k = alive, k
+        if timeline:
+            events.append((alive, _label(fg, p.labels[k])))
         for v in dying[k]:
             r = root[v]
             refs[r] -= 1
             if refs[r] == 0:
                 alive -= counted(p.size[r])
-        if timeline:
-            events.append((alive, _label(fg, p.labels[k])))
     return MemoryTrace(
         peak_B=peak,
         resident_B=resident_counted,
         timeline=tuple(events),
         peak_event=_label(fg, p.labels[peak_k]) if peak_k >= 0 else "start",
         backward_start=backward_start,
+        end_B=alive,
     )
 
 
