@@ -237,22 +237,36 @@ def add_control_inputs(op: tf.Operation, control_ops: Sequence[tf.Operation]) ->
 
 # -- cost model inputs -------------------------------------------------------
 
-def op_flops(op: tf.Operation) -> int | None:
+def op_flops(op: tf.Operation, node_def=None) -> int | None:
     """FLOPs of ``op`` from TensorFlow's registered op statistics, or None.
 
     ``ops.get_stats_for_node_def(graph, node_def, "flops")`` (private: the
     statistics registry of ``tensorflow.python.framework.ops``) has entries
     for MatMul, Conv2D, DepthwiseConv2dNative, elementwise arithmetic and a
-    few more; it needs static shapes and returns None otherwise.
+    few more; it needs static shapes and returns None otherwise. Cached like
+    :func:`learn_gradient_use`.
     """
     from tensorflow.python.framework import ops as _ops
 
+    node_def = op.node_def if node_def is None else node_def
     try:
-        stats = _ops.get_stats_for_node_def(op.graph, op.node_def, "flops")
+        key = ("flops",) + _gradient_cache_key(op, node_def)
+        if key in _flops_cache:
+            return _flops_cache[key]
+    except Exception:  # noqa: BLE001 - unhashable attrs: do not cache
+        key = None
+    try:
+        stats = _ops.get_stats_for_node_def(op.graph, node_def, "flops")
+        value = getattr(stats, "value", None)
+        value = int(value) if value is not None else None
     except Exception:  # noqa: BLE001 - a statistics function failing means "unknown"
-        return None
-    value = getattr(stats, "value", None)
-    return int(value) if value is not None else None
+        value = None
+    if key is not None:
+        _flops_cache[key] = value
+    return value
+
+
+_flops_cache: dict = {}
 
 
 def resource_value_shape_dtype(t: tf.Tensor):
@@ -292,19 +306,19 @@ _PASS_THROUGH_TYPES = frozenset(
 _gradient_use_cache: dict = {}
 
 
-def _gradient_cache_key(op: tf.Operation):
+def _gradient_cache_key(op: tf.Operation, node_def):
     attrs = []
-    for k in sorted(op.node_def.attr):
+    for k in sorted(node_def.attr):
         if k.startswith("_"):
             continue
-        attrs.append((k, op.node_def.attr[k].SerializeToString(deterministic=True)))
+        attrs.append((k, node_def.attr[k].SerializeToString(deterministic=True)))
     shapes = tuple(
         None if t.shape.rank is None else tuple(t.shape.as_list()) for t in op.inputs
     )
     return (op.type, tuple(attrs), tuple(t.dtype for t in op.inputs), shapes)
 
 
-def learn_gradient_use(op: tf.Operation):
+def learn_gradient_use(op: tf.Operation, node_def=None):
     """Which inputs/outputs of ``op`` its registered gradient reads.
 
     Builds ``op``'s type once in a scratch graph (placeholders of the op's
@@ -327,32 +341,30 @@ def learn_gradient_use(op: tf.Operation):
     """
     if op.type in _CALL_TYPES or op._gradient_function is not None:  # pylint: disable=protected-access
         return None
-    try:
-        if op.get_attr("_gradient_op_type"):
-            return None
-    except ValueError:
-        pass
+    node_def = op.node_def if node_def is None else node_def
+    if "_gradient_op_type" in node_def.attr:
+        return None  # tf.custom_gradient: its gradient needs its own graph
     if any(t.dtype._is_ref_dtype for t in op.inputs):  # pylint: disable=protected-access
         return None
-    for attr in op.node_def.attr.values():
+    for attr in node_def.attr.values():
         if attr.HasField("func") or (attr.HasField("list") and attr.list.func):
             return None
     try:
-        key = _gradient_cache_key(op)
+        key = _gradient_cache_key(op, node_def)
         hash(key)
     except Exception:  # noqa: BLE001
         return None
     if key in _gradient_use_cache:
         return _gradient_use_cache[key]
     try:
-        result = _learn_gradient_use(op)
+        result = _learn_gradient_use(op, node_def)
     except Exception:  # noqa: BLE001 - any failure means "could not learn"
         result = None
     _gradient_use_cache[key] = result
     return result
 
 
-def _learn_gradient_use(op: tf.Operation):
+def _learn_gradient_use(op: tf.Operation, node_def):
     from tensorflow.python.framework import ops as _ops
 
     g = tf.Graph()
@@ -362,7 +374,7 @@ def _learn_gradient_use(op: tf.Operation):
             inputs.append(tf.compat.v1.placeholder(t.dtype, t.shape))
         new = g._create_op_internal(  # pylint: disable=protected-access
             op.type, inputs, dtypes=[t.dtype for t in op.outputs],
-            attrs={k: v for k, v in op.node_def.attr.items() if not k.startswith("_")},
+            attrs={k: v for k, v in node_def.attr.items() if not k.startswith("_")},
             op_def=op.op_def, compute_device=False,
         )
         grad_fn = _ops.get_gradient_function(new)

@@ -74,8 +74,8 @@ def _held_bytes(t: tf.Tensor) -> int | None:
     return n * _itemsize(found[1])
 
 
-def _gradient_use(op: tf.Operation) -> GradientUse | None:
-    learned = _tf_private.learn_gradient_use(op)
+def _gradient_use(op: tf.Operation, node_def) -> GradientUse | None:
+    learned = _tf_private.learn_gradient_use(op, node_def)
     if learned is None:
         return None
     return GradientUse(
@@ -154,12 +154,13 @@ def extract(
 
     op_nodes = []
     for i, op in enumerate(ops):
+        node_def = op.node_def  # parsed once: both cost readers need it
         inputs = tuple(tensor_id(t) for t in op.inputs)
         outputs = tuple(tensor_id(t) for t in op.outputs)
         op_nodes.append(OpNode(
             index=i, name=op.name, type=op.type, inputs=inputs, outputs=outputs,
             recomputable=_tf_private.is_recomputable(op),
-            flops=_tf_private.op_flops(op), gradient=_gradient_use(op),
+            flops=_tf_private.op_flops(op, node_def), gradient=_gradient_use(op, node_def),
         ))
     x_ids = tuple(tensor_id(x) for x in xs)
     y_ids = tuple(tensor_id(y) for y in ys)

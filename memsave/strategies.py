@@ -28,7 +28,7 @@ from memsave.costs import Costs, estimate_costs, is_activation
 from memsave.errors import UnknownStrategyError
 from memsave.graph import ForwardGraph
 from memsave.schedule import build_schedule
-from memsave.simulate import simulate
+from memsave.simulate import MemoryTrace, simulate
 
 __all__ = [
     "Selection",
@@ -92,6 +92,8 @@ def judge(
     *,
     min_saving_fraction: float,
     who: str,
+    baseline: MemoryTrace | None = None,
+    predicted_B: int | None = None,
 ) -> Selection:
     """``selection``, or an empty one when it saves too little.
 
@@ -100,7 +102,8 @@ def judge(
     variables and inputs, which no plan can free). Under
     ``min_saving_fraction`` the plan would pay recomputation for a saving
     within the forecast's error: nothing is kept, and the note gives the
-    figures.
+    figures. ``baseline`` (the plain trace) and ``predicted_B`` (the plan's
+    peak) skip simulations the caller has already run.
     """
     if not 0.0 <= min_saving_fraction < 1.0:
         raise ValueError(
@@ -108,15 +111,17 @@ def judge(
         )
     if not selection.checkpoints:
         return selection
-    base = simulate(fg, None, costs, timeline=False)
-    ours = simulate(fg, build_schedule(fg, selection.checkpoints), costs, timeline=False)
+    base = baseline if baseline is not None else simulate(fg, None, costs, timeline=False)
+    if predicted_B is None:
+        predicted_B = simulate(
+            fg, build_schedule(fg, selection.checkpoints), costs, timeline=False).peak_B
     working = max(base.peak_B - base.resident_B, 1)
-    saving = (base.peak_B - ours.peak_B) / working
+    saving = (base.peak_B - predicted_B) / working
     if saving >= min_saving_fraction:
         return selection
     return Selection((), {}, (
         f"{who}'s plan ({len(selection.checkpoints)} checkpoints) would take the predicted "
-        f"peak from {base.peak_B:,} to {ours.peak_B:,} bytes, a saving of {saving:.1%} of "
+        f"peak from {base.peak_B:,} to {predicted_B:,} bytes, a saving of {saving:.1%} of "
         f"the {working:,} bytes of working memory (less than min_saving_fraction="
         f"{min_saving_fraction:g}), so recomputing would cost time for next to nothing; "
         + _CHOOSE_YOURSELF
@@ -477,4 +482,5 @@ def memory(
         return Selection((), {}, (
             "no plan keeping articulation points was found; " + _CHOOSE_YOURSELF
         ))
-    return judge(fg, sel, costs, min_saving_fraction=min_saving_fraction, who="'memory'")
+    return judge(fg, sel, costs, min_saving_fraction=min_saving_fraction, who="'memory'",
+                 predicted_B=best_peak)
