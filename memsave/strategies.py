@@ -109,8 +109,8 @@ def judge(
         raise ValueError(
             f"memsave: min_saving_fraction must be in [0, 1), got {min_saving_fraction}"
         )
-    if not selection.checkpoints:
-        return selection
+    if not selection.checkpoints or min_saving_fraction == 0.0:
+        return selection  # 0 keeps any plan
     base = baseline if baseline is not None else simulate(fg, None, costs, timeline=False)
     if predicted_B is None:
         predicted_B = simulate(
