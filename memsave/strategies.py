@@ -129,10 +129,12 @@ def judge(
         return selection
     return Selection((), {}, (
         f"{who}'s plan ({len(selection.checkpoints)} checkpoints) would take the predicted "
-        f"peak from {base.peak_B:,} to {predicted_B:,} bytes, a saving of {saving:.1%} of "
-        f"the {working:,} bytes of working memory (less than min_saving_fraction="
-        f"{min_saving_fraction:g}), so recomputing would cost time for next to nothing; "
-        + _CHOOSE_YOURSELF
+        f"peak (every buffer counted) from {base.peak_B:,} to {predicted_B:,} bytes, a saving "
+        f"of {saving:.1%} of the {working:,} bytes of working memory (less than "
+        f"min_saving_fraction={min_saving_fraction:g}), so recomputing would cost time for "
+        "next to nothing; "
+        + (_CHOOSE_YOURSELF if who != "'speed'"
+           else _CHOOSE_YOURSELF.replace("checkpoints='speed'", "checkpoints='memory'"))
     ))
 
 

@@ -254,7 +254,7 @@ def test_memory_keeps_nothing_when_the_best_plan_saves_too_little():
     assert b.ids["stem:0"] in articulation_candidates(fg)
     sel = strategies.memory(fg, min_saving_fraction=0.2)
     assert sel.checkpoints == ()
-    assert "25,165,824 to 22,020,096 bytes, a saving of 13.6%" in sel.note
+    assert "from 25,165,824 to 22,020,096 bytes, a saving of 13.6%" in sel.note
     assert "min_saving_fraction=0.2" in sel.note
     assert strategies.memory(fg).checkpoints == (b.ids["stem:0"],)
     assert strategies.memory(fg, min_saving_fraction=0.0).checkpoints == (b.ids["stem:0"],)
@@ -458,3 +458,21 @@ def test_the_schedule_keeps_what_a_scalar_bypass_needs():
     assert "op0:0" in names(fg, sched.kept)
     copied = [o for s in sched.steps if s.kind == "recompute" for o in s.ops]
     assert len(copied) == len(set(copied))
+
+
+def test_speed_drops_a_plan_that_saves_too_little_and_says_so():
+    # One 256-byte MatMul output between two long tanh runs (an LSTM's
+    # projection, say): keeping it saves nothing worth recomputing for.
+    b = Builder()
+    h = b.source("x")
+    for i in range(6):
+        h = b.op(f"a{i}", "Tanh", [h])
+    h = b.op("proj", "MatMul", [h], size_B=256)
+    for i in range(6):
+        h = b.op(f"b{i}", "Tanh", [h])
+    fg = b.build(["x"], [h])
+    sel = strategies.speed(fg)
+    assert sel.checkpoints == ()
+    assert "'speed''s plan (1 checkpoints)" in sel.note and "min_saving_fraction" in sel.note
+    assert "checkpoints='memory'" in sel.note
+    assert names(fg, strategies.speed(fg, min_saving_fraction=0.0).checkpoints) == ["proj:0"]
