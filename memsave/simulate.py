@@ -22,7 +22,8 @@ The program
 3. Backward, one stage per step of the schedule (plain backprop is one
    ``backprop`` stage over every op): a ``recompute`` step makes fresh
    proxies of its boundary (``t + gate``, a new buffer unless the original
-   dies there; identities otherwise), re-runs its ops on them, then
+   dies there; identities otherwise), re-runs those of its ops whose values
+   a gradient reads (TensorFlow prunes the rest), then
    differentiates them in reverse order. Each op's gradient sums the
    gradients its outputs received (AddN, in place), reads what it saves
    and writes one gradient per differentiable input (the incoming buffer
@@ -349,7 +350,7 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs) -> tuple[_
                     local[t] = v
 
             b.bind = bind_local
-            for i in step.ops:
+            for i in _needed_copies(fg, costs, step.ops):
                 b.run_op(i, vmap, "recompute")
             b.backward(step.ops, vmap, heads, boundary, "recompute")
     # The xs' gradients are the step's outputs.
@@ -358,6 +359,25 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs) -> tuple[_
         if g is not None:
             p.pinned.append(g)
     return p, b.resident_B, backward_start
+
+
+def _needed_copies(fg: ForwardGraph, costs: Costs, ops: Sequence[int]) -> list[int]:
+    """The ops of a recompute step whose copies run: those a gradient reads
+    (through other copies). The rest, e.g. the copy of the loss itself, feed
+    nothing that is fetched, and TensorFlow prunes them."""
+    need: set[int] = set()
+    for i in ops:
+        op, use = fg.ops[i], costs.gradient[i]
+        need.update(op.inputs[j] for j in use.reads_inputs if j < len(op.inputs))
+        need.update(op.outputs[k] for k in use.reads_outputs if k < len(op.outputs))
+    live = []
+    for i in reversed(ops):
+        op = fg.ops[i]
+        if any(t in need for t in op.outputs):
+            live.append(i)
+            need.update(op.inputs)
+    live.reverse()
+    return live
 
 
 def simulate(
