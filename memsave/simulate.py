@@ -414,42 +414,44 @@ def simulate(
     >>> trace.peak_B  # doctest: +SKIP
     """
     p, resident_B, backward_start = _build(fg, schedule, costs)
-    n_instr = len(p.reads)
-    n_val = len(p.size)
-    end = n_instr  # pinned values live past the last instruction
+    reads, writes, size, alias = p.reads, p.writes, p.size, p.alias
+    n_instr = len(reads)
+    n_val = len(size)
     last = [-1] * n_val
-    for k in range(n_instr):
-        for r in p.reads[k]:
-            last[r] = k
-    for v in p.pinned:
-        last[v] = end
     created = [-1] * n_val
     for k in range(n_instr):
-        for v, _ in p.writes[k]:
+        for r in reads[k]:
+            last[r] = k
+        for v, _ in writes[k]:
             created[v] = k
+    for v in p.pinned:
+        last[v] = n_instr  # past the last instruction: the step's outputs
     dying: list[list[int]] = [[] for _ in range(n_instr)]
+    resident = p.resident
     for v in range(n_val):
-        if p.resident[v]:
+        if resident[v]:
             continue
         k = last[v] if last[v] >= 0 else created[v]
         if 0 <= k < n_instr:
             dying[k].append(v)
-    # Views die with their own last reader but keep their buffer alive: a
-    # view reading extends its base value's life through the buffer's count.
-    counted = allocator.counted
+    # A view holds a reference to its buffer's root; a buffer is freed when
+    # the last value on it (base or view) has had its last reader.
+    counted_of = allocator.counted
+    counted = [counted_of(n) for n in size]
     root = list(range(n_val))
     refs = [0] * n_val
-    alive = sum(counted(p.size[v]) for v in range(n_val) if p.resident[v])
-    resident_counted = alive
+    alive = 0
     for v in range(n_val):
-        if p.resident[v]:
+        if resident[v]:
             refs[v] = 1 << 30
+            alive += counted[v]
+    resident_counted = alive
     peak = alive
     peak_k = -1
     events: list[tuple[int, str]] = []
     for k in range(n_instr):
-        for v, cands in p.writes[k]:
-            a = p.alias[v]
+        for v, cands in writes[k]:
+            a = alias[v]
             if a >= 0:
                 r = root[a]
                 root[v] = r
@@ -458,7 +460,7 @@ def simulate(
             chosen = -1
             for c in cands:
                 r = root[c]
-                if last[c] == k and refs[r] == 1 and p.size[r] == p.size[v]:
+                if last[c] == k and refs[r] == 1 and size[r] == size[v]:
                     chosen = r
                     break
             if chosen >= 0:
@@ -466,7 +468,7 @@ def simulate(
                 refs[chosen] += 1
             else:
                 refs[v] = 1
-                alive += counted(p.size[v])
+                alive += counted[v]
         if alive > peak:
             peak, peak_k = alive, k
         if timeline:
@@ -475,7 +477,7 @@ def simulate(
             r = root[v]
             refs[r] -= 1
             if refs[r] == 0:
-                alive -= counted(p.size[r])
+                alive -= counted[r]
     return MemoryTrace(
         peak_B=peak,
         resident_B=resident_counted,
