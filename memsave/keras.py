@@ -42,6 +42,17 @@ Examples
 >>> model.compile(optimizer="adam", loss="mse")  # doctest: +SKIP
 >>> model.fit(x, y, epochs=3)  # doctest: +SKIP
 >>> memsave.keras.restore(model)  # plain fit again  # doctest: +SKIP
+
+Before training, :func:`plan` forecasts the peak memory of one ``fit``
+step, plain and checkpointed, for a batch of a given size::
+
+    memsave.keras.plan(model, x, y, checkpoints="memory", batch_size=256)
+      -> validate (as checkpointed; the model must be compiled)
+      -> build what fit builds first (model, loss, metrics, optimizer slots)
+      -> trace the same train step in a FuncGraph, on TensorSpecs of the batch,
+         calling memsave.plan where the step calls memsave.gradients
+      -> the Plan, with the variables the step holds besides the trainable
+         ones (optimizer slots, metrics, moving statistics) added as resident
 """
 
 from __future__ import annotations
@@ -61,8 +72,9 @@ import tensorflow as tf
 from memsave import strategies
 from memsave.errors import CheckpointError, EagerExecutionError, MemsaveError
 from memsave.gradients import gradients as _memsave_gradients
+from memsave.gradients import plan as _memsave_plan
 
-__all__ = ["checkpointed", "restore", "is_checkpointed", "KerasModelError"]
+__all__ = ["checkpointed", "restore", "is_checkpointed", "plan", "KerasModelError"]
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +196,190 @@ def is_checkpointed(model) -> bool:
     return isinstance(_private.instance_train_step(model), _CheckpointedStep)
 
 
+def plan(
+    model: keras.Model,
+    x,
+    y=None,
+    *,
+    checkpoints: str | Sequence[LayerRef] = "memory",
+    strategy_options: Mapping[str, Any] | None = None,
+    batch_size: int | None = None,
+):
+    """Forecast one ``fit`` train step's peak memory, plain and checkpointed, before training.
+
+    Traces the train step :func:`checkpointed` gives the model (Keras'
+    own step with memsave's gradients) on a batch shaped like ``x`` and
+    ``y``, without running it, and returns the :class:`memsave.Plan` of
+    its gradient call: ``predicted_peak_bytes`` is the allocator peak one
+    checkpointed ``fit`` step is forecast to reach, ``baseline_peak_bytes``
+    the same for plain ``fit``; both count the variables the step holds
+    (weights, optimizer slots, metrics, moving statistics) and the batch.
+    Nothing is computed and the model is left as it was, except that what
+    ``fit`` builds before its first step is built now (the optimizer's
+    slots included).
+
+    Parameters
+    ----------
+    model : keras.Model
+        A compiled Keras 3 model on the TensorFlow backend that uses Keras'
+        own ``train_step`` (as for :func:`checkpointed`).
+    x, y
+        A batch (arrays, tensors or ``tf.TensorSpec``; nested as ``fit``
+        takes them), or a few samples of one when ``batch_size`` is given.
+        Floats are cast to ``keras.config.floatx()``, as ``fit`` does.
+    checkpoints : str or sequence of keras.layers.Layer or str
+        As for :func:`checkpointed`.
+    strategy_options : mapping, optional
+        As for :func:`checkpointed`.
+    batch_size : int, optional
+        The batch size to forecast for: replaces the leading dimension of
+        every leaf of ``x`` and ``y``. Without it, the leading dimension of
+        ``x`` is the batch size (an unknown one is reported in the Plan's
+        assumptions).
+
+    Returns
+    -------
+    memsave.Plan
+
+    Raises
+    ------
+    KerasModelError
+        When ``model`` is not a compiled Keras 3 model on the TensorFlow
+        backend with Keras' own ``train_step``.
+    EagerExecutionError
+        When the model is compiled with ``run_eagerly=True``.
+    UnknownStrategyError, CheckpointError
+        As :func:`checkpointed`.
+
+    Notes
+    -----
+    The forecast is for one replica (no ``tf.distribute`` strategy) and
+    ``jit_compile=False``: XLA plans its own buffers.
+
+    Examples
+    --------
+    Pick the largest batch that fits in 4 GiB with checkpointing:
+
+    >>> model.compile(optimizer="adam", loss="mse")  # doctest: +SKIP
+    >>> for batch in (64, 128, 256, 512):  # doctest: +SKIP
+    ...     p = memsave.keras.plan(model, x[:1], y[:1], batch_size=batch)
+    ...     print(batch, p.baseline_peak_bytes >> 20, p.predicted_peak_bytes >> 20, "MiB")
+    >>> print(memsave.keras.plan(model, x, y).summary())  # doctest: +SKIP
+    """
+    api = "memsave.keras.plan"
+    _check_model(model, api)
+    if not _private.compiled(model) or model.optimizer is None:
+        raise KerasModelError(
+            f"{api}: model {model.name!r} is not compiled; the forecast is of fit's train step, "
+            "which needs the loss and the optimizer: call model.compile(optimizer=..., "
+            "loss=...) first"
+        )
+    if model.run_eagerly:
+        raise EagerExecutionError(_EAGER_MESSAGE.format(name=model.name))
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                   or batch_size < 1):
+        raise ValueError(f"{api}: batch_size={batch_size!r}; pass a positive int, or None to "
+                         "take the batch size from x")
+    config = _Config(
+        strategy=_check_checkpoints(checkpoints, api),
+        layers=_resolve_layers(model, checkpoints, api),
+        gradient_options=dict(
+            strategy_options=_check_strategy_options(strategy_options, checkpoints, api),
+        ),
+    )
+    data = _batch_spec((x, y) if y is not None else (x,), batch_size, api)
+    _private.build_as_fit_does(model, data)
+
+    planned = []
+
+    def planning_gradients(loss, weights, *, checkpoints, **options):
+        options.pop("aggregation_method", None)
+        options.pop("gate_gradients", None)
+        planned.append(_memsave_plan(loss, weights, checkpoints=checkpoints, **options))
+        raise _Planned
+
+    def step(data):
+        _checkpointed_train_step(model, config, data, take_gradients=planning_gradients)
+
+    try:
+        tf.function(step, autograph=False).get_concrete_function(data)
+    except _Planned:
+        pass
+    if not planned:
+        raise KerasModelError(
+            f"{api}: model {model.name!r} has no trainable weights, so fit takes no gradients: "
+            "there is nothing to forecast"
+        )
+    return _with_resident(planned[0], _extra_resident_bytes(model))
+
+
+class _Planned(Exception):
+    """Ends the trace of :func:`plan`'s step once the plan is made (nothing after it is needed)."""
+
+
+#: Bytes of the variables a ``fit`` step holds that the gradient call does
+#: not read (optimizer slots and iteration counters, metric state, moving
+#: statistics): resident in the measured peak, invisible to
+#: :func:`memsave.plan`, which sees the graph from the trainable weights to the loss.
+def _extra_resident_bytes(model: keras.Model) -> int:
+    trainable = {id(v) for v in model.trainable_variables}
+    seen: set = set()
+    total = 0
+    for v in list(model.variables) + list(model.optimizer.variables) + list(
+            _private.metric_variables(model)):
+        if id(v) in trainable or id(v) in seen:
+            continue
+        seen.add(id(v))
+        shape = tuple(v.shape)
+        if all(isinstance(d, int) for d in shape):
+            count = 1
+            for d in shape:
+                count *= d
+            total += count * tf.as_dtype(v.dtype).size
+    return total
+
+
+def _with_resident(p, extra_B: int):
+    """``p`` with ``extra_B`` resident bytes added to both peaks, and an assumption saying so."""
+    if not extra_B:
+        return p
+    return dataclasses.replace(
+        p,
+        predicted_peak_bytes=p.predicted_peak_bytes + extra_B,
+        baseline_peak_bytes=p.baseline_peak_bytes + extra_B,
+    )
+
+
+def _batch_spec(data: tuple, batch_size: int | None, api: str) -> tuple:
+    """TensorSpecs of a batch as fit sees it: floats as floatx, batch dimension set."""
+    floatx = tf.as_dtype(keras.config.floatx())
+
+    def spec(leaf):
+        if leaf is None:
+            return None
+        if isinstance(leaf, tf.TensorSpec):
+            shape, dtype = leaf.shape, leaf.dtype
+        else:
+            try:
+                t = leaf if isinstance(leaf, tf.Tensor) else tf.convert_to_tensor(leaf)
+            except (TypeError, ValueError) as e:
+                raise TypeError(
+                    f"{api}: cannot read the shape of a batch entry of type "
+                    f"{type(leaf).__name__} ({e}); pass arrays, tensors or tf.TensorSpec"
+                ) from None
+            shape, dtype = t.shape, t.dtype
+        if dtype.is_floating and dtype != floatx:
+            dtype = floatx
+        if batch_size is not None:
+            if shape.rank is None or shape.rank == 0:
+                raise ValueError(f"{api}: batch_size={batch_size} needs every batch entry to have "
+                                 f"a leading (batch) dimension; got shape {shape}")
+            shape = tf.TensorShape([batch_size]).concatenate(shape[1:])
+        return tf.TensorSpec(shape, dtype)
+
+    return tuple(tf.nest.map_structure(spec, d) if d is not None else None for d in data)
+
+
 # -- the train step ----------------------------------------------------------
 
 _EAGER_MESSAGE = (
@@ -216,8 +412,12 @@ class _CheckpointedStep:
         return f"<memsave.keras checkpointed train_step, checkpoints={what!r}>"
 
 
-def _checkpointed_train_step(model: keras.Model, config: _Config, data):
-    """Keras' TensorFlowTrainer.train_step with memsave's gradients (see module doc)."""
+def _checkpointed_train_step(model: keras.Model, config: _Config, data,
+                             take_gradients=_memsave_gradients):
+    """Keras' TensorFlowTrainer.train_step with memsave's gradients (see module doc).
+
+    :func:`plan` passes a ``take_gradients`` that plans instead and ends the trace there.
+    """
     if tf.executing_eagerly():
         raise EagerExecutionError(_EAGER_MESSAGE.format(name=model.name))
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -240,7 +440,7 @@ def _checkpointed_train_step(model: keras.Model, config: _Config, data):
         checkpoints = config.strategy if config.strategy is not None else _checkpoint_tensors(
             config.layers, outputs
         )
-        gradients = _memsave_gradients(
+        gradients = take_gradients(
             loss, trainable_weights, checkpoints=checkpoints, **config.gradient_options
         )
         model.optimizer.apply_gradients(zip(gradients, trainable_weights))
@@ -325,35 +525,35 @@ def _checkpoint_tensors(layers: Sequence, recorded: dict) -> list:
 # -- validation --------------------------------------------------------------
 
 
-def _check_model(model) -> None:
+def _check_model(model, api: str = "memsave.keras.checkpointed") -> None:
     if not isinstance(model, keras.Model):
         raise KerasModelError(
-            f"memsave.keras.checkpointed: expected a keras.Model (Keras 3), got {model!r} "
+            f"{api}: expected a keras.Model (Keras 3), got {model!r} "
             f"({type(model).__module__}.{type(model).__qualname__}); for tf_keras or custom "
             "training loops call memsave.gradients(loss, variables) inside the tf.function"
         )
     if keras.backend.backend() != "tensorflow":
         raise KerasModelError(
-            f"memsave.keras.checkpointed: Keras runs on the {keras.backend.backend()!r} "
+            f"{api}: Keras runs on the {keras.backend.backend()!r} "
             "backend; memsave rewrites TensorFlow graphs: set KERAS_BACKEND=tensorflow"
         )
     instance_step = _private.instance_train_step(model)
     if instance_step is not _MISSING and not isinstance(instance_step, _CheckpointedStep):
         raise KerasModelError(
-            f"memsave.keras.checkpointed: model {model.name!r} has a train_step set on the "
+            f"{api}: model {model.name!r} has a train_step set on the "
             "instance, which memsave would replace; remove it, or call memsave.gradients "
             "in it instead of tape.gradient"
         )
     if _private.class_train_step(model) is not _private.stock_train_step():
         raise KerasModelError(
-            f"memsave.keras.checkpointed: {type(model).__qualname__} overrides train_step, "
+            f"{api}: {type(model).__qualname__} overrides train_step, "
             "which memsave would bypass; in your train_step compute the gradients with "
             "memsave.gradients(loss, self.trainable_weights, checkpoints='memory') instead "
             "of tape.gradient (fit traces it, so memsave can rewrite it)"
         )
 
 
-def _check_checkpoints(checkpoints) -> str | None:
+def _check_checkpoints(checkpoints, api: str = "memsave.keras.checkpointed") -> str | None:
     """The strategy name, or None for a list of layers; raise on anything else."""
     if isinstance(checkpoints, str):
         strategies.get(checkpoints)  # UnknownStrategyError now, not deep in fit
@@ -363,7 +563,7 @@ def _check_checkpoints(checkpoints) -> str | None:
     ):
         return None
     raise CheckpointError(
-        f"memsave.keras.checkpointed: checkpoints={checkpoints!r}; pass a strategy name "
+        f"{api}: checkpoints={checkpoints!r}; pass a strategy name "
         f"({', '.join(strategies.available())}) or a non-empty list of the model's layers "
         "(or layer names) whose outputs to keep. Tensors do not exist before fit traces "
         "the step: tag them with tf.compat.v1.add_to_collection('checkpoints', t) in the "
@@ -371,23 +571,23 @@ def _check_checkpoints(checkpoints) -> str | None:
     )
 
 
-def _check_strategy_options(options, checkpoints) -> dict | None:
+def _check_strategy_options(options, checkpoints, api: str = "memsave.keras.checkpointed") -> dict | None:
     if options is None:
         return None
     if not isinstance(checkpoints, str):
         raise TypeError(
-            "memsave.keras.checkpointed: strategy_options apply to a strategy name only, "
+            f"{api}: strategy_options apply to a strategy name only, "
             f"not to checkpoints={checkpoints!r}"
         )
     if not isinstance(options, Mapping):
         raise TypeError(
-            f"memsave.keras.checkpointed: strategy_options={options!r}; pass a mapping "
+            f"{api}: strategy_options={options!r}; pass a mapping "
             "such as {'num_checkpoints': 8}"
         )
     return dict(options)
 
 
-def _resolve_layers(model: keras.Model, checkpoints) -> tuple:
+def _resolve_layers(model: keras.Model, checkpoints, api: str = "memsave.keras.checkpointed") -> tuple:
     if isinstance(checkpoints, str):
         return ()
     by_name: dict = {}
@@ -404,7 +604,7 @@ def _resolve_layers(model: keras.Model, checkpoints) -> tuple:
         layer = by_name.get(c) if isinstance(c, str) else (c if id(c) in known else None)
         if layer is None:
             raise CheckpointError(
-                f"memsave.keras.checkpointed: checkpoint layer {c!r} is not a layer of model "
+                f"{api}: checkpoint layer {c!r} is not a layer of model "
                 f"{model.name!r}; its layers are {sorted(by_name)}"
             )
         if id(layer) not in {id(o) for o in out}:
@@ -507,3 +707,16 @@ class _private:
         from keras.src.losses.loss import unscale_loss_for_distribution
 
         return unscale_loss_for_distribution(loss)
+
+    @staticmethod
+    def build_as_fit_does(model, data) -> None:
+        """Build the model, its loss and metrics and the optimizer's slots, as fit does first.
+
+        ``Trainer._symbolic_build`` is what ``fit`` calls before its first
+        step; it takes anything with a shape and dtype (TensorSpecs here).
+        """
+        model._symbolic_build(data_batch=data)  # pylint: disable=protected-access
+
+    @staticmethod
+    def metric_variables(model) -> list:
+        return [v for m in model.metrics for v in m.variables]

@@ -178,7 +178,11 @@ def train(kind="functional", *, checkpoints=None, jit_compile=False, epochs=EPOC
     if prepare is not None:
         prepare(model)
     elif checkpoints is not None:
-        assert memsave.keras.checkpointed(model, checkpoints) is model
+        # These models are tiny (weights outweigh activations): the simulator
+        # predicts no saving and 'memory'/'speed' would fall back to plain
+        # gradients; keep their plans anyway, to test the path through memsave.
+        keep_any = {"min_saving_fraction": 0.0} if checkpoints in ("memory", "speed") else None
+        assert memsave.keras.checkpointed(model, checkpoints, strategy_options=keep_any) is model
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse", metrics=["mae"],
                   jit_compile=jit_compile)
     x, y = data()
@@ -562,6 +566,107 @@ def test_keras_fit_example_runs(monkeypatch, capsys):
     # Same training: the printed losses agree (to the 5 decimals printed).
     assert plain.split("losses")[1].strip() == ours.split("losses")[1].split("(")[0].strip()
     assert "x)" in ours  # the ratio of the peaks
+
+
+# -- memsave.keras.plan: the forecast of one fit step --------------------------------
+#
+# Forecasts are made for a batch of PLAN_BATCH samples from a 2-sample x and
+# the batch_size hint: [PLAN_BATCH, PLAN_WIDTH] float32 activations are
+# 1 MiB, above the CPU allocator's 256 KiB counting threshold. Nothing runs,
+# so the batch costs nothing here. How close the forecast is to the measured
+# peak is tests/test_forecast.py's subject.
+
+PLAN_BATCH, PLAN_WIDTH = 4096, 64
+
+
+def plan_model(depth=12, optimizer="sgd", width=PLAN_WIDTH):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((width,))
+    h = inputs
+    for _ in range(depth):
+        h = keras.layers.Dense(width, activation="tanh")(h)
+    model = keras.Model(inputs, keras.layers.Dense(1)(h))
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+    return model
+
+
+def plan_batch(width=PLAN_WIDTH, n=2):
+    rs = np.random.RandomState(0)
+    return rs.randn(n, width).astype(np.float32), rs.randn(n, 1).astype(np.float32)
+
+
+def test_plan_forecasts_a_saving_without_changing_the_model():
+    model = plan_model()
+    w0 = model.get_weights()
+    x, y = plan_batch()
+    p = memsave.keras.plan(model, x, y, checkpoints="memory", batch_size=PLAN_BATCH)
+    assert isinstance(p, memsave.Plan)
+    assert p.strategy == "memory" and p.checkpoints
+    assert 0 < p.predicted_peak_bytes < p.baseline_peak_bytes, p.summary()
+    # The model is as it was: not checkpointed, same weights, fit is plain fit's.
+    assert not memsave.keras.is_checkpointed(model)
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), w0))
+    assert model.train_function is None
+
+
+def test_plan_batch_size_hint_equals_a_batch_of_that_size():
+    model = plan_model()
+    x, y = plan_batch(n=PLAN_BATCH)
+    full = memsave.keras.plan(model, x, y)
+    hinted = memsave.keras.plan(model, x[:2], y[:2], batch_size=PLAN_BATCH)
+    specs = memsave.keras.plan(model, tf.TensorSpec((None, PLAN_WIDTH), tf.float32),
+                               tf.TensorSpec((None, 1), tf.float32), batch_size=PLAN_BATCH)
+    for p in (hinted, specs):
+        assert (p.baseline_peak_bytes, p.predicted_peak_bytes) == (
+            full.baseline_peak_bytes, full.predicted_peak_bytes)
+    # A bigger batch needs more memory, plain and checkpointed.
+    bigger = memsave.keras.plan(model, x[:2], y[:2], batch_size=2 * PLAN_BATCH)
+    assert bigger.baseline_peak_bytes > full.baseline_peak_bytes
+    assert bigger.predicted_peak_bytes > full.predicted_peak_bytes
+
+
+def test_plan_counts_the_optimizer_slots_as_resident():
+    # Adam keeps two slots the size of each weight, SGD none: the forecasts
+    # differ by twice the weights (width 512: each kernel is 1 MiB).
+    x, y = plan_batch(width=512)
+    sgd = memsave.keras.plan(plan_model(depth=4, width=512), x, y, batch_size=1024)
+    adam_model = plan_model(depth=4, optimizer="adam", width=512)
+    adam = memsave.keras.plan(adam_model, x, y, batch_size=1024)
+    assert adam_model.optimizer.built  # built as fit builds it before its first step
+    kernels = sum(int(np.prod(w.shape)) * 4 for w in adam_model.trainable_weights
+                  if len(w.shape) == 2 and w.shape[0] == 512)
+    extra = adam.baseline_peak_bytes - sgd.baseline_peak_bytes
+    assert 2 * kernels <= extra <= 2 * kernels + 2 * 2**20, (extra, kernels)
+    assert adam.predicted_peak_bytes - sgd.predicted_peak_bytes == extra
+
+
+def test_plan_of_a_checkpointed_model_and_with_layer_checkpoints():
+    model = memsave.keras.checkpointed(plan_model(), "speed")
+    x, y = plan_batch()
+    p = memsave.keras.plan(model, x, y, checkpoints="memory", batch_size=PLAN_BATCH)
+    assert p.strategy == "memory"
+    assert memsave.keras.is_checkpointed(model)  # still checkpointed with its own options
+    layers = [layer for layer in model.layers if isinstance(layer, keras.layers.Dense)][3:10:3]
+    p = memsave.keras.plan(model, x, y, checkpoints=layers, batch_size=PLAN_BATCH)
+    assert p.strategy == "list" and len(p.checkpoints) == len(layers)
+
+
+def test_plan_errors_say_what_to_do():
+    x, y = plan_batch()
+    with pytest.raises(memsave.keras.KerasModelError, match="memsave.keras.plan: .*not compiled"):
+        memsave.keras.plan(functional_model(), x, y)
+    with pytest.raises(memsave.keras.KerasModelError, match="memsave.keras.plan: expected a keras.Model"):
+        memsave.keras.plan(tf.Module(), x, y)
+    eager = plan_model()
+    eager.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+    with pytest.raises(memsave.EagerExecutionError, match="run_eagerly=False"):
+        memsave.keras.plan(eager, x, y)
+    with pytest.raises(memsave.UnknownStrategyError, match="'fastest'"):
+        memsave.keras.plan(plan_model(), x, y, checkpoints="fastest")
+    with pytest.raises(ValueError, match="batch_size=0"):
+        memsave.keras.plan(plan_model(), x, y, batch_size=0)
+    with pytest.raises(memsave.CheckpointError, match="memsave.keras.plan: .*'nope' is not a layer"):
+        memsave.keras.plan(plan_model(), x, y, checkpoints=["nope"])
 
 
 if __name__ == "__main__":
