@@ -312,8 +312,8 @@ def _gradients(method: str, fwd, gradient_kwargs: dict) -> list:
     import memsave
 
     kwargs = dict(gradient_kwargs, grad_ys=fwd.grad_ys, stop_gradients=fwd.stop_gradients)
-    if method == PLAIN:
-        grads = tf.gradients(fwd.ys, fwd.xs, **kwargs)
+    if method == PLAIN:  # the v1 signature takes every argument memsave.gradients does
+        grads = tf.compat.v1.gradients(fwd.ys, fwd.xs, **kwargs)
     else:
         grads = memsave.gradients(fwd.ys, fwd.xs, checkpoints=method, **kwargs)
     return [g for g in grads if g is not None]
@@ -392,25 +392,48 @@ def _peak_of(run: Callable[[], Any], repeats: int) -> dict:
     return {"peak_B": int(statistics.median(peaks)), "peaks_B": peaks, "resident_B": int(resident)}
 
 
-def measure(model: str, mode: str, method: str, repeats: int) -> dict:
-    """One (model, mode, method) in this process: see the module docstring."""
+def measure(model: str, mode: str, methods: list[str], repeats: int) -> dict:
+    """{method: peaks} for one model and mode, the methods one after the other in this process.
+
+    Each method gets a graph of its own: a new tf.compat.v1 Graph and
+    Session (closed before the next method), or a new tf.function over the
+    same variables (dropped before the next method), or for Keras the same
+    model (checkpointed, then restored) with a new step function. What a
+    method leaves behind would show in the next one's ``resident_B``.
+    """
     import tensorflow as tf
 
     case = MODELS[model].build()
-    if mode == FIT:
-        return _measure_keras(case, method, repeats)
-    if mode == SESSION:
-        graph, fwd, feeds = _session_graph(case)
-        with graph.as_default():
-            grads = _gradients(method, fwd, case.gradient_kwargs)
-            init = tf.compat.v1.global_variables_initializer()
-        with tf.compat.v1.Session(graph=graph) as sess:
-            sess.run(init, feed_dict=feeds)
-            feeds.clear()
-            return _peak_of(lambda: sess.run(grads), repeats)
-    variables = case.make_variables()
-    step = tf.function(lambda: _gradients(method, case.forward(variables), case.gradient_kwargs))
-    return _peak_of(step, repeats)
+    variables = case.make_variables() if mode == FUNCTION else None
+    out = {}
+    for method in methods:
+        try:
+            if mode == FIT:
+                out[method] = _measure_keras(case, method, repeats)
+            elif mode == SESSION:
+                out[method] = _measure_session(case, method, repeats)
+            else:
+                step = tf.function(
+                    lambda: _gradients(method, case.forward(variables), case.gradient_kwargs))
+                out[method] = _peak_of(step, repeats)
+                del step
+        except Exception as e:  # one method's failure is reported, the others still measured
+            out[method] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        gc.collect()
+    return out
+
+
+def _measure_session(case: GraphCase, method: str, repeats: int) -> dict:
+    import tensorflow as tf
+
+    graph, fwd, feeds = _session_graph(case)
+    with graph.as_default():
+        grads = _gradients(method, fwd, case.gradient_kwargs)
+        init = tf.compat.v1.global_variables_initializer()
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(init, feed_dict=feeds)
+        feeds.clear()
+        return _peak_of(lambda: sess.run(grads), repeats)
 
 
 def _measure_keras(case: KerasCase, method: str, repeats: int) -> dict:
@@ -420,7 +443,9 @@ def _measure_keras(case: KerasCase, method: str, repeats: int) -> dict:
     import memsave.keras
 
     model = case.model
-    if method != PLAIN:
+    if method == PLAIN:
+        memsave.keras.restore(model)
+    else:
         memsave.keras.checkpointed(model, checkpoints=method)
     # One real fit step builds what fit builds (optimizer slots, metric and
     # loss state); the measured step is fit's one_step_on_data, called on
@@ -436,17 +461,35 @@ def _measure_keras(case: KerasCase, method: str, repeats: int) -> dict:
     return _peak_of(lambda: one_step_on_data(data), repeats)
 
 
-def _run_worker(model: str, mode: str, method: str, repeats: int) -> dict:
-    """measure() in a fresh Python process; {'error': ...} when it fails."""
+def _run_worker(model: str, mode: str, methods: list[str], repeats: int) -> dict:
+    """measure() in a fresh Python process; {method: {'error': ...}} when it fails."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    cmd = [sys.executable, __file__, "--worker", model, mode, method, "--repeats", str(repeats)]
+    cmd = [sys.executable, __file__, "--worker", model, mode, *methods, "--repeats", str(repeats)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=WORKER_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {WORKER_TIMEOUT_S} s"}
+        return {m: {"error": f"timed out after {WORKER_TIMEOUT_S} s"} for m in methods}
     if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"
+        return {m: {"error": last} for m in methods}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def memsave_fingerprint(mode: str) -> str:
+    """A hash of the memsave code that decides what a memsave method's step keeps.
+
+    A measured memsave row is stale when it changes (a plain row never is).
+    Plan printing (plan.py) is left out; memsave/keras.py counts for fit only.
+    """
+    import hashlib
+
+    h = hashlib.sha1()
+    for f in sorted((REPO_ROOT / "memsave").glob("*.py")):
+        if f.name == "plan.py" or (f.name == "keras.py" and mode != FIT):
+            continue
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 # -- predicting --------------------------------------------------------------------
@@ -543,6 +586,11 @@ def _save_cache(cache: dict, path: Path, share: Path | None) -> None:
             print(f"could not copy the cache to {share}: {e}", file=sys.stderr)
 
 
+def _stale(rec: dict, entry: Entry, method: str, fingerprint: str) -> bool:
+    """Measured for another configuration, or (memsave methods) with other memsave code."""
+    return rec.get("config") != entry.config or (method != PLAIN and rec.get("memsave") != fingerprint)
+
+
 def _measured_peak(rec: dict | None) -> float | None:
     """Median over processes of each process's median peak."""
     if not rec or not rec.get("processes"):
@@ -629,14 +677,15 @@ def _parse(argv):
                     help="fresh processes per entry (the cache is topped up to this many)")
     ap.add_argument("--repeats", type=int, default=REPEATS, help="measured calls per process")
     ap.add_argument("--no-timing", action="store_true", help="skip timing memsave.plan on 1000 ops")
-    ap.add_argument("--worker", nargs=3, metavar=("MODEL", "MODE", "METHOD"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs="+", metavar="MODEL MODE METHOD", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = _parse(argv)
     if args.worker:
-        print(json.dumps(measure(*args.worker, repeats=args.repeats)))
+        model, mode, *methods = args.worker
+        print(json.dumps(measure(model, mode, methods, repeats=args.repeats)))
         return 0
     names = args.models or [n for n, e in MODELS.items() if e.quick or not args.quick]
     selected = [(n, mode) for n in names for mode in MODELS[n].modes if mode in args.modes]
@@ -645,26 +694,38 @@ def main(argv=None) -> int:
 
     if not args.predict_only:
         for name, mode in selected:
-            for method in args.methods:
-                key = _key(name, mode, method)
-                rec = cache["entries"].get(key)
-                if rec is None or rec.get("config") != MODELS[name].config or args.remeasure:
-                    rec = cache["entries"][key] = {"config": MODELS[name].config, "processes": []}
-                rec.pop("error", None)
-                while len(rec["processes"]) < args.processes:
-                    start = time.perf_counter()
-                    result = _run_worker(name, mode, method, args.repeats)
+            fingerprint = memsave_fingerprint(mode)
+            for method in args.methods:  # failures are retried once a run
+                cache["entries"].get(_key(name, mode, method), {}).pop("error", None)
+            for _ in range(args.processes):
+                todo = []
+                for method in args.methods:
+                    key = _key(name, mode, method)
+                    rec = cache["entries"].get(key)
+                    if rec is None or args.remeasure or _stale(rec, MODELS[name], method, fingerprint):
+                        rec = cache["entries"][key] = {"config": MODELS[name].config, "processes": []}
+                        if method != PLAIN:
+                            rec["memsave"] = fingerprint
+                    if len(rec["processes"]) < args.processes and not rec.get("error"):
+                        todo.append(method)
+                if not todo:
+                    break
+                start = time.perf_counter()
+                results = _run_worker(name, mode, todo, args.repeats)
+                seconds = round(time.perf_counter() - start, 1)
+                for method in todo:
+                    rec = cache["entries"][_key(name, mode, method)]
+                    result = results.get(method, {"error": "no result"})
                     if "error" in result:
                         rec["error"] = result["error"]
-                        print(f"{key}: FAILED {result['error']}", file=sys.stderr)
-                        break
-                    result["seconds"] = round(time.perf_counter() - start, 1)
+                        print(f"{name}|{mode}|{method}: FAILED {result['error']}", file=sys.stderr)
+                        continue
                     rec["processes"].append(result)
-                    print(f"{key}: peak {result['peak_B'] / MiB:.1f} MiB "
-                          f"(resident {result['resident_B'] / MiB:.1f}) in {result['seconds']} s",
-                          file=sys.stderr)
-                    _save_cache(cache, args.measured, share)
-        _save_cache(cache, args.measured, share)
+                    print(f"{name}|{mode}|{method}: peak {result['peak_B'] / MiB:.1f} MiB "
+                          f"(resident {result['resident_B'] / MiB:.1f})", file=sys.stderr)
+                print(f"  ({len(todo)} methods in {seconds} s)", file=sys.stderr)
+                _save_cache(cache, args.measured, share)
+        args.remeasure = False
 
     predictions = {}
     for name, mode in selected:
