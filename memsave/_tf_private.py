@@ -233,3 +233,214 @@ def _give_private_func_graphs(op: tf.Operation) -> None:
 def add_control_inputs(op: tf.Operation, control_ops: Sequence[tf.Operation]) -> None:
     """Make ``op`` wait for ``control_ops``."""
     op._add_control_inputs(list(control_ops))  # pylint: disable=protected-access
+
+
+# -- cost model inputs -------------------------------------------------------
+
+def op_flops(op: tf.Operation, node_def=None) -> int | None:
+    """FLOPs of ``op`` from TensorFlow's registered op statistics, or None.
+
+    ``ops.get_stats_for_node_def(graph, node_def, "flops")`` (private: the
+    statistics registry of ``tensorflow.python.framework.ops``) has entries
+    for MatMul, Conv2D, DepthwiseConv2dNative, elementwise arithmetic and a
+    few more; it needs static shapes and returns None otherwise. Cached like
+    :func:`learn_gradient_use`.
+    """
+    from tensorflow.python.framework import ops as _ops
+
+    node_def = op.node_def if node_def is None else node_def
+    try:
+        key = ("flops",) + _gradient_cache_key(op, node_def)
+        if key in _flops_cache:
+            return _flops_cache[key]
+    except Exception:  # noqa: BLE001 - unhashable attrs: do not cache
+        key = None
+    try:
+        stats = _ops.get_stats_for_node_def(op.graph, node_def, "flops")
+        value = getattr(stats, "value", None)
+        value = int(value) if value is not None else None
+    except Exception:  # noqa: BLE001 - a statistics function failing means "unknown"
+        value = None
+    if key is not None:
+        _flops_cache[key] = value
+    return value
+
+
+_flops_cache: dict = {}
+
+
+def resource_value_shape_dtype(t: tf.Tensor):
+    """(shape as a list with None for unknown dims, DType) of the value a resource handle holds.
+
+    Reads the handle data TensorFlow attaches to resource tensors
+    (``handle_data_util.get_resource_handle_data``); None when absent.
+    """
+    if t.dtype != tf.resource:
+        return None
+    try:
+        data = handle_data_util.get_resource_handle_data(t)
+    except Exception:  # noqa: BLE001 - no handle data recorded
+        return None
+    if data is None or not data.is_set or not data.shape_and_type:
+        return None
+    st = data.shape_and_type[0]
+    if st.shape.unknown_rank:
+        return None, tf.as_dtype(st.dtype)
+    return [d.size if d.size >= 0 else None for d in st.shape.dim], tf.as_dtype(st.dtype)
+
+
+#: Op types that only read the shape of their input: a gradient op of one of
+#: these types does not keep the input's buffer alive (Grappler folds them
+#: where shapes are static, and a shape is a few bytes).
+SHAPE_ONLY_TYPES = frozenset(
+    {"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs", "ZerosLike", "OnesLike",
+     "VariableShape", "TensorListLength", "TensorListElementShape"}
+)
+
+#: Ops a gradient's result may pass through and still be the incoming
+#: gradient's own buffer (no copy).
+_PASS_THROUGH_TYPES = frozenset(
+    {"Identity", "Reshape", "ExpandDims", "Squeeze", "Snapshot", "EnsureShape"}
+)
+
+_gradient_use_cache: dict = {}
+
+
+def _gradient_cache_key(op: tf.Operation, node_def):
+    attrs = []
+    for k in sorted(node_def.attr):
+        if k.startswith("_"):
+            continue
+        attrs.append((k, node_def.attr[k].SerializeToString(deterministic=True)))
+    shapes = tuple(
+        None if t.shape.rank is None else tuple(t.shape.as_list()) for t in op.inputs
+    )
+    return (op.type, tuple(attrs), tuple(t.dtype for t in op.inputs), shapes)
+
+
+def learn_gradient_use(op: tf.Operation, node_def=None):
+    """Which inputs/outputs of ``op`` its registered gradient reads.
+
+    Builds ``op``'s type once in a scratch graph (placeholders of the op's
+    input dtypes and shapes, same attrs), calls the registered gradient
+    function with placeholder incoming gradients, and looks at the gradient
+    ops that depend (by data or control edge) on an incoming gradient: the
+    scratch op's inputs and outputs they read (through ops that do not depend
+    on the gradient, such as a ``conj``) are what the executor keeps for
+    backprop. Reads by :data:`SHAPE_ONLY_TYPES` do not count. Cached per op
+    type, attrs, input dtypes and shapes.
+
+    Returns
+    -------
+    dict or None
+        ``{"reads_inputs": tuple, "reads_outputs": tuple, "aliases": tuple,
+        "has_gradient": bool}`` (``aliases[j]``: the output whose incoming
+        gradient is input ``j``'s gradient, buffer and all, or None), or None
+        when the gradient could not be built this way (function calls,
+        custom gradients, ops that need their original graph).
+    """
+    if op.type in _CALL_TYPES or op._gradient_function is not None:  # pylint: disable=protected-access
+        return None
+    node_def = op.node_def if node_def is None else node_def
+    if "_gradient_op_type" in node_def.attr:
+        return None  # tf.custom_gradient: its gradient needs its own graph
+    if any(t.dtype._is_ref_dtype for t in op.inputs):  # pylint: disable=protected-access
+        return None
+    for attr in node_def.attr.values():
+        if attr.HasField("func") or (attr.HasField("list") and attr.list.func):
+            return None
+    try:
+        key = _gradient_cache_key(op, node_def)
+        hash(key)
+    except Exception:  # noqa: BLE001
+        return None
+    if key in _gradient_use_cache:
+        return _gradient_use_cache[key]
+    try:
+        result = _learn_gradient_use(op, node_def)
+    except Exception:  # noqa: BLE001 - any failure means "could not learn"
+        result = None
+    _gradient_use_cache[key] = result
+    return result
+
+
+def _learn_gradient_use(op: tf.Operation, node_def):
+    from tensorflow.python.framework import ops as _ops
+
+    g = tf.Graph()
+    with g.as_default():
+        inputs = []
+        for t in op.inputs:
+            inputs.append(tf.compat.v1.placeholder(t.dtype, t.shape))
+        new = g._create_op_internal(  # pylint: disable=protected-access
+            op.type, inputs, dtypes=[t.dtype for t in op.outputs],
+            attrs={k: v for k, v in node_def.attr.items() if not k.startswith("_")},
+            op_def=op.op_def, compute_device=False,
+        )
+        grad_fn = _ops.get_gradient_function(new)
+        if grad_fn is None:
+            return {"reads_inputs": (), "reads_outputs": (), "aliases": (None,) * len(inputs),
+                    "has_gradient": False}
+        grads = []
+        for t in new.outputs:
+            if is_trainable(t):
+                grads.append(tf.compat.v1.placeholder(t.dtype, t.shape))
+            else:
+                grads.append(None)
+        first_grad_op = len(g.get_operations())
+        result = grad_fn(new, *grads)
+    if not isinstance(result, (list, tuple)):
+        result = [result]
+    result = list(result)
+    if all(r is None for r in result):
+        return {"reads_inputs": (), "reads_outputs": (), "aliases": (None,) * len(inputs),
+                "has_gradient": False}
+    origin: dict = {}
+    for j, t in enumerate(new.inputs):
+        origin.setdefault(t.ref(), set()).add(("i", j))
+    for k, t in enumerate(new.outputs):
+        origin.setdefault(t.ref(), set()).add(("o", k))
+    grad_ops = {gr.op for gr in grads if gr is not None}
+    dependent = set(grad_ops)
+    reads: set = set()
+    for o in g.get_operations()[first_grad_op:]:
+        if o is new or o.type == "Placeholder":
+            continue
+        dep = any(t.op in dependent for t in o.inputs) or any(c in dependent for c in o.control_inputs)
+        if dep:
+            dependent.add(o)
+            if o.type not in SHAPE_ONLY_TYPES:
+                for t in o.inputs:
+                    reads |= origin.get(t.ref(), set())
+        elif o.type not in SHAPE_ONLY_TYPES:
+            derived = set()
+            for t in o.inputs:
+                derived |= origin.get(t.ref(), set())
+            if derived:
+                for t in o.outputs:
+                    origin.setdefault(t.ref(), set()).update(derived)
+    # Returned gradients that are neither placeholders nor ops after them
+    # (a gradient equal to an op input, say) also read what they derive from.
+    aliases = []
+    for r in result:
+        if isinstance(r, tf.IndexedSlices):
+            r = r.values
+        alias = None
+        while r is not None and isinstance(r, tf.Tensor):
+            hit = [k for k, gr in enumerate(grads) if gr is not None and gr is r]
+            if hit:
+                alias = hit[0]
+                break
+            if r.op.type in _PASS_THROUGH_TYPES and r.op.inputs:
+                r = r.op.inputs[0]
+            else:
+                break
+        aliases.append(alias)
+    while len(aliases) < len(inputs):
+        aliases.append(None)
+    return {
+        "reads_inputs": tuple(sorted(j for kind, j in reads if kind == "i")),
+        "reads_outputs": tuple(sorted(k for kind, k in reads if kind == "o")),
+        "aliases": tuple(aliases[: len(inputs)]),
+        "has_gradient": True,
+    }

@@ -5,7 +5,10 @@ the consumers of the xs along differentiable tensors (TensorFlow's own rule,
 as tf.gradients walks), never entering an op listed in stop_gradients, then
 backward from the ys over every input, keeping the ops reached both ways.
 Those ops, numbered in topological order, and the tensors they touch become
-a :class:`~memsave.graph.ForwardGraph`; an :class:`Extraction` keeps the
+a :class:`~memsave.graph.ForwardGraph`, with what the cost model needs read
+from TensorFlow: static shapes and dtypes, the variable behind each resource
+handle, registered FLOP counts, and which inputs/outputs each op's gradient
+reads (learned once per op type and shapes, ``_tf_private.learn_gradient_use``); an :class:`Extraction` keeps the
 map from ids back to TensorFlow objects for the rewrite.
 
 Only ops on paths from the given xs to the given ys are ever considered,
@@ -23,7 +26,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from memsave import _tf_private
-from memsave.graph import ForwardGraph, OpNode, TensorNode
+from memsave.graph import ForwardGraph, GradientUse, OpNode, TensorNode
 
 __all__ = ["Extraction", "extract"]
 
@@ -42,9 +45,13 @@ class Extraction:
         return self.tensor_ids.get(t.ref())
 
 
+def _itemsize(dtype: tf.DType) -> int:
+    return dtype.size if dtype not in (tf.resource, tf.variant, tf.string) else 0
+
+
 def _size(t: tf.Tensor) -> tuple[int, bool]:
     shape = t.shape
-    itemsize = t.dtype.size if t.dtype not in (tf.resource, tf.variant, tf.string) else 0
+    itemsize = _itemsize(t.dtype)
     if shape.rank is None:
         return itemsize, False
     n, known = 1, True
@@ -54,6 +61,27 @@ def _size(t: tf.Tensor) -> tuple[int, bool]:
         else:
             n *= d
     return n * itemsize, known
+
+
+def _held_bytes(t: tf.Tensor) -> int | None:
+    """Bytes of the variable a resource handle refers to (None if unknown)."""
+    found = _tf_private.resource_value_shape_dtype(t)
+    if found is None or found[0] is None or any(d is None for d in found[0]):
+        return None
+    n = 1
+    for d in found[0]:
+        n *= d
+    return n * _itemsize(found[1])
+
+
+def _gradient_use(op: tf.Operation, node_def) -> GradientUse | None:
+    learned = _tf_private.learn_gradient_use(op, node_def)
+    if learned is None:
+        return None
+    return GradientUse(
+        reads_inputs=learned["reads_inputs"], reads_outputs=learned["reads_outputs"],
+        aliases=learned["aliases"], has_gradient=learned["has_gradient"],
+    )
 
 
 def extract(
@@ -118,16 +146,21 @@ def extract(
             id=i, name=t.name, kind=kind, producer=producer, size_B=size,
             size_known=known, trainable=_tf_private.is_trainable(t),
             tagged=key in tagged_refs,
+            shape=None if t.shape.rank is None else tuple(t.shape.as_list()),
+            itemsize=_itemsize(t.dtype), dtype=t.dtype.name,
+            held_B=_held_bytes(t) if t.dtype == tf.resource else None,
         ))
         return i
 
     op_nodes = []
     for i, op in enumerate(ops):
+        node_def = op.node_def  # parsed once: both cost readers need it
         inputs = tuple(tensor_id(t) for t in op.inputs)
         outputs = tuple(tensor_id(t) for t in op.outputs)
         op_nodes.append(OpNode(
             index=i, name=op.name, type=op.type, inputs=inputs, outputs=outputs,
             recomputable=_tf_private.is_recomputable(op),
+            flops=_tf_private.op_flops(op, node_def), gradient=_gradient_use(op, node_def),
         ))
     x_ids = tuple(tensor_id(x) for x in xs)
     y_ids = tuple(tensor_id(y) for y in ys)

@@ -6,7 +6,11 @@ Data flow (one direction)::
       -> _normalize: lists, variables to handles, one graph, not eager
       -> extract: ForwardGraph of the ops on paths xs -> ys
       -> select: a strategy by name, or the user's tensors (validated)
+      -> costs: bytes, FLOPs, gradient reads (memsave.costs)
+      -> select: a strategy by name (judged by the simulator), or the user's tensors
       -> build_schedule: kept tensors, segments, order of backward steps
+      -> simulate: forecast peak, plain and checkpointed (memsave.simulate);
+         plan() stops here and returns a memsave.plan.Plan
       -> rewrite: copy segments gated on gradients, stock tf.gradients per step
       -> one gradient per x, shaped as tf.gradients returns it
 
@@ -17,6 +21,7 @@ warning says what to do and the stock tf.gradients answers.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
@@ -24,10 +29,13 @@ from typing import Any, Union
 import tensorflow as tf
 
 from memsave import _tf_private, strategies
+from memsave.costs import Costs, estimate_costs
 from memsave.errors import CheckpointError, EagerExecutionError, GraphMismatchError
 from memsave.extract import Extraction, extract
+from memsave.plan import Plan, make_plan
 from memsave.rewrite import aggregate, rewrite
-from memsave.schedule import Schedule, build_schedule, estimate_peak_bytes
+from memsave.schedule import Schedule, build_schedule
+from memsave.simulate import simulate
 
 __all__ = [
     "gradients",
@@ -45,70 +53,6 @@ Checkpoints = Union[str, Sequence[tf.Tensor]]
 COLLECTION_KEY = "checkpoints"
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """What :func:`gradients` will keep and recompute, before it builds anything.
-
-    Attributes
-    ----------
-    strategy : str
-        Strategy name, or ``"list"`` for tensors given by the user.
-    checkpoints : tuple of str
-        Names of the chosen tensors, in topological order.
-    reasons : tuple of str
-        Why each was chosen, aligned with ``checkpoints``.
-    kept_tensors : int
-        Tensors kept in all (checkpoints, xs, stateful ops' inputs/outputs).
-    recomputed_ops : int
-        Op copies the rewrite makes.
-    steps : int
-        Calls of the stock gradient code.
-    forward_ops : int
-        Ops between xs and ys.
-    activation_bytes : int
-        Bytes produced by recomputable forward ops (static shapes, unknown
-        dimensions counted as 1).
-    checkpoint_bytes : int
-        Bytes of the chosen checkpoints (same convention).
-    predicted_peak_bytes : int
-        Estimated peak of activation bytes during the backward pass
-        (:func:`memsave.schedule.estimate_peak_bytes`); compare it with
-        ``baseline_peak_bytes``, the same estimate for tf.gradients.
-    baseline_peak_bytes : int
-        ``activation_bytes`` times the same live fraction.
-    note : str
-        Empty, or why nothing was chosen and what to do.
-    """
-
-    strategy: str
-    checkpoints: tuple[str, ...]
-    reasons: tuple[str, ...]
-    kept_tensors: int
-    recomputed_ops: int
-    steps: int
-    forward_ops: int
-    activation_bytes: int
-    checkpoint_bytes: int
-    predicted_peak_bytes: int
-    baseline_peak_bytes: int
-    note: str = ""
-
-    def summary(self) -> str:
-        """A few lines a person can read."""
-        lines = [
-            f"memsave plan ({self.strategy}): {len(self.checkpoints)} checkpoints, "
-            f"{self.kept_tensors} kept tensors, {self.recomputed_ops} ops recomputed "
-            f"in {self.steps} steps, over {self.forward_ops} forward ops",
-            f"  checkpoint bytes {self.checkpoint_bytes:,} of {self.activation_bytes:,} activation bytes",
-            f"  estimated activation peak {self.predicted_peak_bytes:,} bytes "
-            f"(tf.gradients: {self.baseline_peak_bytes:,})",
-        ]
-        lines += [f"  {name}  ({why})" for name, why in zip(self.checkpoints, self.reasons)]
-        if self.note:
-            lines.append(f"  note: {self.note}")
-        return "\n".join(lines)
-
-
 @dataclasses.dataclass
 class _Prepared:
     ys: list
@@ -122,6 +66,7 @@ class _Prepared:
     reasons: dict
     note: str
     schedule: Schedule | None
+    costs: Costs
 
 
 def _as_list(v) -> list:
@@ -268,7 +213,15 @@ def _not_rewritable(ex: Extraction, xs, graph: tf.Graph) -> str:
     return ""
 
 
-def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options) -> _Prepared:
+def _accepts(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options,
+             batch_size: int | None = None) -> _Prepared:
     ys, xs, grad_ys, stop_gradients, graph = _normalize(ys, xs, grad_ys, stop_gradients, checkpoints)
     if isinstance(checkpoints, str):
         strategy = strategies.get(checkpoints)
@@ -287,18 +240,24 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options) -> 
         tagged = [t for t in graph.get_collection(COLLECTION_KEY) if isinstance(t, tf.Tensor)]
     with graph.as_default():
         ex = extract(ys, xs, stop_gradients, tagged)
+    costs = estimate_costs(ex.fg, batch_size=batch_size)
     unsupported = _not_rewritable(ex, xs, graph)
     if unsupported:
-        return _Prepared(ys, xs, grad_ys, stop_gradients, graph, ex, name, (), {}, unsupported, None)
+        return _Prepared(ys, xs, grad_ys, stop_gradients, graph, ex, name, (), {}, unsupported,
+                         None, costs)
     if strategy is None:
         ids = _validate_list(checkpoints, ex, ys, xs)
         reasons = {i: "given" for i in ids}
         note = "" if ids else "the checkpoint list is empty"
     else:
-        sel = strategy(ex.fg, **dict(strategy_options or {}))
+        options = dict(strategy_options or {})
+        if "costs" not in options and _accepts(strategy, "costs"):
+            options["costs"] = costs
+        sel = strategy(ex.fg, **options)
         ids, reasons, note = sel.checkpoints, sel.reasons, sel.note
     schedule = build_schedule(ex.fg, ids) if ids else None
-    return _Prepared(ys, xs, grad_ys, stop_gradients, graph, ex, name, ids, reasons, note, schedule)
+    return _Prepared(ys, xs, grad_ys, stop_gradients, graph, ex, name, ids, reasons, note,
+                     schedule, costs)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -309,32 +268,30 @@ def plan(
     *,
     stop_gradients=None,
     strategy_options: Mapping[str, Any] | None = None,
+    batch_size: int | None = None,
 ) -> Plan:
-    """What :func:`gradients` would keep and recompute, without building it.
+    """What :func:`gradients` would keep and recompute, and the peak it forecasts.
+
+    Nothing is built: the forward graph is read, the strategy chooses, and
+    the simulator forecasts the allocator peak of one step (forward and
+    gradients, variables and inputs resident), with the plan and with plain
+    tf.gradients.
+
+    Parameters
+    ----------
+    batch_size : int, optional
+        Size of unknown first dimensions (a tf.function traced with a
+        ``None`` batch); without it they count as 1 and the Plan's
+        ``assumptions`` say so.
 
     Examples
     --------
     >>> print(memsave.plan(loss, params, checkpoints="memory").summary())  # doctest: +SKIP
     """
-    p = _prepare(ys, xs, None, checkpoints, stop_gradients, strategy_options)
-    fg = p.ex.fg
-    baseline = int(strategies.SEGMENT_LIVE_FRACTION * fg.activation_bytes())
-    return Plan(
-        strategy=p.strategy,
-        checkpoints=tuple(fg.describe(p.checkpoints)),
-        reasons=tuple(p.reasons[i] for i in p.checkpoints),
-        kept_tensors=len(p.schedule.kept) if p.schedule else 0,
-        recomputed_ops=p.schedule.recomputed_ops if p.schedule else 0,
-        steps=len(p.schedule.steps) if p.schedule else 0,
-        forward_ops=len(fg.ops),
-        activation_bytes=fg.activation_bytes(),
-        checkpoint_bytes=sum(fg.tensors[i].size_B for i in p.checkpoints),
-        predicted_peak_bytes=(
-            estimate_peak_bytes(fg, p.schedule, live_fraction=strategies.SEGMENT_LIVE_FRACTION)
-            if p.schedule else baseline
-        ),
-        baseline_peak_bytes=baseline,
-        note=p.note,
+    p = _prepare(ys, xs, None, checkpoints, stop_gradients, strategy_options, batch_size)
+    return make_plan(
+        p.ex.fg, p.costs, strategy=p.strategy, checkpoints=p.checkpoints, reasons=p.reasons,
+        schedule=p.schedule, note=p.note,
     )
 
 
@@ -413,14 +370,15 @@ def gradients(
         p.strategy, len(p.checkpoints), p.schedule.recomputed_ops,
     )
     fg = p.ex.fg
-    predicted = estimate_peak_bytes(fg, p.schedule, live_fraction=strategies.SEGMENT_LIVE_FRACTION)
-    if predicted >= strategies.SEGMENT_LIVE_FRACTION * fg.activation_bytes():
+    predicted = simulate(fg, p.schedule, p.costs, timeline=False).peak_B
+    baseline = simulate(fg, None, p.costs, timeline=False).peak_B
+    if predicted >= baseline:
         logger.warning(
             "memsave.gradients(checkpoints=%r): this plan is not expected to save memory "
-            "(estimated activation peak %s bytes, tf.gradients' %s): the kept tensors hold as "
+            "(forecast peak %s bytes, tf.gradients' %s): the kept tensors hold as "
             "much as backprop would. See memsave.plan(...).summary(); try checkpoints='memory' "
             "or fewer checkpoints",
-            p.strategy, f"{predicted:,}", f"{int(strategies.SEGMENT_LIVE_FRACTION * fg.activation_bytes()):,}",
+            p.strategy, f"{predicted:,}", f"{baseline:,}",
         )
     with p.graph.as_default(), tf.name_scope(name or "gradients"):
         grad_ys = [

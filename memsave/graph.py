@@ -28,7 +28,31 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-__all__ = ["OpNode", "TensorNode", "ForwardGraph"]
+__all__ = ["OpNode", "TensorNode", "ForwardGraph", "GradientUse"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientUse:
+    """What an op's registered gradient reads, as learned from TensorFlow.
+
+    Attributes
+    ----------
+    reads_inputs, reads_outputs : tuple of int
+        Positions of the op's inputs/outputs that the gradient ops read
+        (so the executor keeps them alive until the op's gradient runs).
+    aliases : tuple of (int or None)
+        Per input: the position of the output whose incoming gradient *is*
+        that input's gradient (same buffer, as AddV2's ``(grad, grad)``),
+        else None.
+    has_gradient : bool
+        False when the op has no gradient (``StopGradient``, registered
+        not-differentiable): backprop stops there.
+    """
+
+    reads_inputs: tuple[int, ...]
+    reads_outputs: tuple[int, ...]
+    aliases: tuple[int | None, ...]
+    has_gradient: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +80,16 @@ class TensorNode:
         resource or variant dtype), by TensorFlow's own rule.
     tagged : bool
         Whether the user added the tensor to the ``'checkpoints'`` collection.
+    shape : tuple of (int or None), or None
+        Static shape, None dimensions unknown; None when the rank is unknown
+        (or not recorded: graphs built by hand give ``size_B`` only).
+    itemsize : int
+        Bytes per element (0 for handles and variants).
+    dtype : str
+        TensorFlow dtype name, for messages.
+    held_B : int or None
+        For a resource handle: bytes of the variable it refers to (resident
+        for the whole step), None if unknown or not a handle.
     """
 
     id: int
@@ -66,13 +100,19 @@ class TensorNode:
     size_known: bool
     trainable: bool
     tagged: bool = False
+    shape: tuple[int | None, ...] | None = None
+    itemsize: int = 0
+    dtype: str = ""
+    held_B: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class OpNode:
     """One op of the forward graph.
 
-    ``inputs`` and ``outputs`` are tensor ids.
+    ``inputs`` and ``outputs`` are tensor ids. ``flops`` is TensorFlow's
+    registered FLOP count (None where it has none); ``gradient`` what the
+    op's gradient reads (None: not learned, assume it reads everything).
     """
 
     index: int
@@ -81,6 +121,8 @@ class OpNode:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     recomputable: bool
+    flops: int | None = None
+    gradient: GradientUse | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,14 +175,6 @@ class ForwardGraph:
         for op in self.ops:
             for t in op.outputs:
                 yield self.tensors[t]
-
-    def activation_bytes(self) -> int:
-        """Bytes of all trainable tensors produced by recomputable ops."""
-        return sum(
-            t.size_B
-            for t in self.internal_tensors()
-            if t.trainable and self.ops[t.producer].recomputable
-        )
 
     def describe(self, tensor_ids: Sequence[int]) -> list[str]:
         """Names of the given tensors, for messages."""

@@ -36,7 +36,7 @@ import toposort
 
 from memsave.graph import ForwardGraph
 
-__all__ = ["Step", "Schedule", "build_schedule", "estimate_peak_bytes"]
+__all__ = ["Step", "Schedule", "build_schedule"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,39 +227,3 @@ def _recompute_step(heads, parts) -> Step:
     ops = sorted({o for seg, _ in parts for o in seg})
     boundary = sorted({b for _, bnd in parts for b in bnd})
     return Step("recompute", heads, tuple(ops), tuple(boundary))
-
-
-def estimate_peak_bytes(fg: ForwardGraph, schedule: Schedule, *, live_fraction: float) -> int:
-    """Estimated peak of activation bytes during the checkpointed backward pass.
-
-    While step ``s`` runs, alive are the kept activations some step at or
-    after ``s`` still reads, plus ``live_fraction`` of what step ``s``
-    recomputes. Weights, gradients and kernel workspace are left out: the
-    figure is for comparing plans (and with :meth:`ForwardGraph.activation_bytes`
-    times the same fraction, tf.gradients' own), not a byte-exact forecast.
-    """
-    tensors = fg.tensors
-
-    def is_activation(t: int) -> bool:
-        node = tensors[t]
-        return node.kind == "internal" and node.trainable and fg.ops[node.producer].recomputable
-
-    last_use: dict[int, int] = {}
-    for k, step in enumerate(schedule.steps):
-        for b in step.boundary:
-            if is_activation(b):
-                last_use[b] = k
-    freed = [0] * len(schedule.steps)
-    for t, last in last_use.items():
-        freed[last] += tensors[t].size_B
-    alive = sum(freed)
-    peak = 0
-    for k, step in enumerate(schedule.steps):
-        recomputed = 0
-        if step.kind == "recompute":
-            recomputed = sum(
-                tensors[t].size_B for o in step.ops for t in fg.ops[o].outputs if tensors[t].trainable
-            )
-        peak = max(peak, alive + int(live_fraction * recomputed))
-        alive -= freed[k]
-    return peak

@@ -8,6 +8,11 @@ the name up with :func:`get`. An unknown name raises
 
 Every strategy returns internal tensors produced by recomputable ops that are
 not ys; outputs of stateful ops and the xs are kept anyway and are not listed.
+
+Memory is judged by one model only, :func:`memsave.simulate.simulate`: the
+automatic strategies (``'memory'``, ``'speed'``) keep a plan only when the
+simulator predicts it saves at least ``min_saving_fraction`` of the step's
+working memory (:func:`judge`), and say by how much when it does not.
 """
 
 from __future__ import annotations
@@ -19,8 +24,11 @@ from collections.abc import Callable, Iterable
 
 import networkx as nx
 
+from memsave.costs import Costs, estimate_costs, is_activation
 from memsave.errors import UnknownStrategyError
 from memsave.graph import ForwardGraph
+from memsave.schedule import build_schedule
+from memsave.simulate import MemoryTrace, simulate
 
 __all__ = [
     "Selection",
@@ -32,7 +40,9 @@ __all__ = [
     "collection",
     "memory",
     "speed",
+    "judge",
     "EXPENSIVE_OP_TYPES",
+    "MIN_SAVING_FRACTION",
 ]
 
 #: Op types whose outputs ``'speed'`` keeps: convolutions of every kind and
@@ -73,6 +83,49 @@ class Selection:
     checkpoints: tuple[int, ...]
     reasons: dict[int, str]
     note: str = ""
+
+
+def judge(
+    fg: ForwardGraph,
+    selection: Selection,
+    costs: Costs,
+    *,
+    min_saving_fraction: float,
+    who: str,
+    baseline: MemoryTrace | None = None,
+    predicted_B: int | None = None,
+) -> Selection:
+    """``selection``, or an empty one when it saves too little.
+
+    The saving is ``baseline - predicted`` peak (both from the simulator) as a
+    fraction of the baseline's working memory (its peak minus the resident
+    variables and inputs, which no plan can free). Under
+    ``min_saving_fraction`` the plan would pay recomputation for a saving
+    within the forecast's error: nothing is kept, and the note gives the
+    figures. ``baseline`` (the plain trace) and ``predicted_B`` (the plan's
+    peak) skip simulations the caller has already run.
+    """
+    if not 0.0 <= min_saving_fraction < 1.0:
+        raise ValueError(
+            f"memsave: min_saving_fraction must be in [0, 1), got {min_saving_fraction}"
+        )
+    if not selection.checkpoints:
+        return selection
+    base = baseline if baseline is not None else simulate(fg, None, costs, timeline=False)
+    if predicted_B is None:
+        predicted_B = simulate(
+            fg, build_schedule(fg, selection.checkpoints), costs, timeline=False).peak_B
+    working = max(base.peak_B - base.resident_B, 1)
+    saving = (base.peak_B - predicted_B) / working
+    if saving >= min_saving_fraction:
+        return selection
+    return Selection((), {}, (
+        f"{who}'s plan ({len(selection.checkpoints)} checkpoints) would take the predicted "
+        f"peak from {base.peak_B:,} to {predicted_B:,} bytes, a saving of {saving:.1%} of "
+        f"the {working:,} bytes of working memory (less than min_saving_fraction="
+        f"{min_saving_fraction:g}), so recomputing would cost time for next to nothing; "
+        + _CHOOSE_YOURSELF
+    ))
 
 
 Strategy = Callable[..., Selection]
@@ -126,12 +179,9 @@ def _candidates(fg: ForwardGraph) -> Iterable[int]:
     """Tensors a strategy may choose: internal, recomputable, differentiable, not ys."""
     ys = set(fg.ys)
     for op in fg.ops:
-        if not op.recomputable:
-            continue
         for t in op.outputs:
-            node = fg.tensors[t]
             # size 0: a handle or a TensorList, whose real size is unknown here.
-            if node.trainable and node.size_B > 0 and t not in ys:
+            if is_activation(fg, t) and fg.tensors[t].size_B > 0 and t not in ys:
                 yield t
 
 
@@ -157,17 +207,31 @@ def collection(fg: ForwardGraph) -> Selection:
 
 
 @register("speed")
-def speed(fg: ForwardGraph, *, op_types: frozenset[str] = EXPENSIVE_OP_TYPES) -> Selection:
+def speed(
+    fg: ForwardGraph,
+    *,
+    op_types: frozenset[str] = EXPENSIVE_OP_TYPES,
+    costs: Costs | None = None,
+    min_saving_fraction: float | None = None,
+) -> Selection:
     """Keep the outputs of expensive ops (:data:`EXPENSIVE_OP_TYPES`).
 
     Recomputation then redoes only the cheap ops between them, so the extra
-    time is small; memory drops by what those cheap ops produced.
+    time is small; memory drops by what those cheap ops produced. Like every
+    automatic strategy, the plan is dropped when the simulator predicts it
+    saves under ``min_saving_fraction`` (:func:`judge`; default
+    :data:`MIN_SAVING_FRACTION`).
     """
     chosen = [t for t in _candidates(fg) if fg.ops[fg.tensors[t].producer].type in op_types]
     note = "" if chosen else (
         f"no output of {sorted(op_types)} lies between xs and ys; use checkpoints='memory'"
     )
-    return _selection(fg, chosen, lambda t: f"output of {fg.ops[fg.tensors[t].producer].type}", note)
+    sel = _selection(fg, chosen, lambda t: f"output of {fg.ops[fg.tensors[t].producer].type}", note)
+    return judge(
+        fg, sel, costs if costs is not None else estimate_costs(fg),
+        min_saving_fraction=MIN_SAVING_FRACTION if min_saving_fraction is None else min_saving_fraction,
+        who="'speed'",
+    )
 
 
 #: A differentiable tensor with a fully known size at most this fraction of
@@ -236,21 +300,25 @@ def articulation_candidates(
     return out
 
 
-#: Fraction of a segment's activation bytes alive at once while it is
-#: recomputed and differentiated. A gradient usually needs only one of the
-#: tensors of each elementwise pair (tanh's output, not its input), so about
-#: half; measured on tanh(matmul) chains, where 0.5 picks the k with the
-#: lowest allocator peak. Override with ``segment_live_fraction=``.
+#: Fraction of a segment's activation bytes assumed alive at once while it
+#: is recomputed, used only to *generate* candidate plans (each is then
+#: judged by the simulator). A gradient usually needs one tensor of each
+#: elementwise pair (tanh's output, not its input), so about half. Override
+#: with ``segment_live_fraction=``.
 SEGMENT_LIVE_FRACTION = 0.5
 
-#: Smallest fraction of the estimated activation peak the automatic plan of
-#: ``'memory'`` must save to be used. Recomputation costs about one forward
-#: pass; a plan predicted to save less than this (a network whose long skips
-#: leave articulation points only at its ends, where keeping them changes
-#: nothing) pays that for a saving within the estimate's error, so
-#: ``'memory'`` keeps nothing and memsave falls back to tf.gradients with a
-#: warning. Measured: a U-Net-36 plan predicted 3% and saved 1-5% for 1.3x
-#: step time. Override with ``min_saving_fraction=`` (0 keeps any plan).
+#: Further live fractions tried when generating candidates for ``'memory'``;
+#: the simulator picks the best of all of them.
+CANDIDATE_LIVE_FRACTIONS = (0.25, 1.0)
+
+#: Smallest fraction of the step's predicted working memory (plain peak minus
+#: resident variables and inputs, both from :func:`memsave.simulate.simulate`)
+#: that an automatic strategy's plan must save to be used. Recomputation
+#: costs up to a forward pass; a plan predicted to save less than this pays
+#: that for a saving within the forecast's error, so the strategy keeps
+#: nothing and memsave falls back to tf.gradients with a warning. Measured: a
+#: U-Net-36 plan predicted 3% and saved 1-5% for 1.3x step time. Override
+#: with ``min_saving_fraction=`` (0 keeps any plan).
 MIN_SAVING_FRACTION = 0.1
 
 #: What to do when ``'memory'`` finds nothing worth keeping.
@@ -305,6 +373,20 @@ def _spread(pos: list[int], total: int, k: int) -> list[int]:
     return chosen
 
 
+def _greedy_plan(pos, size, total, frac) -> list[int]:
+    """The greedy walk under the smallest budget it can meet (bisection)."""
+    lo, hi = 0.0, frac * total
+    idx: list[int] = []
+    for _ in range(_BUDGET_BISECTIONS):
+        mid = (lo + hi) / 2
+        found = _greedy(pos, size, total, mid, frac)
+        if found is None:
+            lo = mid
+        else:
+            hi, idx = mid, found
+    return idx
+
+
 @register("memory")
 def memory(
     fg: ForwardGraph,
@@ -313,8 +395,9 @@ def memory(
     segment_live_fraction: float = SEGMENT_LIVE_FRACTION,
     small_tensor_fraction: float = SMALL_TENSOR_FRACTION,
     min_saving_fraction: float = MIN_SAVING_FRACTION,
+    costs: Costs | None = None,
 ) -> Selection:
-    """Keep articulation points under the smallest byte budget that works.
+    """Keep the articulation points that give the lowest predicted peak.
 
     Parameters
     ----------
@@ -322,26 +405,28 @@ def memory(
         Keep exactly this many (fewer if there are fewer candidates), spread
         so that the segments between them hold about the same bytes.
     segment_live_fraction : float
-        See :data:`SEGMENT_LIVE_FRACTION`.
+        See :data:`SEGMENT_LIVE_FRACTION` (shapes the candidate plans only).
     small_tensor_fraction : float
         See :data:`SMALL_TENSOR_FRACTION`.
     min_saving_fraction : float
         See :data:`MIN_SAVING_FRACTION`. Not applied with ``num_checkpoints``.
+    costs : Costs, optional
+        The cost model of ``fg`` (built here when not given).
 
     Notes
     -----
     Candidates are :func:`articulation_candidates`, each placed at the
     cumulative bytes of the activations produced up to it (topological
-    order). Backprop runs the segments last to first, and while segment
-    ``m`` is recomputed the checkpoints before it are alive, so the peak is
-    estimated as ``max_m (bytes of checkpoints before m + frac * bytes of
-    segment m)``. For a budget, :func:`_greedy` makes each segment as long
-    as the budget allows; the smallest budget it meets is found by
-    bisection. Segments then shrink toward the end of the graph, and for a
-    uniform chain of ``n`` equal tensors about ``sqrt(n)`` are kept (3 of 16,
-    31 of 1024):
-    the O(sqrt(n)) memory of Chen et al. (2016). ``O(k log n)`` per budget
-    tried, after the linear articulation search.
+    order). Candidate plans come from a greedy walk (:func:`_greedy`: each
+    segment as long as ``alive + frac * segment_bytes <= budget`` allows,
+    under the smallest budget found by bisection, for a few live fractions
+    ``frac``) and from evenly spread sets of about ``sqrt(k)`` candidates;
+    the simulator (:func:`memsave.simulate.simulate`) forecasts each plan's
+    peak and the lowest wins (ties: fewer checkpoints). Segments shrink toward
+    the end of the graph, as in Griewank's schedules; a uniform chain of ``n``
+    equal tensors keeps about ``sqrt(n)``: the O(sqrt(n)) memory of Chen et
+    al. (2016). ``O(k log n)`` per generated plan plus one linear simulation
+    per distinct plan (at most seven).
 
     References
     ----------
@@ -349,18 +434,19 @@ def memory(
     Memory Cost. arXiv:1604.06174, 2016.
     A. Griewank, A. Walther. Algorithm 799: revolve. ACM TOMS 26(1), 2000.
     """
-    cands = articulation_candidates(fg, small_tensor_fraction=small_tensor_fraction)
-    if not cands:
-        return Selection((), {}, (
-            "the forward graph has no articulation point (every tensor is bypassed by "
-            "another path, e.g. long skip connections); " + _CHOOSE_YOURSELF
-        ))
     if not 0.0 <= min_saving_fraction < 1.0:
         raise ValueError(
             f"memsave: min_saving_fraction must be in [0, 1), got {min_saving_fraction}"
         )
     if num_checkpoints is not None and num_checkpoints < 0:
         raise ValueError(f"memsave: num_checkpoints must be >= 0, got {num_checkpoints}")
+    cands = articulation_candidates(fg, small_tensor_fraction=small_tensor_fraction)
+    if not cands:
+        return Selection((), {}, (
+            "no tensor cuts the forward graph in two (every activation is bypassed by "
+            "another path, or all of them are inside ops that are kept anyway); "
+            + _CHOOSE_YOURSELF
+        ))
     cum = []
     total = 0
     for op in fg.ops:
@@ -372,24 +458,29 @@ def memory(
 
     if num_checkpoints is not None:
         idx = _spread(pos, total, min(num_checkpoints, len(cands)))
-    else:
-        # Smallest budget the greedy walk can meet, by bisection on bytes.
-        baseline = segment_live_fraction * total
-        lo, hi = 0.0, baseline
-        idx = []
-        for _ in range(_BUDGET_BISECTIONS):
-            mid = (lo + hi) / 2
-            found = _greedy(pos, size, total, mid, segment_live_fraction)
-            if found is None:
-                lo = mid
-            else:
-                hi, idx = mid, found
-        if hi > (1.0 - min_saving_fraction) * baseline:
-            return Selection((), {}, (
-                f"the best plan keeping articulation points would cut the estimated activation "
-                f"peak by only {1.0 - hi / baseline:.0%} (less than min_saving_fraction="
-                f"{min_saving_fraction:g}): long skip connections bypass most of the graph, so "
-                "recomputing it would cost a forward pass for next to nothing; " + _CHOOSE_YOURSELF
-            ))
-    chosen = [cands[i] for i in idx]
-    return _selection(fg, chosen, lambda t: "articulation point")
+        return _selection(fg, [cands[i] for i in idx], lambda t: "articulation point")
+
+    plans: dict[tuple[int, ...], None] = {}
+    for frac in (segment_live_fraction, *CANDIDATE_LIVE_FRACTIONS):
+        plans[tuple(_greedy_plan(pos, size, total, frac))] = None
+    root = math.isqrt(len(cands))
+    for k in (root // 2, root, 2 * root):
+        if 0 < k <= len(cands):
+            plans[tuple(_spread(pos, total, k))] = None
+    if costs is None:
+        costs = estimate_costs(fg)
+    best, best_peak = (), None
+    for idx in plans:
+        if not idx:
+            continue
+        chosen = tuple(sorted(cands[i] for i in idx))
+        peak = simulate(fg, build_schedule(fg, chosen), costs, timeline=False).peak_B
+        if best_peak is None or peak < best_peak or (peak == best_peak and len(chosen) < len(best)):
+            best, best_peak = chosen, peak
+    sel = _selection(fg, best, lambda t: "articulation point")
+    if not best:
+        return Selection((), {}, (
+            "no plan keeping articulation points was found; " + _CHOOSE_YOURSELF
+        ))
+    return judge(fg, sel, costs, min_saving_fraction=min_saving_fraction, who="'memory'",
+                 predicted_B=best_peak)

@@ -15,10 +15,27 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from memsave.graph import ForwardGraph, OpNode, TensorNode
+from memsave.graph import ForwardGraph, GradientUse, OpNode, TensorNode
 
 #: Bytes of every tensor unless a test says otherwise (a [1024, 256] float32).
 MiB = 1 << 20
+
+#: What the gradients of common op types read, as TensorFlow's registered
+#: gradients do (tests/test_costs.py checks these against TensorFlow).
+READS_OUTPUT = ("Tanh", "Relu", "Sigmoid", "Softmax")
+READS_INPUTS = ("MatMul", "Conv2D", "Conv2DBackpropInput", "Mul")
+PASS_THROUGH = ("AddV2", "Add")
+
+
+def gradient_use(type: str, n_in: int) -> GradientUse:
+    """The GradientUse TensorFlow learns for ``type`` (a few common types)."""
+    if type in READS_OUTPUT:
+        return GradientUse((), (0,), (None,) * n_in)
+    if type in PASS_THROUGH:
+        return GradientUse((), (), (0,) * n_in)
+    if type in READS_INPUTS:
+        return GradientUse(tuple(range(n_in)), (), (None,) * n_in)
+    return GradientUse((), (), (None,) * n_in)  # Mean, Identity, ...
 
 
 class Builder:
@@ -59,8 +76,12 @@ class Builder:
         size_B: int = MiB,
         trainable: bool = True,
         tagged: bool = False,
+        gradient: GradientUse | None = None,
     ):
-        """Add an op; return its output name (a list of names if ``n_out > 1``)."""
+        """Add an op; return its output name (a list of names if ``n_out > 1``).
+
+        ``gradient`` defaults to :func:`gradient_use` of ``type``.
+        """
         index = len(self.ops)
         outs = [
             self._tensor(f"{name}:{j}", "internal", index, size_B=size_B,
@@ -72,6 +93,7 @@ class Builder:
             inputs=tuple(self.ids[t] for t in inputs),
             outputs=tuple(self.ids[t] for t in outs),
             recomputable=recomputable,
+            gradient=gradient if gradient is not None else gradient_use(type, len(inputs)),
         ))
         return outs[0] if n_out == 1 else outs
 

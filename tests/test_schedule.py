@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from memsave import strategies
-from memsave.schedule import Schedule, Step, build_schedule, estimate_peak_bytes
+from memsave.schedule import Schedule, Step, build_schedule
 
 import handgraphs as H
 from handgraphs import Builder, names, op_names
@@ -128,11 +128,9 @@ def test_stateful_op_mid_chain_is_backpropagated_not_copied():
     ]
 
 
-def test_residual_block_with_memory_checkpoint():
+def test_residual_block_with_the_block_output_kept():
     fg = H.residual_block()
-    sel = strategies.memory(fg)
-    assert names(fg, sel.checkpoints) == ["add:0"]
-    assert _steps(fg, build_schedule(fg, sel.checkpoints)) == [
+    assert _steps(fg, build_schedule(fg, _ids(fg, "add:0"))) == [
         ("recompute", ["head:0"], ["post", "head"], ["add:0"]),
         ("recompute", ["add:0"], ["pre", "a", "b", "c", "add"], ["x"]),
     ]
@@ -415,14 +413,3 @@ def test_step_and_schedule_are_values():
     b = build_schedule(fg, _ids(fg, "op1:0"))
     assert a == b and hash(a.steps) == hash(b.steps)
     assert isinstance(a.steps[0], Step)
-
-
-def test_estimated_peak_counts_alive_checkpoints_and_the_recomputed_segment():
-    # x -> op0 .. op9 = y, 1 MiB each, op3 and op6 kept. Steps: y's (op7..op9,
-    # reads op6), op6's (op4..op6, reads op3), op3's (op0..op3, reads x).
-    fg = H.chain(10)
-    sched = build_schedule(fg, _ids(fg, "op3:0", "op6:0"))
-    # Step 0: op3 and op6 alive (2 MiB) + half of 3 MiB recomputed.
-    # Step 1: op3 alive (1 MiB) + half of 3 MiB. Step 2: half of 4 MiB.
-    assert estimate_peak_bytes(fg, sched, live_fraction=0.5) == int(3.5 * H.MiB)
-    assert estimate_peak_bytes(fg, sched, live_fraction=1.0) == 5 * H.MiB

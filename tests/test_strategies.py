@@ -110,7 +110,7 @@ def _mixed_graph(tag=()):
 
 def test_speed_keeps_matmul_and_conv2d_outputs_only():
     fg = _mixed_graph()
-    sel = strategies.get("speed")(fg)
+    sel = strategies.get("speed")(fg, min_saving_fraction=0.0)
     assert names(fg, sel.checkpoints) == ["mm1:0", "conv:0", "mm2:0"]
     assert [sel.reasons[t] for t in sel.checkpoints] == [
         "output of MatMul", "output of Conv2D", "output of MatMul",
@@ -126,7 +126,7 @@ def test_speed_with_no_expensive_op_says_so():
 
 def test_speed_op_types_option():
     fg = _mixed_graph()
-    sel = strategies.speed(fg, op_types=frozenset({"Relu", "Tanh"}))
+    sel = strategies.speed(fg, op_types=frozenset({"Relu", "Tanh"}), min_saving_fraction=0.0)
     assert names(fg, sel.checkpoints) == ["tanh1:0", "relu:0"]
 
 
@@ -162,7 +162,9 @@ def test_memory_spreads_about_sqrt_n_checkpoints_along_a_uniform_chain(n):
     sel = strategies.get("memory")(fg)
     k = len(sel.checkpoints)
     # Chen et al.'s balance: about sqrt(n) segments of about sqrt(n) ops.
-    assert math.sqrt(n) - 2 <= k <= math.sqrt(n) + 1, (n, k)
+    # (The simulator picks among greedy and evenly spread plans, so a few
+    # more than sqrt(n) may win: each costs 1 MiB, each saves segment bytes.)
+    assert math.sqrt(n) - 2 <= k <= 1.25 * math.sqrt(n) + 1, (n, k)
     pos = _producers(fg, sel)
     assert pos == sorted(set(pos)), "checkpoints must be distinct and in topological order"
     assert set(sel.checkpoints) <= set(articulation_candidates(fg))
@@ -182,8 +184,10 @@ def test_memory_spreads_about_sqrt_n_checkpoints_along_a_uniform_chain(n):
 
 def test_memory_on_a_short_chain_is_exact():
     fg = H.chain(16)
-    # Segments of 7, 5, 3 and 1 ops: the 1 + 3 + 5 + 7 = 16 split.
-    assert names(fg, strategies.memory(fg).checkpoints) == ["op6:0", "op11:0", "op14:0"]
+    # Segments of 6, 5, 4 and 1 ops: the simulator forecasts 8 MiB for it,
+    # 9 MiB for the greedy 7, 5, 3, 1 split (op6, op11, op14) of the old
+    # estimate, which left out the gradient buffers.
+    assert names(fg, strategies.memory(fg).checkpoints) == ["op5:0", "op10:0", "op14:0"]
 
 
 def test_memory_weights_positions_by_bytes_not_op_count():
@@ -232,7 +236,8 @@ def test_memory_on_residual_and_unet_picks_only_cut_points():
 
 def test_memory_keeps_nothing_when_the_best_plan_saves_too_little():
     # Long skips from the stem to the last op bypass 18 of 23 tensors:
-    # keeping the stem cuts the estimated peak from 11.5 to 10.5 MiB (9%).
+    # keeping the stem cuts the forecast peak from 23 to 21 MiB, 9.1% of the
+    # 22 MiB of working memory (1 MiB of it is the resident x).
     b = Builder()
     x = b.source("x")
     h = x
@@ -248,7 +253,8 @@ def test_memory_keeps_nothing_when_the_best_plan_saves_too_little():
     assert b.ids["stem:0"] in articulation_candidates(fg)
     sel = strategies.memory(fg)
     assert sel.checkpoints == ()
-    assert "only 9%" in sel.note and "min_saving_fraction" in sel.note
+    assert "24,117,248 to 22,020,096 bytes, a saving of 9.1%" in sel.note
+    assert "min_saving_fraction" in sel.note
     assert strategies.memory(fg, min_saving_fraction=0.0).checkpoints == (b.ids["stem:0"],)
     assert strategies.memory(fg, num_checkpoints=1).checkpoints == (b.ids["stem:0"],)
     with pytest.raises(ValueError, match="min_saving_fraction"):
@@ -268,7 +274,7 @@ def test_memory_without_articulation_points_returns_nothing_and_says_why():
     assert articulation_candidates(fg) == []
     sel = strategies.memory(fg)
     assert sel.checkpoints == ()
-    assert "no articulation point" in sel.note
+    assert "no tensor cuts the forward graph" in sel.note
 
 
 def test_branches_that_start_at_an_x_can_each_be_cut():

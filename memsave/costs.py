@@ -1,0 +1,245 @@
+"""The cost model: bytes per tensor, compute per op, what each gradient reads.
+
+Data flow: :func:`estimate_costs` takes a :class:`~memsave.graph.ForwardGraph`
+(whose TensorFlow facts :mod:`memsave.extract` recorded: static shapes,
+dtypes, the variable behind each handle, registered FLOP counts, learned
+gradient reads) and an optional ``batch_size`` hint, and returns a
+:class:`Costs`: plain numbers per tensor and per op, and the list of
+assumptions it had to make. The simulator (:mod:`memsave.simulate`) and the
+strategies read it; nothing here touches TensorFlow.
+
+What the numbers mean
+---------------------
+* ``tensor_B[t]``: bytes of tensor ``t``'s buffer, from its static shape and
+  dtype. An unknown first dimension takes ``batch_size`` when given; any
+  other unknown dimension counts as 1. Each such guess is listed in
+  ``assumptions``, never made silently. A resource handle weighs what its
+  variable holds (``TensorNode.held_B``).
+* ``op_flops[i]``: TensorFlow's registered FLOP count for op ``i`` (matrix
+  products, convolutions, ...), else the number of elements it produces.
+* Gradient reads: the inputs/outputs of op ``i`` that its gradient reads
+  (learned from the gradient TensorFlow builds for the op type; when that
+  failed, all of them, and ``assumptions`` says so), and which input
+  gradients are the incoming gradient's own buffer (AddV2's ``(grad, grad)``).
+* Aliases and in-place: ops of :data:`ALIAS_OP_TYPES` return a view of their
+  first input (no allocation); ops of :data:`INPLACE_OP_TYPES` reuse an
+  input buffer of the same size when that input dies at the op, as the
+  TensorFlow kernels do with ``forward_input_or_allocate_output``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from memsave.graph import ForwardGraph, GradientUse
+
+__all__ = [
+    "Costs",
+    "estimate_costs",
+    "is_activation",
+    "ALIAS_OP_TYPES",
+    "INPLACE_OP_TYPES",
+]
+
+#: Op types whose output shares its first input's buffer: the kernel sets the
+#: output to the input tensor (Identity, Reshape, ExpandDims, Squeeze,
+#: StopGradient, EnsureShape, CheckNumerics), or, for ReadVariableOp of a
+#: resource variable, to the variable's own tensor (copy-on-read is off outside
+#: tf.distribute's sync-on-read variables). They allocate nothing.
+ALIAS_OP_TYPES = frozenset(
+    {
+        "Identity", "IdentityN", "Reshape", "ExpandDims", "Squeeze", "StopGradient",
+        "PreventGradient", "EnsureShape", "CheckNumerics", "ReadVariableOp", "Bitcast",
+        "Snapshot",
+    }
+)
+
+#: Elementwise op types whose CPU/GPU kernels write their output into an
+#: input's buffer when that input is not used afterwards
+#: (``OpKernelContext::forward_input_or_allocate_output``: the cwise unary and
+#: binary ops, BiasAdd, Relu and its gradients, AddN, Softmax). Their gradient
+#: ops are elementwise too and forward the same way.
+INPLACE_OP_TYPES = frozenset(
+    {
+        "Abs", "Add", "AddV2", "AddN", "BiasAdd", "Cos", "Elu", "Erf", "Exp", "Expm1", "Gelu",
+        "LeakyRelu", "Log", "Log1p", "Maximum", "Minimum", "Mul", "Neg", "Pow", "RealDiv",
+        "Reciprocal", "Relu", "Relu6", "Rsqrt", "Selu", "Sigmoid", "Sin", "Softplus",
+        "Softsign", "Sqrt", "Square", "SquaredDifference", "Sub", "Tanh", "DivNoNan",
+        "Div", "Floor", "Sign", "Round", "Softmax", "LogSoftmax", "Swish", "MulNoNan",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Numbers per tensor and per op of one ForwardGraph.
+
+    Attributes
+    ----------
+    tensor_B : tuple of int
+        Bytes of each tensor's buffer (see module docstring).
+    op_flops : tuple of int
+        Compute cost of each op (FLOPs, or elements produced).
+    alias_of : tuple of (int or None)
+        Per tensor: the tensor whose buffer it is (outputs of
+        :data:`ALIAS_OP_TYPES`), else None.
+    inplace : tuple of bool
+        Per op: may write its output into a dying input of the same size.
+    gradient : tuple of GradientUse
+        Per op: what its gradient reads (all inputs and outputs when not
+        learned).
+    resident_B : int
+        Bytes alive for the whole step before it starts: the variables behind
+        the xs' handles and the inputs (sources and external tensors).
+    assumptions : tuple of str
+        Every guess the model made (unknown dimensions, unlearned gradients).
+    batch_size : int or None
+        The hint used for unknown first dimensions.
+    """
+
+    tensor_B: tuple[int, ...]
+    op_flops: tuple[int, ...]
+    alias_of: tuple[int | None, ...]
+    inplace: tuple[bool, ...]
+    gradient: tuple[GradientUse, ...]
+    resident_B: int
+    assumptions: tuple[str, ...]
+    batch_size: int | None = None
+
+    @property
+    def forward_flops(self) -> int:
+        """Compute of one forward pass (sum of ``op_flops``)."""
+        return sum(self.op_flops)
+
+
+def is_activation(fg: ForwardGraph, t: int) -> bool:
+    """Whether tensor ``t`` is an activation: produced by a recomputable op
+    of the forward graph and differentiable.
+
+    The one definition of "activation" in memsave: what a strategy may
+    choose to keep, and what checkpointing may free and rebuild.
+    """
+    node = fg.tensors[t]
+    return node.kind == "internal" and node.trainable and fg.ops[node.producer].recomputable
+
+
+def _resolve_bytes(node, batch_size: int | None) -> tuple[int, str]:
+    """Bytes of ``node`` and "" / "batch" / "other" for which guess was made."""
+    if node.held_B is not None:
+        return node.held_B, ""
+    if node.shape is None or node.size_known:
+        return node.size_B, ("" if node.size_known else "rank")
+    n = node.itemsize
+    guess = ""
+    for k, d in enumerate(node.shape):
+        if d is None:
+            if k == 0 and batch_size is not None:
+                n *= batch_size
+                guess = guess or "batch"
+            else:
+                guess = "other"
+        else:
+            n *= d
+    return n, guess
+
+
+def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
+    """Bytes, compute and gradient reads of every tensor and op of ``fg``.
+
+    Parameters
+    ----------
+    fg : ForwardGraph
+    batch_size : int, optional
+        Size of an unknown first dimension. Without it such dimensions
+        count as 1 and ``assumptions`` says so.
+
+    Returns
+    -------
+    Costs
+
+    Notes
+    -----
+    One pass over tensors and ops: linear in the graph size.
+    """
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"memsave: batch_size must be a positive int, got {batch_size!r}")
+    tensor_B = []
+    guessed: dict[str, list[str]] = {"batch": [], "other": [], "rank": []}
+    for node in fg.tensors:
+        b, guess = _resolve_bytes(node, batch_size)
+        tensor_B.append(b)
+        if guess:
+            guessed[guess].append(node.name)
+    assumptions = []
+    if guessed["batch"]:
+        assumptions.append(
+            f"{len(guessed['batch'])} tensors have an unknown first dimension; took "
+            f"batch_size={batch_size} (e.g. {guessed['batch'][0]!r})"
+        )
+    if guessed["other"]:
+        hint = "" if batch_size is not None else "; pass batch_size= to plan"
+        assumptions.append(
+            f"{len(guessed['other'])} tensors have unknown dimensions, counted as 1 "
+            f"(e.g. {guessed['other'][0]!r}){hint}"
+        )
+    if guessed["rank"]:
+        assumptions.append(
+            f"{len(guessed['rank'])} tensors have an unknown rank, counted as one element "
+            f"(e.g. {guessed['rank'][0]!r})"
+        )
+    held_unknown = [
+        n.name for n in fg.tensors if n.kind != "internal" and n.dtype == "resource" and n.held_B is None
+    ]
+    if held_unknown:
+        assumptions.append(
+            f"{len(held_unknown)} resource handles with no recorded variable shape, counted as "
+            f"0 bytes (e.g. {held_unknown[0]!r})"
+        )
+
+    alias_of: list[int | None] = [None] * len(fg.tensors)
+    inplace = []
+    gradient = []
+    op_flops = []
+    unlearned: dict[str, int] = {}
+    for op in fg.ops:
+        if op.type in ALIAS_OP_TYPES and op.inputs:
+            for j, t in enumerate(op.outputs):
+                src = op.inputs[j] if op.type == "IdentityN" and j < len(op.inputs) else op.inputs[0]
+                alias_of[t] = src
+        inplace.append(op.type in INPLACE_OP_TYPES)
+        if op.gradient is None:
+            unlearned[op.type] = unlearned.get(op.type, 0) + 1
+            gradient.append(GradientUse(
+                reads_inputs=tuple(range(len(op.inputs))),
+                reads_outputs=tuple(range(len(op.outputs))),
+                aliases=(None,) * len(op.inputs),
+            ))
+        else:
+            gradient.append(op.gradient)
+        if op.flops is not None:
+            op_flops.append(op.flops)
+        else:
+            op_flops.append(sum(
+                tensor_B[t] // fg.tensors[t].itemsize if fg.tensors[t].itemsize else 0
+                for t in op.outputs
+            ))
+    if unlearned:
+        kinds = ", ".join(f"{k} x{n}" for k, n in sorted(unlearned.items()))
+        assumptions.append(
+            f"what the gradient reads was not learned for {kinds}; assumed it reads every "
+            "input and output"
+        )
+    resident = 0
+    for node in fg.tensors:
+        if node.kind != "internal":
+            resident += tensor_B[node.id]
+    return Costs(
+        tensor_B=tuple(tensor_B),
+        op_flops=tuple(op_flops),
+        alias_of=tuple(alias_of),
+        inplace=tuple(inplace),
+        gradient=tuple(gradient),
+        resident_B=resident,
+        assumptions=tuple(assumptions),
+        batch_size=batch_size,
+    )

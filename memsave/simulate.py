@@ -1,0 +1,443 @@
+"""The one memory model: simulate what the TensorFlow executor keeps alive.
+
+Data flow: ``simulate(fg, schedule, costs)`` turns the forward graph and a
+:class:`~memsave.schedule.Schedule` (or None for plain ``tf.gradients``)
+into a straight-line *program* of buffer reads and writes, then replays it
+once with reference counts, as the executor frees a tensor when its last
+reader has run. It returns a :class:`MemoryTrace`: the allocator peak, the
+bytes resident before the step, and the timeline of bytes alive during each
+event. Every strategy, the Plan, the no-saving warning and the budget
+solvers read this one function; nothing here touches TensorFlow.
+
+The program
+-----------
+1. Resident: the xs' variables and the inputs (sources and external
+   tensors) are alive from the start to the end.
+2. Forward: every op in topological order allocates its outputs, except
+   views (:data:`memsave.costs.ALIAS_OP_TYPES`) and elementwise ops writing
+   into an input that dies there (:data:`memsave.costs.INPLACE_OP_TYPES`).
+   A tensor dies after its last reader; a tensor some gradient reads
+   (``Costs.gradient``) is read by that gradient, so it lives until then.
+3. Backward, one stage per step of the schedule (plain backprop is one
+   ``backprop`` stage over every op): a ``recompute`` step makes fresh
+   proxies of its boundary (``t + gate``, a new buffer unless the original
+   dies there; identities otherwise), re-runs its ops on them, then
+   differentiates them in reverse order. Each op's gradient sums the
+   gradients its outputs received (AddN, in place), reads what it saves
+   and writes one gradient per differentiable input (the incoming buffer
+   itself where the gradient is a pass-through, e.g. AddV2).
+4. The xs' gradients are outputs of the step: alive to the end.
+
+The allocator decides what a byte costs (:class:`Allocator`): oneDNN's
+CPU allocator (``MklCPUAllocator``) sends allocations under 256 KiB to a
+small-size allocator that keeps no statistics, so the peak TensorFlow
+reports never counts them; the BFC allocator (GPU, and CPU without oneDNN)
+counts everything, rounded up to 256 bytes.
+
+Notes
+-----
+Building and replaying the program is linear in ops plus tensors: one pass
+to build, one to find each value's last reader, one to replay. Ops run in
+topological order (one at a time); the real executor may overlap
+independent ops, so a forecast can be off by the outputs of ops that ran
+side by side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from memsave.costs import Costs
+from memsave.graph import ForwardGraph
+from memsave.schedule import Schedule
+
+__all__ = [
+    "Allocator",
+    "CPU_ONEDNN",
+    "BFC",
+    "MemoryTrace",
+    "simulate",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocator:
+    """How an allocator accounts for a buffer of ``n`` bytes.
+
+    Attributes
+    ----------
+    name : str
+    min_counted_B : int
+        Buffers smaller than this are not counted in the reported peak.
+    round_B : int
+        Counted sizes are rounded up to a multiple of this.
+    """
+
+    name: str
+    min_counted_B: int = 0
+    round_B: int = 256
+
+    def counted(self, n: int) -> int:
+        """Bytes a buffer of ``n`` bytes adds to the reported ``bytes_in_use``."""
+        if n < self.min_counted_B or n <= 0:
+            return 0
+        r = self.round_B
+        return -(-n // r) * r if r > 1 else n
+
+
+#: oneDNN's CPU allocator (TensorFlow's default on x86 Linux): allocations
+#: under ``MklCPUAllocator::kSmallAllocationsThreshold`` = 262144 bytes go to
+#: ``MklSmallSizeAllocator``, whose statistics are off
+#: (``mkl_small_allocator_collect_stats = false``), so
+#: ``get_memory_info('CPU:0')`` never sees them; larger ones go to a BFC
+#: allocator (256-byte granularity).
+CPU_ONEDNN = Allocator("CPU (oneDNN MklCPUAllocator)", min_counted_B=262144, round_B=256)
+
+#: The BFC allocator of GPUs (and of CPUs without oneDNN): counts every
+#: allocation, rounded to 256 bytes.
+BFC = Allocator("BFC", min_counted_B=0, round_B=256)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryTrace:
+    """What one call of the step holds in memory over time.
+
+    Attributes
+    ----------
+    peak_B : int
+        Allocator peak over the step, resident bytes included: what
+        ``get_memory_info(device)['peak']`` reads when reset just before.
+    resident_B : int
+        Bytes alive before the step starts (variables, inputs).
+    timeline : tuple of (int, str)
+        Bytes alive while each event runs (its outputs allocated, its
+        inputs not yet freed), in execution order (empty when
+        ``simulate(..., timeline=False)``).
+    end_B : int
+        Bytes alive after the step: resident bytes and the xs' gradients.
+    peak_event : str
+        The event at which the peak is reached.
+    backward_start : int
+        Index in ``timeline`` of the first backward event.
+    """
+
+    peak_B: int
+    resident_B: int
+    timeline: tuple[tuple[int, str], ...]
+    peak_event: str
+    backward_start: int = 0
+    end_B: int = 0
+
+
+class _Program:
+    """Values (buffers or views of buffers) and instructions reading/writing them."""
+
+    __slots__ = ("size", "alias", "resident", "reads", "writes", "labels", "pinned")
+
+    def __init__(self) -> None:
+        self.size: list[int] = []
+        self.alias: list[int] = []  # value it views, or -1
+        self.resident: list[bool] = []
+        self.reads: list[list[int]] = []
+        self.writes: list[list[tuple[int, tuple[int, ...]]]] = []
+        self.labels: list[tuple] = []
+        self.pinned: list[int] = []
+
+    def value(self, size: int, alias: int = -1, resident: bool = False) -> int:
+        self.size.append(size)
+        self.alias.append(alias)
+        self.resident.append(resident)
+        return len(self.size) - 1
+
+    def instr(self, label: tuple, reads: list[int], writes: list[tuple[int, tuple[int, ...]]]) -> None:
+        self.reads.append(reads)
+        self.writes.append(writes)
+        self.labels.append(label)
+
+
+def _gateable(node) -> bool:
+    return node.dtype == "" or node.dtype.startswith(("float", "bfloat", "half", "complex"))
+
+
+class _Builder:
+    """Builds the program of one step (see module docstring)."""
+
+    def __init__(self, fg: ForwardGraph, costs: Costs) -> None:
+        self.fg = fg
+        self.costs = costs
+        self.p = _Program()
+        self.grads: dict[int, list[int]] = {}  # tensor id -> gradient values received
+        self.orig: list[int] = [-1] * len(fg.tensors)
+        self.resident_B = 0
+        for node in fg.tensors:
+            if node.kind != "internal":
+                self.orig[node.id] = self.p.value(costs.tensor_B[node.id], resident=True)
+                self.resident_B += costs.tensor_B[node.id]
+
+    # -- forward ----------------------------------------------------------
+
+    def run_op(self, i: int, vmap, phase: str) -> None:
+        fg, costs, p = self.fg, self.costs, self.p
+        op = fg.ops[i]
+        reads = [vmap(t) for t in op.inputs]
+        writes = []
+        for t in op.outputs:
+            src = costs.alias_of[t]
+            if src is not None:
+                v = p.value(costs.tensor_B[t], alias=vmap(src))
+                writes.append((v, ()))
+            else:
+                v = p.value(costs.tensor_B[t])
+                cands = ()
+                if costs.inplace[i]:
+                    cands = tuple(r for r, t_in in zip(reads, op.inputs)
+                                  if costs.tensor_B[t_in] == costs.tensor_B[t])
+                writes.append((v, cands))
+            self.bind(t, v)
+        p.instr((phase, i), reads, writes)
+
+    # -- backward ---------------------------------------------------------
+
+    def backward(self, ops: Sequence[int], vmap, heads, boundary, phase: str) -> None:
+        """Differentiate ``ops`` (reverse order). Gradients of ``heads`` come
+        from (and of ``boundary`` go to) ``self.grads``; others stay local."""
+        fg, costs, p = self.fg, self.costs, self.p
+        local: dict[int, list[int]] = {}
+        for i in reversed(ops):
+            op = fg.ops[i]
+            use = costs.gradient[i]
+            out_grads: list[int | None] = []
+            any_grad = False
+            for t in op.outputs:
+                got = local.pop(t, [])
+                if t in heads:
+                    got += self.grads.pop(t, [])
+                out_grads.append(self.accumulate(t, got, phase))
+                any_grad = any_grad or bool(got)
+            if not any_grad or not use.has_gradient:
+                continue
+            reads = [g for g in out_grads if g is not None]
+            reads += [vmap(op.inputs[j]) for j in use.reads_inputs if j < len(op.inputs)]
+            reads += [vmap(op.outputs[k]) for k in use.reads_outputs if k < len(op.outputs)]
+            writes = []
+            for j, t in enumerate(op.inputs):
+                node = fg.tensors[t]
+                if not node.trainable or node.kind == "external":
+                    continue
+                if t not in boundary and node.kind != "internal":
+                    continue
+                k = use.aliases[j] if j < len(use.aliases) else None
+                if k is not None and out_grads[k] is not None:
+                    v = p.value(costs.tensor_B[t], alias=out_grads[k])
+                    writes.append((v, ()))
+                else:
+                    v = p.value(costs.tensor_B[t])
+                    cands = ()
+                    if costs.inplace[i]:
+                        cands = tuple(r for r in reads if p.size[r] == costs.tensor_B[t])
+                    writes.append((v, cands))
+                (self.grads if t in boundary else local).setdefault(t, []).append(v)
+            p.instr(("grad", i), reads, writes)
+
+    def accumulate(self, t: int, got: list[int], phase: str) -> int | None:
+        if not got:
+            return None
+        if len(got) == 1:
+            return got[0]
+        v = self.p.value(self.costs.tensor_B[t])
+        self.p.instr(("sum", t), list(got), [(v, tuple(got))])
+        return v
+
+    def bind(self, t: int, v: int) -> None:
+        pass  # replaced per stage
+
+
+def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs) -> tuple[_Program, int, int]:
+    b = _Builder(fg, costs)
+    p = b.p
+    orig = b.orig
+
+    def bind_orig(t: int, v: int) -> None:
+        orig[t] = v
+
+    b.bind = bind_orig
+    for i in range(len(fg.ops)):
+        b.run_op(i, orig.__getitem__, "forward")
+    backward_start = len(p.reads)
+
+    # Seeds: grad_ys = ones_like(y).
+    for y in dict.fromkeys(fg.ys):
+        v = p.value(costs.tensor_B[y])
+        p.instr(("seed", y), [], [(v, ())])
+        b.grads.setdefault(y, []).append(v)
+
+    xs = set(fg.xs)
+    if schedule is None:
+        b.backward(range(len(fg.ops)), orig.__getitem__, set(fg.ys), xs, "backprop")
+    else:
+        for k, step in enumerate(schedule.steps):
+            heads = set(step.heads)
+            boundary = set(step.boundary)
+            if step.kind == "backprop":
+                b.backward(step.ops, orig.__getitem__, heads, boundary, "backprop")
+                continue
+            if not any(b.grads.get(h) for h in step.heads):
+                continue
+            local = dict()
+            gated = [t for t in step.boundary
+                     if fg.tensors[t].kind == "internal"
+                     and fg.ops[fg.tensors[t].producer].recomputable
+                     and _gateable(fg.tensors[t])]
+            if not gated:
+                floats = [t for t in step.boundary if _gateable(fg.tensors[t])]
+                gated = sorted(floats, key=lambda t: costs.tensor_B[t])[:1]
+            gated_set = set(gated)
+            for t in step.boundary:
+                src = orig[t]
+                if t in gated_set:
+                    v = p.value(costs.tensor_B[t])
+                    p.instr(("proxy", t), [src], [(v, (src,))])
+                else:
+                    v = p.value(costs.tensor_B[t], alias=src)
+                    p.instr(("proxy", t), [src], [(v, ())])
+                local[t] = v
+
+            def vmap(t: int, local=local) -> int:
+                v = local.get(t)
+                return orig[t] if v is None else v
+
+            def bind_local(t: int, v: int, local=local, boundary=boundary) -> None:
+                if t not in boundary:
+                    local[t] = v
+
+            b.bind = bind_local
+            for i in step.ops:
+                b.run_op(i, vmap, "recompute")
+            b.backward(step.ops, vmap, heads, boundary, "recompute")
+    # The xs' gradients are the step's outputs.
+    for x in dict.fromkeys(fg.xs):
+        g = b.accumulate(x, b.grads.pop(x, []), "end")
+        if g is not None:
+            p.pinned.append(g)
+    return p, b.resident_B, backward_start
+
+
+def simulate(
+    fg: ForwardGraph,
+    schedule: Schedule | None,
+    costs: Costs,
+    *,
+    allocator: Allocator = CPU_ONEDNN,
+    timeline: bool = True,
+) -> MemoryTrace:
+    """Forecast the allocator peak of one step: forward and gradients.
+
+    Parameters
+    ----------
+    fg : ForwardGraph
+    schedule : Schedule or None
+        The checkpointed backward pass, or None for plain ``tf.gradients``.
+    costs : Costs
+        From :func:`memsave.costs.estimate_costs` on the same ``fg``.
+    allocator : Allocator
+        :data:`CPU_ONEDNN` (default) or :data:`BFC` (GPU).
+    timeline : bool
+        Record the bytes alive after every event (off for solvers that only
+        need the peak).
+
+    Returns
+    -------
+    MemoryTrace
+
+    Examples
+    --------
+    >>> from memsave.costs import estimate_costs
+    >>> trace = simulate(fg, None, estimate_costs(fg))  # doctest: +SKIP
+    >>> trace.peak_B  # doctest: +SKIP
+    """
+    p, resident_B, backward_start = _build(fg, schedule, costs)
+    n_instr = len(p.reads)
+    n_val = len(p.size)
+    end = n_instr  # pinned values live past the last instruction
+    last = [-1] * n_val
+    for k in range(n_instr):
+        for r in p.reads[k]:
+            last[r] = k
+    for v in p.pinned:
+        last[v] = end
+    created = [-1] * n_val
+    for k in range(n_instr):
+        for v, _ in p.writes[k]:
+            created[v] = k
+    dying: list[list[int]] = [[] for _ in range(n_instr)]
+    for v in range(n_val):
+        if p.resident[v]:
+            continue
+        k = last[v] if last[v] >= 0 else created[v]
+        if 0 <= k < n_instr:
+            dying[k].append(v)
+    # Views die with their own last reader but keep their buffer alive: a
+    # view reading extends its base value's life through the buffer's count.
+    counted = allocator.counted
+    root = list(range(n_val))
+    refs = [0] * n_val
+    alive = sum(counted(p.size[v]) for v in range(n_val) if p.resident[v])
+    resident_counted = alive
+    for v in range(n_val):
+        if p.resident[v]:
+            refs[v] = 1 << 30
+    peak = alive
+    peak_k = -1
+    events: list[tuple[int, str]] = []
+    for k in range(n_instr):
+        for v, cands in p.writes[k]:
+            a = p.alias[v]
+            if a >= 0:
+                r = root[a]
+                root[v] = r
+                refs[r] += 1
+                continue
+            chosen = -1
+            for c in cands:
+                r = root[c]
+                if last[c] == k and refs[r] == 1 and p.size[r] == p.size[v]:
+                    chosen = r
+                    break
+            if chosen >= 0:
+                root[v] = chosen
+                refs[chosen] += 1
+            else:
+                refs[v] = 1
+                alive += counted(p.size[v])
+        if alive > peak:
+            peak, peak_k = alive, k
+        if timeline:
+            events.append((alive, _label(fg, p.labels[k])))
+        for v in dying[k]:
+            r = root[v]
+            refs[r] -= 1
+            if refs[r] == 0:
+                alive -= counted(p.size[r])
+    return MemoryTrace(
+        peak_B=peak,
+        resident_B=resident_counted,
+        timeline=tuple(events),
+        peak_event=_label(fg, p.labels[peak_k]) if peak_k >= 0 else "start",
+        backward_start=backward_start,
+        end_B=alive,
+    )
+
+
+def _label(fg: ForwardGraph, label: tuple) -> str:
+    kind, ref = label
+    if kind in ("forward", "recompute", "grad"):
+        name = fg.ops[ref].name
+        return {"forward": "run ", "recompute": "recompute ", "grad": "gradient of "}[kind] + name
+    if kind == "sum":
+        return f"sum gradients of {fg.tensors[ref].name}"
+    if kind == "seed":
+        return f"seed gradient of {fg.tensors[ref].name}"
+    if kind == "proxy":
+        return f"proxy of {fg.tensors[ref].name}"
+    return str(label)

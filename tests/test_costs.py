@@ -1,0 +1,121 @@
+"""The cost model: what TensorFlow's gradients read, bytes, FLOPs, assumptions."""
+
+from __future__ import annotations
+
+import pytest
+import tensorflow as tf
+
+from memsave import _tf_private
+from memsave.costs import estimate_costs, is_activation
+from memsave.extract import extract
+
+
+def _graph_op(build):
+    g = tf.Graph()
+    with g.as_default():
+        return build()
+
+
+def _use(build):
+    t = _graph_op(build)
+    return _tf_private.learn_gradient_use(t.op)
+
+
+def _ph(shape):
+    return tf.compat.v1.placeholder(tf.float32, shape)
+
+
+@pytest.mark.parametrize(
+    "name, build, reads_inputs, reads_outputs",
+    [
+        ("Tanh", lambda: tf.tanh(_ph([4, 8])), (), (0,)),
+        ("Relu", lambda: tf.nn.relu(_ph([4, 8])), (), (0,)),
+        ("Sigmoid", lambda: tf.sigmoid(_ph([4, 8])), (), (0,)),
+        ("MatMul", lambda: tf.matmul(_ph([4, 8]), _ph([8, 3])), (0, 1), ()),
+        ("AddV2", lambda: _ph([4, 8]) + _ph([4, 8]), (), ()),
+        ("Mul", lambda: _ph([4, 8]) * _ph([4, 8]), (0, 1), ()),
+        ("Square", lambda: tf.square(_ph([4, 8])), (0,), ()),
+        ("Conv2D", lambda: tf.nn.conv2d(_ph([2, 8, 8, 3]), _ph([3, 3, 3, 4]), 1, "SAME"), (0, 1), ()),
+        ("BiasAdd", lambda: tf.nn.bias_add(_ph([4, 8]), _ph([8])), (), ()),
+        ("Reshape", lambda: tf.reshape(_ph([4, 8]), [32]), (), ()),
+    ],
+)
+def test_learned_gradient_reads(name, build, reads_inputs, reads_outputs):
+    use = _use(build)
+    assert use is not None, name
+    assert use["reads_inputs"] == reads_inputs, name
+    assert use["reads_outputs"] == reads_outputs, name
+    assert use["has_gradient"]
+
+
+def test_add_gradient_passes_the_incoming_buffer_through():
+    assert _use(lambda: _ph([4, 8]) + _ph([4, 8]))["aliases"] == (0, 0)
+    # With broadcasting the gradient is reduced: a new buffer.
+    assert _use(lambda: _ph([4, 8]) + _ph([8]))["aliases"][1] is None
+    assert _use(lambda: tf.nn.bias_add(_ph([4, 8]), _ph([8])))["aliases"] == (0, None)
+
+
+def test_stop_gradient_has_no_gradient():
+    assert _use(lambda: tf.stop_gradient(_ph([4])))["has_gradient"] is False
+
+
+def test_unlearnable_gradient_is_assumed_to_read_everything_and_says_so():
+    g = tf.Graph()
+    with g.as_default():
+        w = tf.compat.v1.placeholder(tf.float32, [4, 4])
+
+        @tf.function
+        def f(a):
+            return tf.tanh(a)
+
+        y = f(w)  # a PartitionedCall: its gradient reads the function's insides
+        ex = extract([y], [w])
+    assert [op.type for op in ex.fg.ops] == ["StatefulPartitionedCall"] or [
+        op.type for op in ex.fg.ops] == ["PartitionedCall"]
+    assert ex.fg.ops[0].gradient is None
+    costs = estimate_costs(ex.fg)
+    assert costs.gradient[0].reads_inputs == (0,)
+    assert costs.gradient[0].reads_outputs == (0,)
+    assert any("not learned" in a and "PartitionedCall" in a for a in costs.assumptions)
+
+
+def _mlp_graph(batch):
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [batch, 8])
+        w = tf.compat.v1.Variable(tf.zeros([8, 16]))
+        y = tf.reduce_sum(tf.tanh(tf.matmul(x, w)))
+        ex = extract([y], _tf_private.convert_xs([w]))
+    return ex
+
+
+def test_bytes_flops_and_resident():
+    ex = _mlp_graph(4)
+    fg = ex.fg
+    costs = estimate_costs(fg)
+    by_type = {op.type: op for op in fg.ops}
+    mm = by_type["MatMul"]
+    assert costs.tensor_B[mm.outputs[0]] == 4 * 16 * 4
+    # TensorFlow's registered statistics: 2 * m * k * n for MatMul.
+    assert costs.op_flops[mm.index] == 2 * 4 * 8 * 16
+    # Element count where TensorFlow registers nothing (Tanh).
+    assert costs.op_flops[by_type["Tanh"].index] == 4 * 16
+    # The variable (behind the handle), the input and reduce_sum's axes
+    # (a constant, int32[2]) are resident.
+    assert costs.resident_B == 8 * 16 * 4 + 4 * 8 * 4 + 2 * 4
+    assert costs.assumptions == ()
+    assert is_activation(fg, by_type["Tanh"].outputs[0])
+    assert not is_activation(fg, by_type["ReadVariableOp"].outputs[0])  # stateful read
+
+
+def test_unknown_batch_is_an_assumption_or_the_hint():
+    fg = _mlp_graph(None).fg
+    guessed = estimate_costs(fg)
+    assert any("unknown dimensions" in a and "batch_size=" in a for a in guessed.assumptions)
+    hinted = estimate_costs(fg, batch_size=32)
+    assert any("batch_size=32" in a for a in hinted.assumptions)
+    tanh = next(op for op in fg.ops if op.type == "Tanh")
+    assert guessed.tensor_B[tanh.outputs[0]] == 16 * 4
+    assert hinted.tensor_B[tanh.outputs[0]] == 32 * 16 * 4
+    with pytest.raises(ValueError, match="batch_size"):
+        estimate_costs(fg, batch_size=0)

@@ -1,0 +1,111 @@
+"""memsave.plan: the Plan record, its summary, dict and plot."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+from memsave.plan import Plan
+
+MiB = 1 << 20
+LAYERS = 12
+
+
+def _chain_plan(checkpoints="memory", **kw):
+    g = tf.Graph()
+    rng = np.random.default_rng(0)
+    with g.as_default():
+        x = tf.constant(rng.standard_normal((2048, 512), dtype=np.float32))
+        ws = [tf.compat.v1.Variable(rng.standard_normal((512, 512), dtype=np.float32) * 0.05)
+              for _ in range(LAYERS)]
+        h, acts = x, []
+        for w in ws:
+            h = tf.tanh(tf.matmul(h, w))
+            acts.append(h)
+        loss = tf.reduce_sum(h)
+        if checkpoints == "list":
+            checkpoints = acts[3:-1:4]
+        return memsave.plan(loss, ws, checkpoints=checkpoints, **kw)
+
+
+def test_plan_forecasts_a_saving_and_explains_it():
+    p = _chain_plan()
+    assert isinstance(p, Plan) and p.strategy == "memory"
+    # Variables (12 x 1 MiB) and the input (4 MiB) are resident in both.
+    assert p.resident_bytes == (LAYERS + 4) * MiB
+    assert p.resident_bytes < p.predicted_peak_bytes < p.baseline_peak_bytes
+    assert p.checkpoints and set(p.reasons) == {"articulation point"}
+    kept = {k.name: k for k in p.kept}
+    for name in p.checkpoints:
+        assert kept[name].why == "articulation point"
+        assert kept[name].op_type == "Tanh"
+        assert kept[name].shape == (2048, 512) and kept[name].dtype == "float32"
+        assert kept[name].bytes == 4 * MiB
+    assert p.forward_cost > 0 and 0 < p.recompute_cost < p.forward_cost
+    assert p.steps and p.steps[0].kind == "recompute"
+    assert sum(s.recomputed_ops for s in p.steps) == p.recomputed_ops
+    assert max(b for b, _ in p.timeline) == p.predicted_peak_bytes
+    assert max(b for b, _ in p.baseline_timeline) == p.baseline_peak_bytes
+
+
+def test_plan_of_a_list_and_strategy_options_reach_it():
+    listed = _chain_plan("list")
+    assert set(listed.reasons) == {"given"} and len(listed.checkpoints) == 2
+    two = _chain_plan(strategy_options={"num_checkpoints": 2})
+    assert len(two.checkpoints) == 2
+    assert two.baseline_peak_bytes == listed.baseline_peak_bytes
+
+
+def test_plan_without_checkpoints_is_the_baseline():
+    p = _chain_plan("collection")
+    assert p.checkpoints == () and p.note
+    assert p.predicted_peak_bytes == p.baseline_peak_bytes
+    assert p.recompute_cost == 0 and p.steps == ()
+
+
+def test_summary_and_to_dict():
+    p = _chain_plan()
+    text = p.summary()
+    assert "predicted peak" in text and "tf.gradients" in text
+    for name in p.checkpoints:
+        assert name in text
+    assert "why kept" in text and "backward steps" in text
+    d = p.to_dict()
+    back = json.loads(json.dumps(d))
+    assert back["predicted_peak_bytes"] == p.predicted_peak_bytes
+    assert back["kept"][0]["why"]
+
+
+def test_plot_needs_matplotlib_and_says_which_extra(monkeypatch, tmp_path):
+    p = _chain_plan()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"memsave\[plot\]"):
+        p.plot(tmp_path / "t.png")
+
+
+def test_plot_draws_when_matplotlib_is_there(tmp_path):
+    pytest.importorskip("matplotlib")
+    p = _chain_plan()
+    p.plot(tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_batch_size_hint_on_plan():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 256])
+        ws = [tf.compat.v1.Variable(tf.zeros([256, 256])) for _ in range(4)]
+        h = x
+        for w in ws:
+            h = tf.tanh(tf.matmul(h, w))
+        loss = tf.reduce_sum(h)
+        guessed = memsave.plan(loss, ws, checkpoints="memory")
+        hinted = memsave.plan(loss, ws, checkpoints="memory", batch_size=1024)
+    assert any("batch_size=" in a for a in guessed.assumptions)
+    assert any("batch_size=1024" in a for a in hinted.assumptions)
+    assert hinted.baseline_peak_bytes > guessed.baseline_peak_bytes + 4 * MiB

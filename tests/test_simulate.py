@@ -1,0 +1,161 @@
+"""The memory simulator on hand-built graphs, with peaks worked out by hand.
+
+Every tensor is 1 MiB unless a test says otherwise; the x is resident (an
+input), so it counts from the start. Tanh's gradient reads its output,
+MatMul's its inputs, AddV2's nothing (its input gradients are the incoming
+gradient's buffer), as TensorFlow's registered gradients do
+(tests/test_costs.py checks that against TensorFlow).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import handgraphs as H
+from handgraphs import Builder, MiB
+from memsave.costs import estimate_costs
+from memsave.graph import GradientUse
+from memsave.schedule import build_schedule
+from memsave.simulate import BFC, CPU_ONEDNN, Allocator, simulate
+
+
+def _ids(fg, *names):
+    return tuple(sorted(next(t.id for t in fg.tensors if t.name == n) for n in names))
+
+
+def _peak(fg, checkpoints=None, **kw):
+    costs = estimate_costs(fg)
+    sched = None if checkpoints is None else build_schedule(fg, _ids(fg, *checkpoints))
+    return simulate(fg, sched, costs, **kw)
+
+
+def test_plain_tanh_chain():
+    # x, op0..op3 alive after the forward (each tanh output is read by its
+    # own gradient): 5 MiB; the seed gradient makes 6. Each gradient writes
+    # into the incoming gradient's buffer (TanhGrad is elementwise).
+    trace = _peak(H.chain(4))
+    assert trace.peak_B == 6 * MiB
+    assert trace.resident_B == MiB
+    assert trace.end_B == 2 * MiB  # x and its gradient
+    assert trace.peak_event == "seed gradient of op3:0"
+
+
+def test_plain_chain_grows_by_one_tensor_per_op():
+    assert [_peak(H.chain(n)).peak_B // MiB for n in (2, 4, 8)] == [4, 6, 10]
+
+
+def test_checkpointed_tanh_chain():
+    # op1 kept. Forward: op0 is freed into op1 (in place), op2/op3 are not
+    # kept: 3 MiB at most. y's step recomputes op2, op3 from op1's proxy
+    # (which takes op1's buffer, its last use): x, op2', op3', seed = 4 MiB.
+    # op1's step: proxy of x (the gate lands on x, a new buffer), op0', op1'
+    # and op1's gradient: 4 MiB.
+    trace = _peak(H.chain(4), ["op1:0"])
+    assert trace.peak_B == 4 * MiB
+    assert trace.end_B == 2 * MiB
+
+
+def test_matmul_chain_keeps_inputs_for_the_gradient():
+    # MatMul's gradient reads its inputs: op0..op2 stay alive, op3 (read by
+    # no gradient) is freed at once. Backward: x, op0..op2, the seed, and
+    # op3's gradient (a new buffer: MatMul is not elementwise) = 6 MiB.
+    fg = H.chain(4, type="MatMul")
+    trace = _peak(fg)
+    assert trace.peak_B == 6 * MiB
+    assert trace.peak_event == "gradient of op3"
+
+
+def test_views_allocate_nothing():
+    b = Builder()
+    x = b.source("x")
+    h = b.op("a", "Tanh", [x])
+    h = b.op("r", "Reshape", [h])
+    h = b.op("s", "Identity", [h])
+    y = b.op("b", "Tanh", [h])
+    fg = b.build(["x"], [y])
+    # x, a (r and s are views of it), b, seed.
+    assert _peak(fg).peak_B == 4 * MiB
+    costs = estimate_costs(fg)
+    assert costs.alias_of[b.ids["r:0"]] == b.ids["a:0"]
+    assert costs.alias_of[b.ids["s:0"]] == b.ids["r:0"]
+
+
+def _fork(add_gradient=None):
+    b = Builder()
+    x = b.source("x")
+    a = b.op("a", "Tanh", [x])
+    p = b.op("p", "Tanh", [a])
+    q = b.op("q", "Tanh", [a])
+    y = b.op("add", "AddV2", [p, q], gradient=add_gradient)
+    return b.build(["x"], [y])
+
+
+def _backward_max(trace):
+    return max(b for b, _ in trace.timeline[trace.backward_start:])
+
+
+def test_add_gradient_is_the_incoming_buffer():
+    # x -> a -> (p, q) -> add. After the forward x, a, p, q are alive (add's
+    # output is read by no gradient); the seed makes 5 MiB. AddV2's input
+    # gradients are the seed itself (two views): nothing new. q's TanhGrad
+    # writes into q (its last use), p's into the seed (its last view).
+    assert _backward_max(_peak(_fork())) == 5 * MiB
+    # Were they new buffers, add's gradient would need one more MiB.
+    no_pass_through = GradientUse((), (), (None, None))
+    assert _backward_max(_peak(_fork(no_pass_through))) == 6 * MiB
+
+
+def _small_chain(n, size_B):
+    b = Builder()
+    h = b.source("x", size_B=size_B)
+    for i in range(n):
+        h = b.op(f"op{i}", "Tanh", [h], size_B=size_B)
+    return b.build(["x"], [h])
+
+
+def test_cpu_allocator_does_not_count_small_buffers():
+    fg = _small_chain(4, 128 * 1024)
+    assert _peak(fg).peak_B == 0
+    assert _peak(fg, allocator=BFC).peak_B == 6 * 128 * 1024
+    # 256 KiB is counted, rounded to 256 bytes.
+    fg = _small_chain(4, 256 * 1024 + 1)
+    assert _peak(fg).peak_B == 6 * (256 * 1024 + 256)
+    assert CPU_ONEDNN.counted(262143) == 0 and CPU_ONEDNN.counted(262144) == 262144
+    assert Allocator("exact", 0, 1).counted(1001) == 1001
+
+
+def test_stateful_ops_outputs_stay_alive():
+    # A non-recomputable op's output is kept, and the plain and checkpointed
+    # runs both hold it through the backward.
+    b = Builder()
+    x = b.source("x")
+    h = x
+    for i in range(3):
+        h = b.op(f"op{i}", "Tanh", [h])
+    h = b.op("noise", "RandomUniform", [h], recomputable=False)
+    for i in range(3, 6):
+        h = b.op(f"op{i}", "Tanh", [h])
+    fg = b.build(["x"], [h])
+    plain = _peak(fg)
+    ck = _peak(fg, ["op1:0"])
+    assert ck.peak_B < plain.peak_B
+
+
+def test_timeline_is_optional_and_peak_does_not_change():
+    fg = H.chain(30)
+    sched = build_schedule(fg, _ids(fg, "op9:0", "op19:0"))
+    costs = estimate_costs(fg)
+    with_tl = simulate(fg, sched, costs)
+    without = simulate(fg, sched, costs, timeline=False)
+    assert without.timeline == () and with_tl.timeline
+    assert with_tl.peak_B == without.peak_B == max(b for b, _ in with_tl.timeline)
+
+
+@pytest.mark.parametrize("n", [8, 16])
+def test_memory_strategy_beats_plain_on_chains(n):
+    from memsave import strategies
+
+    fg = H.chain(n)
+    sel = strategies.memory(fg)
+    assert sel.checkpoints
+    assert _peak(fg, [fg.tensors[t].name for t in sel.checkpoints]).peak_B < _peak(fg).peak_B
