@@ -599,6 +599,7 @@ def _measured_peak(rec: dict | None) -> float | None:
 
 
 def _rows(selected, methods, cache, predictions):
+    fingerprints = {mode: memsave_fingerprint(mode) for mode in (FUNCTION, SESSION, FIT)}
     rows = []
     for name, mode in selected:
         for method in methods:
@@ -608,8 +609,9 @@ def _rows(selected, methods, cache, predictions):
             error = None
             if isinstance(predicted, (int, float)) and measured:
                 error = (predicted - measured) / measured
+            stale = rec is not None and _stale(rec, MODELS[name], method, fingerprints[mode])
             rows.append(dict(model=name, method=method, mode=mode, measured=measured,
-                             predicted=predicted, error=error, rec=rec))
+                             predicted=predicted, error=error, rec=rec, stale=stale))
     return rows
 
 
@@ -617,8 +619,9 @@ def _print_table(rows, methods) -> bool:
     def mib(b):
         return f"{b / MiB:.1f}" if isinstance(b, (int, float)) else "-"
 
-    print("| model | method | mode | measured MiB | predicted MiB | error % | resident MiB | processes |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print("| model | method | mode | measured MiB | predicted MiB | error % | resident MiB | processes "
+          "| notes |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---|")
     ok = True
     for r in rows:
         rec = r["rec"] or {}
@@ -632,11 +635,12 @@ def _print_table(rows, methods) -> bool:
             notes.append(f"measure: {rec['error'][:80]}")
         if isinstance(r["predicted"], dict):
             notes.append(f"predict: {r['predicted']['error'][:80]}")
-        if notes:
+        if rec.get("error") or isinstance(r["predicted"], dict):
             ok = False
+        if r["stale"]:
+            notes.append("stale: measured with other memsave code or sizes")
         print(f"| {r['model']} | {r['method']} | {r['mode']} | {mib(r['measured'])} | "
-              f"{mib(r['predicted'])} | {err} | {mib(resident)} | {len(procs)} |"
-              + (f" {'; '.join(notes)}" if notes else ""))
+              f"{mib(r['predicted'])} | {err} | {mib(resident)} | {len(procs)} | {'; '.join(notes)} |")
     print()
     print(f"| method | rows | max abs error % | median abs error % | pass (max <= {100 * MAX_ERROR:.0f}%, "
           f"median <= {100 * MEDIAN_ERROR:.0f}%) |")
