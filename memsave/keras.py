@@ -293,10 +293,9 @@ def plan(
 
     planned = []
 
-    def planning_gradients(loss, weights, *, checkpoints, **options):
-        options.pop("aggregation_method", None)
-        options.pop("gate_gradients", None)
-        planned.append(_memsave_plan(loss, weights, checkpoints=checkpoints, **options))
+    def planning_gradients(loss, weights, *, checkpoints, strategy_options):
+        planned.append(_memsave_plan(loss, weights, checkpoints=checkpoints,
+                                     strategy_options=strategy_options, batch_size=batch_size))
         raise _Planned
 
     def step(data):
