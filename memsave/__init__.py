@@ -17,7 +17,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "(with GPU support), or tf-nightly."
     ) from e
 
-from memsave import strategies
+from memsave import costs, simulate, strategies
 from memsave.errors import (
     CheckpointError,
     EagerExecutionError,
@@ -58,6 +58,8 @@ __all__ = [
     "unpatch",
     "Patch",
     "strategies",
+    "costs",
+    "simulate",
     "MemsaveError",
     "EagerExecutionError",
     "GraphMismatchError",

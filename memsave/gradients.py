@@ -35,7 +35,7 @@ from memsave.extract import Extraction, extract
 from memsave.plan import Plan, make_plan
 from memsave.rewrite import aggregate, rewrite
 from memsave.schedule import Schedule, build_schedule
-from memsave.simulate import simulate
+from memsave.simulate import BFC, CPU_ONEDNN, Allocator, simulate
 
 __all__ = [
     "gradients",
@@ -269,6 +269,7 @@ def plan(
     stop_gradients=None,
     strategy_options: Mapping[str, Any] | None = None,
     batch_size: int | None = None,
+    allocator: Allocator | None = None,
 ) -> Plan:
     """What :func:`gradients` would keep and recompute, and the peak it forecasts.
 
@@ -283,15 +284,21 @@ def plan(
         Size of unknown first dimensions (a tf.function traced with a
         ``None`` batch); without it they count as 1 and the Plan's
         ``assumptions`` say so.
+    allocator : memsave.simulate.Allocator, optional
+        Whose peak to forecast: :data:`memsave.simulate.BFC` when a GPU is
+        visible, else :data:`memsave.simulate.CPU_ONEDNN` (which does not
+        report buffers under 256 KiB).
 
     Examples
     --------
     >>> print(memsave.plan(loss, params, checkpoints="memory").summary())  # doctest: +SKIP
     """
     p = _prepare(ys, xs, None, checkpoints, stop_gradients, strategy_options, batch_size)
+    if allocator is None:
+        allocator = BFC if tf.config.list_logical_devices("GPU") else CPU_ONEDNN
     return make_plan(
         p.ex.fg, p.costs, strategy=p.strategy, checkpoints=p.checkpoints, reasons=p.reasons,
-        schedule=p.schedule, note=p.note,
+        schedule=p.schedule, note=p.note, allocator=allocator,
     )
 
 
@@ -370,8 +377,10 @@ def gradients(
         p.strategy, len(p.checkpoints), p.schedule.recomputed_ops,
     )
     fg = p.ex.fg
-    predicted = simulate(fg, p.schedule, p.costs, timeline=False).peak_B
-    baseline = simulate(fg, None, p.costs, timeline=False).peak_B
+    predicted = simulate(fg, p.schedule, p.costs, timeline=False,
+                         allocator=strategies.JUDGE_ALLOCATOR).peak_B
+    baseline = simulate(fg, None, p.costs, timeline=False,
+                        allocator=strategies.JUDGE_ALLOCATOR).peak_B
     if predicted >= baseline:
         logger.warning(
             "memsave.gradients(checkpoints=%r): this plan is not expected to save memory "
