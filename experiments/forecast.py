@@ -420,6 +420,11 @@ def measure(model: str, mode: str, methods: list[str], repeats: int) -> dict:
         except Exception as e:  # one method's failure is reported, the others still measured
             out[method] = {"error": f"{type(e).__name__}: {e}"[:500]}
         gc.collect()
+    chosen: dict = {}
+    predict(model, mode, [m for m in methods if m != PLAIN], selections=chosen)
+    for method, sel in chosen.items():
+        if "error" not in out[method]:
+            out[method]["selection"] = sel
     return out
 
 
@@ -495,8 +500,12 @@ def memsave_fingerprint(mode: str) -> str:
 # -- predicting --------------------------------------------------------------------
 
 
-def predict(model: str, mode: str, methods: list[str]) -> dict:
-    """{method: predicted peak bytes or {'error': ...}} from memsave's plans."""
+def predict(model: str, mode: str, methods: list[str], selections: dict | None = None) -> dict:
+    """{method: predicted peak bytes or {'error': ...}} from memsave's plans.
+
+    ``selections``, when given, receives {method: :func:`selection` of the
+    plan} for the memsave methods.
+    """
     import tensorflow as tf
 
     import memsave
@@ -504,25 +513,26 @@ def predict(model: str, mode: str, methods: list[str]) -> dict:
     case = MODELS[model].build()
     out: dict = {}
 
+    def record(method, make_plan):
+        try:
+            p = make_plan("memory" if method == PLAIN else method)
+        except Exception as e:  # reported in the table, not fatal to the other rows
+            out[method] = {"error": f"{type(e).__name__}: {e}"}
+            return
+        out[method] = p.baseline_peak_bytes if method == PLAIN else p.predicted_peak_bytes
+        if selections is not None and method != PLAIN:
+            selections[method] = selection(p)
+
     def plans(fwd):
         for method in methods:
-            try:
-                p = memsave.plan(fwd.ys, fwd.xs, checkpoints="memory" if method == PLAIN else method,
-                                 stop_gradients=fwd.stop_gradients)
-                out[method] = p.baseline_peak_bytes if method == PLAIN else p.predicted_peak_bytes
-            except Exception as e:  # reported in the table, not fatal to the other rows
-                out[method] = {"error": f"{type(e).__name__}: {e}"}
+            record(method, lambda c: memsave.plan(fwd.ys, fwd.xs, checkpoints=c,
+                                                  stop_gradients=fwd.stop_gradients))
 
     if mode == FIT:
         import memsave.keras
 
         for method in methods:
-            try:
-                p = memsave.keras.plan(case.model, case.x, case.y,
-                                       checkpoints="memory" if method == PLAIN else method)
-                out[method] = p.baseline_peak_bytes if method == PLAIN else p.predicted_peak_bytes
-            except Exception as e:
-                out[method] = {"error": f"{type(e).__name__}: {e}"}
+            record(method, lambda c: memsave.keras.plan(case.model, case.x, case.y, checkpoints=c))
     elif mode == SESSION:
         graph, fwd, _ = _session_graph(case)
         with graph.as_default():
@@ -531,6 +541,16 @@ def predict(model: str, mode: str, methods: list[str]) -> dict:
         variables = case.make_variables()
         tf.function(lambda: plans(case.forward(variables)) or tf.constant(0)).get_concrete_function()
     return out
+
+
+def selection(p) -> list:
+    """What a plan keeps and recomputes, independent of op names.
+
+    A memsave row's measurement stays valid while its model's selection is
+    the same: the step memsave builds is then the same graph, whatever
+    else changed in memsave's code.
+    """
+    return [len(p.checkpoints), int(p.checkpoint_bytes), int(p.recomputed_ops), len(p.steps)]
 
 
 def time_plan() -> float:
@@ -586,9 +606,19 @@ def _save_cache(cache: dict, path: Path, share: Path | None) -> None:
             print(f"could not copy the cache to {share}: {e}", file=sys.stderr)
 
 
-def _stale(rec: dict, entry: Entry, method: str, fingerprint: str) -> bool:
-    """Measured for another configuration, or (memsave methods) with other memsave code."""
-    return rec.get("config") != entry.config or (method != PLAIN and rec.get("memsave") != fingerprint)
+def _stale(rec: dict, entry: Entry, method: str, fingerprint: str, chosen: list | None) -> bool:
+    """Measured for another configuration, or (memsave methods) for another selection.
+
+    ``chosen`` is the selection memsave's code makes now (None: unknown);
+    rows measured before selections were recorded compare the code's fingerprint.
+    """
+    if rec.get("config") != entry.config:
+        return True
+    if method == PLAIN:
+        return False
+    if rec.get("selection") is not None and chosen is not None:
+        return rec["selection"] != chosen
+    return rec.get("memsave") != fingerprint
 
 
 def _measured_peak(rec: dict | None) -> float | None:
@@ -598,7 +628,7 @@ def _measured_peak(rec: dict | None) -> float | None:
     return statistics.median(p["peak_B"] for p in rec["processes"])
 
 
-def _rows(selected, methods, cache, predictions):
+def _rows(selected, methods, cache, predictions, selections):
     fingerprints = {mode: memsave_fingerprint(mode) for mode in (FUNCTION, SESSION, FIT)}
     rows = []
     for name, mode in selected:
@@ -609,7 +639,8 @@ def _rows(selected, methods, cache, predictions):
             error = None
             if isinstance(predicted, (int, float)) and measured:
                 error = (predicted - measured) / measured
-            stale = rec is not None and _stale(rec, MODELS[name], method, fingerprints[mode])
+            stale = rec is not None and _stale(rec, MODELS[name], method, fingerprints[mode],
+                                               selections.get((name, mode), {}).get(method))
             rows.append(dict(model=name, method=method, mode=mode, measured=measured,
                              predicted=predicted, error=error, rec=rec, stale=stale))
     return rows
@@ -673,7 +704,7 @@ def _parse(argv):
                     default=[FUNCTION, SESSION, FIT])
     ap.add_argument("--quick", action="store_true", help="only the models marked quick")
     ap.add_argument("--measured", type=Path, default=DEFAULT_CACHE, help="the measurement cache (JSON)")
-    ap.add_argument("--share", type=Path, default=DEFAULT_SHARE,
+    ap.add_argument("--share", default=str(DEFAULT_SHARE),
                     help="also copy the cache here ('' for nowhere)")
     ap.add_argument("--predict-only", action="store_true", help="never measure; use the cache")
     ap.add_argument("--remeasure", action="store_true", help="measure again even what is cached")
@@ -693,30 +724,53 @@ def main(argv=None) -> int:
         return 0
     names = args.models or [n for n, e in MODELS.items() if e.quick or not args.quick]
     selected = [(n, mode) for n in names for mode in MODELS[n].modes if mode in args.modes]
-    share = args.share if str(args.share) else None
+    share = Path(args.share) if args.share else None
     cache = _load_cache(args.measured)
 
+    predictions, selections = {}, {}
+
+    def predict_all():
+        for name, mode in selected:
+            start = time.perf_counter()
+            selections[(name, mode)] = {}
+            predictions[(name, mode)] = predict(name, mode, args.methods, selections[(name, mode)])
+            print(f"predicted {name} {mode} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+
+    predict_all()
+    # Rows measured with this very memsave code, before selections were
+    # recorded, get the selection this code makes.
+    for name, mode in selected:
+        fingerprint = memsave_fingerprint(mode)
+        for method, chosen in selections[(name, mode)].items():
+            rec = cache["entries"].get(_key(name, mode, method))
+            if rec and rec.get("selection") is None and rec.get("memsave") == fingerprint:
+                rec["selection"] = chosen
+    _save_cache(cache, args.measured, share)
+
     if not args.predict_only:
+        measured_any = False
         for name, mode in selected:
             fingerprint = memsave_fingerprint(mode)
-            for method in args.methods:  # failures are retried once a run
-                cache["entries"].get(_key(name, mode, method), {}).pop("error", None)
+            for method in args.methods:
+                key = _key(name, mode, method)
+                rec = cache["entries"].get(key)
+                chosen = selections[(name, mode)].get(method)
+                if rec is None or args.remeasure or _stale(rec, MODELS[name], method, fingerprint,
+                                                           chosen):
+                    rec = cache["entries"][key] = {"config": MODELS[name].config, "processes": []}
+                    if method != PLAIN:
+                        rec["memsave"] = fingerprint
+                rec.pop("error", None)  # failures are retried once a run
             for _ in range(args.processes):
-                todo = []
-                for method in args.methods:
-                    key = _key(name, mode, method)
-                    rec = cache["entries"].get(key)
-                    if rec is None or args.remeasure or _stale(rec, MODELS[name], method, fingerprint):
-                        rec = cache["entries"][key] = {"config": MODELS[name].config, "processes": []}
-                        if method != PLAIN:
-                            rec["memsave"] = fingerprint
-                    if len(rec["processes"]) < args.processes and not rec.get("error"):
-                        todo.append(method)
+                todo = [m for m in args.methods
+                        if len(cache["entries"][_key(name, mode, m)]["processes"]) < args.processes
+                        and not cache["entries"][_key(name, mode, m)].get("error")]
                 if not todo:
                     break
                 start = time.perf_counter()
                 results = _run_worker(name, mode, todo, args.repeats)
                 seconds = round(time.perf_counter() - start, 1)
+                measured_any = True
                 for method in todo:
                     rec = cache["entries"][_key(name, mode, method)]
                     result = results.get(method, {"error": "no result"})
@@ -724,20 +778,17 @@ def main(argv=None) -> int:
                         rec["error"] = result["error"]
                         print(f"{name}|{mode}|{method}: FAILED {result['error']}", file=sys.stderr)
                         continue
+                    if "selection" in result:
+                        rec["selection"] = result.pop("selection")
                     rec["processes"].append(result)
                     print(f"{name}|{mode}|{method}: peak {result['peak_B'] / MiB:.1f} MiB "
                           f"(resident {result['resident_B'] / MiB:.1f})", file=sys.stderr)
                 print(f"  ({len(todo)} methods in {seconds} s)", file=sys.stderr)
                 _save_cache(cache, args.measured, share)
-        args.remeasure = False
+        if measured_any:
+            predict_all()  # memsave's code may have changed under a long run
 
-    predictions = {}
-    for name, mode in selected:
-        start = time.perf_counter()
-        predictions[(name, mode)] = predict(name, mode, args.methods)
-        print(f"predicted {name} {mode} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-
-    ok = _print_table(_rows(selected, args.methods, cache, predictions), args.methods)
+    ok = _print_table(_rows(selected, args.methods, cache, predictions, selections), args.methods)
     if not args.no_timing:
         seconds = time_plan()
         print(f"\nmemsave.plan on a {TIMED_PLAN_LAYERS}-layer tanh chain (~{3 * TIMED_PLAN_LAYERS + 4} "
