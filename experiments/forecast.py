@@ -45,6 +45,9 @@ Usage::
     .venv/bin/python experiments/forecast.py                   # everything (measures what is missing)
     .venv/bin/python experiments/forecast.py --predict-only    # re-predict against the cache
     .venv/bin/python experiments/forecast.py --models zoo_mlp resnet20 --methods plain memory
+    # two runs in parallel on other models, then one table
+    .venv/bin/python experiments/forecast.py --models keras_resnet50 --measured b.json --share ''
+    .venv/bin/python experiments/forecast.py --merge b.json --predict-only
 """
 
 from __future__ import annotations
@@ -706,6 +709,8 @@ def _parse(argv):
     ap.add_argument("--measured", type=Path, default=DEFAULT_CACHE, help="the measurement cache (JSON)")
     ap.add_argument("--share", default=str(DEFAULT_SHARE),
                     help="also copy the cache here ('' for nowhere)")
+    ap.add_argument("--merge", nargs="+", type=Path, metavar="CACHE",
+                    help="first copy these caches' entries into --measured (runs made in parallel)")
     ap.add_argument("--predict-only", action="store_true", help="never measure; use the cache")
     ap.add_argument("--remeasure", action="store_true", help="measure again even what is cached")
     ap.add_argument("--processes", type=int, default=1,
@@ -726,6 +731,8 @@ def main(argv=None) -> int:
     selected = [(n, mode) for n in names for mode in MODELS[n].modes if mode in args.modes]
     share = Path(args.share) if args.share else None
     cache = _load_cache(args.measured)
+    for other in args.merge or []:  # caches of runs made in parallel, on other models
+        cache["entries"].update(_load_cache(other)["entries"])
 
     predictions, selections = {}, {}
 
