@@ -86,6 +86,7 @@ def test_forecast_is_close_to_the_measured_peak(model, mode, method):
 
 def test_the_models_are_big_enough_for_the_allocator_to_count():
     # Every case's step must hold far more than the 256 KiB below which the
-    # CPU allocator counts nothing, or the comparison would measure noise.
+    # CPU allocator counts nothing, or the comparison would measure noise
+    # (the smallest, zoo_cnn, measures 8-9 MiB).
     for model, mode in CASES:
-        assert _measured(model, mode, forecast.PLAIN) > 8 * MiB, (model, mode)
+        assert _measured(model, mode, forecast.PLAIN) > 4 * MiB, (model, mode)
