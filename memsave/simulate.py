@@ -22,7 +22,8 @@ The program
 3. Backward, one stage per step of the schedule (plain backprop is one
    ``backprop`` stage over every op): a ``recompute`` step makes fresh
    proxies of its boundary (``t + gate``, a new buffer unless the original
-   dies there; identities otherwise), re-runs its ops on them, then
+   dies there; identities otherwise), re-runs those of its ops whose values
+   a gradient reads (TensorFlow prunes the rest), then
    differentiates them in reverse order. Each op's gradient sums the
    gradients its outputs received (AddN, in place), reads what it saves
    and writes one gradient per differentiable input (the incoming buffer
@@ -349,7 +350,7 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs) -> tuple[_
                     local[t] = v
 
             b.bind = bind_local
-            for i in step.ops:
+            for i in _needed_copies(fg, costs, step.ops):
                 b.run_op(i, vmap, "recompute")
             b.backward(step.ops, vmap, heads, boundary, "recompute")
     # The xs' gradients are the step's outputs.
@@ -358,6 +359,25 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs) -> tuple[_
         if g is not None:
             p.pinned.append(g)
     return p, b.resident_B, backward_start
+
+
+def _needed_copies(fg: ForwardGraph, costs: Costs, ops: Sequence[int]) -> list[int]:
+    """The ops of a recompute step whose copies run: those a gradient reads
+    (through other copies). The rest, e.g. the copy of the loss itself, feed
+    nothing that is fetched, and TensorFlow prunes them."""
+    need: set[int] = set()
+    for i in ops:
+        op, use = fg.ops[i], costs.gradient[i]
+        need.update(op.inputs[j] for j in use.reads_inputs if j < len(op.inputs))
+        need.update(op.outputs[k] for k in use.reads_outputs if k < len(op.outputs))
+    live = []
+    for i in reversed(ops):
+        op = fg.ops[i]
+        if any(t in need for t in op.outputs):
+            live.append(i)
+            need.update(op.inputs)
+    live.reverse()
+    return live
 
 
 def simulate(
@@ -394,42 +414,44 @@ def simulate(
     >>> trace.peak_B  # doctest: +SKIP
     """
     p, resident_B, backward_start = _build(fg, schedule, costs)
-    n_instr = len(p.reads)
-    n_val = len(p.size)
-    end = n_instr  # pinned values live past the last instruction
+    reads, writes, size, alias = p.reads, p.writes, p.size, p.alias
+    n_instr = len(reads)
+    n_val = len(size)
     last = [-1] * n_val
-    for k in range(n_instr):
-        for r in p.reads[k]:
-            last[r] = k
-    for v in p.pinned:
-        last[v] = end
     created = [-1] * n_val
     for k in range(n_instr):
-        for v, _ in p.writes[k]:
+        for r in reads[k]:
+            last[r] = k
+        for v, _ in writes[k]:
             created[v] = k
+    for v in p.pinned:
+        last[v] = n_instr  # past the last instruction: the step's outputs
     dying: list[list[int]] = [[] for _ in range(n_instr)]
+    resident = p.resident
     for v in range(n_val):
-        if p.resident[v]:
+        if resident[v]:
             continue
         k = last[v] if last[v] >= 0 else created[v]
         if 0 <= k < n_instr:
             dying[k].append(v)
-    # Views die with their own last reader but keep their buffer alive: a
-    # view reading extends its base value's life through the buffer's count.
-    counted = allocator.counted
+    # A view holds a reference to its buffer's root; a buffer is freed when
+    # the last value on it (base or view) has had its last reader.
+    counted_of = allocator.counted
+    counted = [counted_of(n) for n in size]
     root = list(range(n_val))
     refs = [0] * n_val
-    alive = sum(counted(p.size[v]) for v in range(n_val) if p.resident[v])
-    resident_counted = alive
+    alive = 0
     for v in range(n_val):
-        if p.resident[v]:
+        if resident[v]:
             refs[v] = 1 << 30
+            alive += counted[v]
+    resident_counted = alive
     peak = alive
     peak_k = -1
     events: list[tuple[int, str]] = []
     for k in range(n_instr):
-        for v, cands in p.writes[k]:
-            a = p.alias[v]
+        for v, cands in writes[k]:
+            a = alias[v]
             if a >= 0:
                 r = root[a]
                 root[v] = r
@@ -438,7 +460,7 @@ def simulate(
             chosen = -1
             for c in cands:
                 r = root[c]
-                if last[c] == k and refs[r] == 1 and p.size[r] == p.size[v]:
+                if last[c] == k and refs[r] == 1 and size[r] == size[v]:
                     chosen = r
                     break
             if chosen >= 0:
@@ -446,7 +468,7 @@ def simulate(
                 refs[chosen] += 1
             else:
                 refs[v] = 1
-                alive += counted(p.size[v])
+                alive += counted[v]
         if alive > peak:
             peak, peak_k = alive, k
         if timeline:
@@ -455,7 +477,7 @@ def simulate(
             r = root[v]
             refs[r] -= 1
             if refs[r] == 0:
-                alive -= counted(p.size[r])
+                alive -= counted[r]
     return MemoryTrace(
         peak_B=peak,
         resident_B=resident_counted,

@@ -319,7 +319,7 @@ SEGMENT_LIVE_FRACTION = 0.5
 
 #: Further live fractions tried when generating candidates for ``'memory'``;
 #: the simulator picks the best of all of them.
-CANDIDATE_LIVE_FRACTIONS = (0.25, 1.0)
+CANDIDATE_LIVE_FRACTIONS = (1.0,)
 
 #: Smallest fraction of the step's predicted working memory (plain peak minus
 #: resident variables and inputs, both from :func:`memsave.simulate.simulate`)
@@ -430,13 +430,13 @@ def memory(
     order). Candidate plans come from a greedy walk (:func:`_greedy`: each
     segment as long as ``alive + frac * segment_bytes <= budget`` allows,
     under the smallest budget found by bisection, for a few live fractions
-    ``frac``) and from evenly spread sets of about ``sqrt(k)`` candidates;
+    ``frac``) and from an evenly spread set of ``sqrt(k)`` candidates;
     the simulator (:func:`memsave.simulate.simulate`) forecasts each plan's
     peak and the lowest wins (ties: fewer checkpoints). Segments shrink toward
     the end of the graph, as in Griewank's schedules; a uniform chain of ``n``
     equal tensors keeps about ``sqrt(n)``: the O(sqrt(n)) memory of Chen et
     al. (2016). ``O(k log n)`` per generated plan plus one linear simulation
-    per distinct plan (at most seven).
+    per distinct plan (at most three).
 
     References
     ----------
@@ -474,9 +474,8 @@ def memory(
     for frac in (segment_live_fraction, *CANDIDATE_LIVE_FRACTIONS):
         plans[tuple(_greedy_plan(pos, size, total, frac))] = None
     root = math.isqrt(len(cands))
-    for k in (root // 2, root, 2 * root):
-        if 0 < k <= len(cands):
-            plans[tuple(_spread(pos, total, k))] = None
+    if root > 0:
+        plans[tuple(_spread(pos, total, root))] = None
     if costs is None:
         costs = estimate_costs(fg)
     best, best_peak = (), None

@@ -44,7 +44,7 @@ def test_plan_forecasts_a_saving_and_explains_it():
     kept = {k.name: k for k in p.kept}
     for name in p.checkpoints:
         assert kept[name].why == "articulation point"
-        assert kept[name].op_type == "Tanh"
+        assert kept[name].op_type in ("Tanh", "MatMul")
         assert kept[name].shape == (2048, 512) and kept[name].dtype == "float32"
         assert kept[name].bytes == 4 * MiB
     assert p.forward_cost > 0 and 0 < p.recompute_cost < p.forward_cost

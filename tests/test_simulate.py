@@ -166,3 +166,19 @@ def test_memory_strategy_beats_plain_on_chains(n):
     sel = strategies.memory(fg)
     assert sel.checkpoints
     assert _peak(fg, [fg.tensors[t].name for t in sel.checkpoints]).peak_B < _peak(fg).peak_B
+
+
+def test_a_recompute_step_runs_only_the_copies_a_gradient_reads():
+    # y = Mean(op2): Mean's gradient reads nothing, so the y step's copy of
+    # the Mean (the loss itself) feeds nothing fetched and TensorFlow prunes
+    # it; op2's copy is read by its own gradient (Tanh reads its output).
+    b = Builder()
+    h = b.source("x")
+    for i in range(3):
+        h = b.op(f"op{i}", "Tanh", [h])
+    y = b.op("mean", "Mean", [h], size_B=4)
+    fg = b.build(["x"], [y])
+    events = [e for _, e in _peak(fg, ["op1:0"]).timeline]
+    assert "recompute op2" in events
+    assert "recompute mean" not in events
+    assert "run mean" in events  # the forward computes the loss once

@@ -237,7 +237,7 @@ def test_memory_on_residual_and_unet_picks_only_cut_points():
 
 def test_memory_keeps_nothing_when_the_best_plan_saves_too_little():
     # Long skips from the stem to the last op bypass 18 of 23 tensors:
-    # keeping the stem cuts the forecast peak from 24 to 21 MiB, 13.6% of the
+    # keeping the stem cuts the forecast peak from 24 to 20 MiB, 18.2% of the
     # 22 MiB of working memory (x and the seed gradient are resident).
     b = Builder()
     x = b.source("x")
@@ -254,7 +254,7 @@ def test_memory_keeps_nothing_when_the_best_plan_saves_too_little():
     assert b.ids["stem:0"] in articulation_candidates(fg)
     sel = strategies.memory(fg, min_saving_fraction=0.2)
     assert sel.checkpoints == ()
-    assert "from 25,165,824 to 22,020,096 bytes, a saving of 13.6%" in sel.note
+    assert "from 25,165,824 to 20,971,520 bytes, a saving of 18.2%" in sel.note
     assert "min_saving_fraction=0.2" in sel.note
     assert strategies.memory(fg).checkpoints == (b.ids["stem:0"],)
     assert strategies.memory(fg, min_saving_fraction=0.0).checkpoints == (b.ids["stem:0"],)
@@ -461,16 +461,16 @@ def test_the_schedule_keeps_what_a_scalar_bypass_needs():
 
 
 def test_speed_drops_a_plan_that_saves_too_little_and_says_so():
-    # One 256-byte MatMul output between two long tanh runs (an LSTM's
-    # projection, say): keeping it saves nothing worth recomputing for.
+    # A 256-byte MatMul output at the end of a long tanh chain (an LSTM's
+    # projection after its loop, say): keeping it saves 256 bytes and costs
+    # recomputing the whole chain.
     b = Builder()
     h = b.source("x")
-    for i in range(6):
+    for i in range(12):
         h = b.op(f"a{i}", "Tanh", [h])
     h = b.op("proj", "MatMul", [h], size_B=256)
-    for i in range(6):
-        h = b.op(f"b{i}", "Tanh", [h])
-    fg = b.build(["x"], [h])
+    y = b.op("out", "Tanh", [h], size_B=256)
+    fg = b.build(["x"], [y])
     sel = strategies.speed(fg)
     assert sel.checkpoints == ()
     assert "'speed''s plan (1 checkpoints)" in sel.note and "min_saving_fraction" in sel.note
