@@ -633,10 +633,9 @@ def test_plan_counts_the_optimizer_slots_as_resident():
     adam_model = plan_model(depth=4, optimizer="adam", width=512)
     adam = memsave.keras.plan(adam_model, x, y, batch_size=1024)
     assert adam_model.optimizer.built  # built as fit builds it before its first step
-    kernels = sum(int(np.prod(w.shape)) * 4 for w in adam_model.trainable_weights
-                  if len(w.shape) == 2 and w.shape[0] == 512)
+    kernels = 4 * 512 * 512 * 4  # the four hidden kernels; the rest is under 64 KiB
     extra = adam.baseline_peak_bytes - sgd.baseline_peak_bytes
-    assert 2 * kernels <= extra <= 2 * kernels + 2 * 2**20, (extra, kernels)
+    assert 2 * kernels <= extra <= 2 * kernels + 2**17, (extra, kernels)
     assert adam.predicted_peak_bytes - sgd.predicted_peak_bytes == extra
 
 
