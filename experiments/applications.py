@@ -194,7 +194,7 @@ def child(a) -> dict:
             grads = tf.gradients(loss, variables)
         else:
             p = memsave.plan(loss, variables, checkpoints=checkpoints)
-            plan_box.update(steps=p.steps, recomputed_ops=p.recomputed_ops,
+            plan_box.update(steps=len(p.steps), recomputed_ops=p.recomputed_ops,
                             checkpoints=len(p.checkpoints))
             grads = memsave.gradients(loss, variables, checkpoints=checkpoints)
         for v, g in zip(variables, grads):

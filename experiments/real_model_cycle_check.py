@@ -74,7 +74,7 @@ def custom_loop(name, x, y, checkpoints):
         ours = memsave.gradients(loss, model.trainable_variables, checkpoints=checkpoints)
         plan = memsave.plan(loss, model.trainable_variables, checkpoints=checkpoints)
         opt.apply_gradients(zip(ours, model.trainable_variables))
-        return loss, ref, ours, tf.constant([plan.steps, plan.recomputed_ops])
+        return loss, ref, ours, tf.constant([len(plan.steps), plan.recomputed_ops])
 
     t0 = time.time()
     loss, ref, ours, built = step(x, y)

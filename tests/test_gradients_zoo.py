@@ -304,7 +304,7 @@ def assert_rewrite_built(result, model, strategy, caplog):
     fell_back = [r.getMessage() for r in caplog.records
                  if r.name.startswith("memsave") and "nothing to checkpoint" in r.getMessage()]
     if strategy in model.fallbacks:
-        assert plan.steps == 0 and copies["ours"] == 0, (
+        assert len(plan.steps) == 0 and copies["ours"] == 0, (
             f"{model.name} declares '{strategy}' a fallback ({model.fallbacks[strategy]}), "
             f"but memsave planned:\n{plan.summary()}\nand built {copies['ours']} copies: "
             "remove it from Model.fallbacks"
@@ -312,7 +312,7 @@ def assert_rewrite_built(result, model, strategy, caplog):
         assert fell_back, f"memsave fell back to tf.gradients without its warning: {caplog.text}"
         return
     assert not fell_back, f"memsave fell back to tf.gradients: {fell_back}"
-    assert plan.steps > 0 and plan.recomputed_ops > 0, f"nothing recomputed:\n{plan.summary()}"
+    assert len(plan.steps) > 0 and plan.recomputed_ops > 0, f"nothing recomputed:\n{plan.summary()}"
     if model.copies_identifiable:
         assert copies["ours"] == plan.recomputed_ops, (
             f"the plan recomputes {plan.recomputed_ops} ops, the built graph holds "
