@@ -165,6 +165,14 @@ def assert_gradients_equal(ours, ref, names):
 
 # -- the matrix ----------------------------------------------------------------
 
+#: At 32x32 and batch 4 the weights' gradients (alive to the end of the step)
+#: make the peak, and the simulator rightly forecasts that checkpointing saves
+#: too little: 'memory' and 'speed' would fall back to tf.gradients. These
+#: tests are about the rewrite's gradients on real graphs, so they keep any
+#: plan; the memory tests below use sizes where the saving is real.
+_KEEP_ANY_PLAN = {"min_saving_fraction": 0.0}
+_KEEP_ANY_PLAN_STRATEGIES = ("memory", "speed")
+
 LOOP, FIT = "loop", "fit"
 
 CASES = [
@@ -236,8 +244,9 @@ def _custom_loop_gradients(model_name, strategy, jit):
                 tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
         for t in mid:
             tf.compat.v1.add_to_collection("checkpoints", t)
-        plans.append(memsave.plan(loss, weights, checkpoints=strategy))
-        ours = memsave.gradients(loss, weights, checkpoints=strategy)
+        opts = _KEEP_ANY_PLAN if strategy in _KEEP_ANY_PLAN_STRATEGIES else None
+        plans.append(memsave.plan(loss, weights, checkpoints=strategy, strategy_options=opts))
+        ours = memsave.gradients(loss, weights, checkpoints=strategy, strategy_options=opts)
         return ours, tape.gradient(loss, weights)
 
     ours, ref = step(tf.constant(x), tf.constant(y))
@@ -267,7 +276,8 @@ def _fit_gradients(model_name, strategy, jit):
         model = _build(model_name)
         if with_memsave:
             checkpoints = CHECKPOINT_LAYERS[model_name] if strategy == "collection" else strategy
-            memsave.keras.checkpointed(model, checkpoints)
+            opts = _KEEP_ANY_PLAN if strategy in _KEEP_ANY_PLAN_STRATEGIES else None
+            memsave.keras.checkpointed(model, checkpoints, strategy_options=opts)
         opt = RecordingSGD(model.trainable_variables, learning_rate=0.0)
         model.compile(optimizer=opt, jit_compile=jit,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
