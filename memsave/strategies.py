@@ -358,8 +358,8 @@ def articulation_candidates(
 def _piece_ends(fg: ForwardGraph, g: nx.Graph, sink: int) -> Iterable[tuple[list[int], int]]:
     """``(starts, end)`` of each connected piece of ``g`` with two or more nodes.
 
-    The starts are the piece's ops that read an x or an external tensor
-    (input data) and no output of a recomputable op: where the forward pass
+    The starts are the piece's ops that read an x or input data and no
+    output of a recomputable op (:func:`_enters`): where the forward pass
     enters. The end is the node joined to the ys when the piece holds it.
     A piece can lack either when small tensors cut it off (the classifier
     head of a CNN, below :data:`SMALL_TENSOR_FRACTION`, cuts the loss off the
@@ -375,15 +375,20 @@ def _piece_ends(fg: ForwardGraph, g: nx.Graph, sink: int) -> Iterable[tuple[list
 
 
 def _enters(fg: ForwardGraph, op) -> bool:
-    """Whether ``op`` reads an x or an external tensor and no recomputable op's output."""
-    reads_outside = False
+    """Whether ``op`` reads an x or input data and no recomputable op's output.
+
+    Input data is an external tensor that is not a constant: a ``Reshape``
+    of a weight read by a constant shape reads no input, and taking it for a
+    start would make the op that consumes it (a ``MatMul``) a cut.
+    """
+    reads_input = False
     for t in op.inputs:
-        p = fg.tensors[t].producer
-        if p is None:
-            reads_outside = True
-        elif fg.ops[p].recomputable:
+        node = fg.tensors[t]
+        if node.producer is None:
+            reads_input = reads_input or not node.constant
+        elif fg.ops[node.producer].recomputable:
             return False
-    return reads_outside
+    return reads_input
 
 
 #: Fraction of a segment's activation bytes assumed alive at once while it

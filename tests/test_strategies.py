@@ -8,6 +8,7 @@ each op and count connected components).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import networkx as nx
@@ -139,6 +140,26 @@ def test_small_means_small_against_activations_not_variables():
         h = b.op(f"c{i}", "Relu", [h])
     fg = b.build(["w"], [h])
     assert names(fg, articulation_candidates(fg)) == ["c1:0", "c2:0", "c3:0"]
+
+
+def test_a_reshaped_weight_does_not_make_its_matmul_a_cut():
+    # Keras's EinsumDense reshapes the kernel read by a constant shape: the
+    # Reshape hangs off the MatMul and reads no input data, so the MatMuls
+    # (bypassed by the skip connection) stay off the path.
+    b = Builder()
+    h = b.op("embed", "GatherV2", [b.external("ids", trainable=False),
+                                   b.op("table", "ReadVariableOp", [b.source("t")], recomputable=False)])
+    shape = b.external("shape", trainable=False)
+    b.tensors[b.ids[shape]] = dataclasses.replace(b.tensors[b.ids[shape]], constant=True)
+    for i in range(2):
+        w = b.op(f"read{i}", "ReadVariableOp", [b.source(f"w{i}")], recomputable=False, size_B=64 * 1024)
+        k = b.op(f"kernel{i}", "Reshape", [w, shape], size_B=64 * 1024)
+        q = b.op(f"mm{i}", "MatMul", [h, k])
+        q = b.op(f"relu{i}", "Relu", [q])
+        h = b.op(f"add{i}", "AddV2", [h, q])
+    y = b.op("head", "Tanh", [h])
+    fg = b.build(["t", "w0", "w1"], [y])
+    assert names(fg, articulation_candidates(fg)) == ["add0:0", "add1:0"]
 
 
 # -- 'speed' and 'collection' ---------------------------------------------------
@@ -465,9 +486,9 @@ def _brute_force_candidates(fg) -> list[int]:
             g.add_edge(p, "sink")
 
     def enters(i):
-        producers = [fg.tensors[t].producer for t in fg.ops[i].inputs]
-        return any(p is None for p in producers) and not any(
-            p is not None and fg.ops[p].recomputable for p in producers
+        inputs = [fg.tensors[t] for t in fg.ops[i].inputs]
+        return any(n.producer is None and not n.constant for n in inputs) and not any(
+            n.producer is not None and fg.ops[n.producer].recomputable for n in inputs
         )
 
     ends = {}
