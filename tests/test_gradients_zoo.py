@@ -422,7 +422,6 @@ RANDOM_DAG_SEEDS = range(10)
 #: recognises 14 of 17 and 5 of 6 planned copies (not investigated; the
 #: gradients match), so they require 0 < copies <= planned.
 RANDOM_DAG_FALLBACKS = {
-    (4, "memory"): "the best articulation-point plan saves under min_saving_fraction",
     (4, "speed"): "no MatMul between xs and ys",
     (9, "speed"): "no MatMul between xs and ys",
 }
