@@ -428,11 +428,14 @@ class _CheckpointedStep:
 
 
 def _checkpointed_train_step(model: keras.Model, config: _Config, data,
-                             take_gradients=_memsave_gradients):
+                             take_gradients=None):
     """Keras' TensorFlowTrainer.train_step with memsave's gradients (see module doc).
 
-    :func:`plan` passes a ``take_gradients`` that plans instead and ends the trace there.
+    :func:`plan` passes a ``take_gradients`` that plans instead and ends the trace there;
+    by default the module's ``_memsave_gradients`` is looked up when the step is traced.
     """
+    if take_gradients is None:
+        take_gradients = _memsave_gradients
     if tf.executing_eagerly():
         raise EagerExecutionError(_EAGER_MESSAGE.format(name=model.name))
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
