@@ -18,10 +18,12 @@ import pytest
 import memsave
 from memsave import strategies
 from memsave.schedule import build_schedule
-from memsave.strategies import Selection, articulation_candidates
+from memsave.costs import estimate_costs
+from memsave.simulate import BFC, simulate
+from memsave.strategies import Selection, articulation_candidates, topological_cuts
 
 import handgraphs as H
-from handgraphs import Builder, names
+from handgraphs import MiB, Builder, names
 
 
 @pytest.fixture
@@ -309,16 +311,19 @@ def test_memory_num_checkpoints_bounds():
         strategies.memory(fg, num_checkpoints=-1)
 
 
+def _cut_tensors(fg) -> set[int]:
+    """Every tensor crossing a candidate cut of the topological order."""
+    return {t for c in topological_cuts(fg, estimate_costs(fg)) for t in c.crossing}
+
+
 def test_memory_on_residual_and_unet_picks_only_cut_points():
     for fg in (H.residual_block(), H.unet()):
         chosen = set(strategies.memory(fg, min_saving_fraction=0.0).checkpoints)
-        assert chosen and chosen <= set(articulation_candidates(fg))
+        assert chosen and chosen <= set(articulation_candidates(fg)) | _cut_tensors(fg)
 
 
-def test_memory_keeps_nothing_when_the_best_plan_saves_too_little():
-    # Long skips from the stem to the last op bypass 18 of 23 tensors:
-    # keeping the stem cuts the forecast peak from 24 to 20 MiB, 18.2% of the
-    # 22 MiB of working memory (x and the seed gradient are resident).
+def _stem_and_two_branches():
+    # Long skips from the stem to the last op bypass 18 of 23 tensors.
     b = Builder()
     x = b.source("x")
     h = x
@@ -330,33 +335,114 @@ def test_memory_keeps_nothing_when_the_best_plan_saves_too_little():
         p = b.op(f"p{i}", "Tanh", [p])
         q = b.op(f"q{i}", "Relu", [q])
     y = b.op("join", "AddV2", [p, q, stem])
-    fg = b.build(["x"], [y])
-    assert b.ids["stem:0"] in articulation_candidates(fg)
-    sel = strategies.memory(fg, min_saving_fraction=0.2)
-    assert sel.checkpoints == ()
-    assert "from 25,165,824 to 20,971,520 bytes, a saving of 18.2%" in sel.note
-    assert "min_saving_fraction=0.2" in sel.note
-    assert strategies.memory(fg).checkpoints == (b.ids["stem:0"],)
-    assert strategies.memory(fg, min_saving_fraction=0.0).checkpoints == (b.ids["stem:0"],)
+    return b, b.build(["x"], [y])
+
+
+def test_memory_plans_over_cuts_where_articulation_points_save_little():
+    # Keeping the stem alone (its only articulation point in the branches'
+    # region) would cut the forecast peak from 24 to 20 MiB; keeping the
+    # pairs (p_i, q_i) that cross cuts of the topological order recomputes
+    # each branch in short segments: 11 MiB.
+    b, fg = _stem_and_two_branches()
+    assert names(fg, articulation_candidates(fg)) == ["pre1:0", "pre2:0", "stem:0"]
+    sel = strategies.memory(fg, min_saving_fraction=0.0)
+    assert names(fg, sel.checkpoints) == [
+        "stem:0", "q1:0", "p2:0", "p4:0", "q4:0", "p6:0", "q6:0"]
+    assert sel.reasons[b.ids["stem:0"]] == "articulation point"
+    assert sel.reasons[b.ids["q1:0"]] == strategies.CUT_REASON
+    costs = estimate_costs(fg)
+    peak = simulate(fg, build_schedule(fg, sel.checkpoints), costs, allocator=BFC,
+                    timeline=False).peak_B
+    assert peak == 11 * MiB
+    assert strategies.memory(fg).checkpoints == sel.checkpoints
     assert strategies.memory(fg, num_checkpoints=1).checkpoints == (b.ids["stem:0"],)
+
+
+def test_memory_keeps_nothing_when_the_best_plan_saves_too_little():
+    # The plan above saves 13 of the 22 MiB of working memory (x and the
+    # seed gradient are resident): 59.1%.
+    b, fg = _stem_and_two_branches()
+    sel = strategies.memory(fg, min_saving_fraction=0.6)
+    assert sel.checkpoints == ()
+    assert "from 25,165,824 to 11,534,336 bytes, a saving of 59.1%" in sel.note
+    assert "min_saving_fraction=0.6" in sel.note
+    assert strategies.memory(fg, min_saving_fraction=0.59).checkpoints
     with pytest.raises(ValueError, match="min_saving_fraction"):
         strategies.memory(fg, min_saving_fraction=1.0)
 
 
-def test_memory_without_articulation_points_returns_nothing_and_says_why():
-    # Two parallel branches from one op, joined at the y: every op is bypassed.
+def test_memory_without_articulation_points_keeps_the_tensors_crossing_cuts():
+    # Two parallel branches from one op, joined at the y: every op is
+    # bypassed, no articulation point. Cuts of the topological order cross
+    # one tensor of each branch; keeping both recomputes the branches
+    # segment by segment, each op once.
     b = Builder()
     x = b.source("x")
     p = q = b.op("root", "MatMul", [x])
-    for i in range(4):
+    for i in range(8):
         p = b.op(f"p{i}", "Tanh", [p])
         q = b.op(f"q{i}", "Relu", [q])
     y = b.op("join", "AddV2", [p, q])
     fg = b.build(["x"], [y])
     assert articulation_candidates(fg) == []
     sel = strategies.memory(fg)
+    assert sel.checkpoints
+    assert set(sel.reasons.values()) == {strategies.CUT_REASON}
+    # kept in pairs: a cut after p_i crosses q_{i-1} and p_i
+    costs = estimate_costs(fg)
+    cuts = {c.crossing for c in topological_cuts(fg, costs)}
+    assert set(sel.checkpoints) <= {t for c in cuts for t in c}
+    schedule = build_schedule(fg, sel.checkpoints)
+    copied = [o for s in schedule.steps for o in s.ops]
+    assert len(copied) == len(set(copied))  # no op recomputed twice
+    plain = simulate(fg, None, costs, allocator=BFC, timeline=False).peak_B
+    assert simulate(fg, schedule, costs, allocator=BFC, timeline=False).peak_B < 0.7 * plain
+
+
+def test_memory_with_nothing_to_keep_says_why():
+    # One op between x and y: no activation to keep.
+    b = Builder()
+    y = b.op("only", "Tanh", [b.source("x")])
+    sel = strategies.memory(b.build(["x"], [y]))
     assert sel.checkpoints == ()
     assert "no tensor cuts the forward graph" in sel.note
+
+
+# -- topological cuts -----------------------------------------------------------
+
+
+def test_topological_cuts_of_the_unet_graph():
+    # After e2, e3, mid the long and short skips are both open (2-3 MiB
+    # cross); the local minima are after stem, e1 (1 MiB), d2 (e1 and d2)
+    # and d1. After `out` the next op is the y, whose cut crosses nothing.
+    fg = H.unet()
+    cuts = topological_cuts(fg, estimate_costs(fg))
+    assert [(fg.ops[c.position].name, names(fg, c.crossing), c.crossing_B) for c in cuts] == [
+        ("stem", ["stem:0"], MiB),
+        ("e1", ["e1:0"], MiB),
+        ("d2", ["e1:0", "d2:0"], 2 * MiB),
+        ("d1", ["d1:0"], MiB),
+    ]
+
+
+def _brute_force_cuts(fg, costs):
+    """Every position's crossing activations by definition; keep the local minima."""
+    keep = set(strategies._candidates(fg))
+    crossing = []
+    for i in range(len(fg.ops)):
+        ts = sorted(
+            t for t in keep
+            if fg.tensors[t].producer <= i
+            and any(i < op.index and t in op.inputs for op in fg.ops)
+        )
+        crossing.append((ts, sum(costs.tensor_B[t] for t in ts)))
+    out = []
+    for i, (ts, nbytes) in enumerate(crossing):
+        left = crossing[i - 1][1] if i else math.inf
+        right = crossing[i + 1][1] if i + 1 < len(crossing) else math.inf
+        if fg.ops[i].recomputable and ts and nbytes <= left and nbytes <= right:
+            out.append((i, tuple(ts), nbytes))
+    return out
 
 
 def test_branches_that_start_at_an_x_can_each_be_cut():
@@ -521,7 +607,15 @@ def test_articulation_candidates_match_brute_force_on_random_dags(seed):
     assert articulation_candidates(fg) == _brute_force_candidates(fg)
     sel = strategies.memory(fg)
     assert list(sel.checkpoints) == sorted(sel.checkpoints)
-    assert set(sel.checkpoints) <= set(articulation_candidates(fg))
+    assert set(sel.checkpoints) <= set(articulation_candidates(fg)) | _cut_tensors(fg)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_topological_cuts_match_brute_force_on_random_dags(seed):
+    fg = _random_dag(seed)
+    costs = estimate_costs(fg)
+    got = [(c.position, c.crossing, c.crossing_B) for c in topological_cuts(fg, costs)]
+    assert got == _brute_force_cuts(fg, costs)
 
 
 def _chain_with_scalar_bypass(n=8):
