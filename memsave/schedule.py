@@ -30,6 +30,7 @@ overlap (ops shared by heads of different layers are copied once per layer).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from typing import Literal
 
 import toposort
@@ -70,6 +71,7 @@ class Schedule:
     checkpoints: tuple[int, ...]
     kept: tuple[int, ...]
     steps: tuple[Step, ...]
+    in_place: tuple[int, ...] = ()
 
     @property
     def recomputed_ops(self) -> int:
@@ -77,7 +79,9 @@ class Schedule:
         return sum(len(s.ops) for s in self.steps if s.kind == "recompute")
 
 
-def build_schedule(fg: ForwardGraph, checkpoints: tuple[int, ...]) -> Schedule:
+def build_schedule(
+    fg: ForwardGraph, checkpoints: tuple[int, ...], *, in_place: Collection[int] = ()
+) -> Schedule:
     """Order the backward steps for ``fg`` with ``checkpoints`` kept.
 
     Parameters
@@ -86,6 +90,12 @@ def build_schedule(fg: ForwardGraph, checkpoints: tuple[int, ...]) -> Schedule:
     checkpoints : tuple of int
         Internal tensor ids to keep; outputs of non-recomputable ops and
         xs are kept whether listed or not.
+    in_place : collection of int
+        Op indices to differentiate in place (``backprop`` steps on the
+        originals, their inputs and outputs kept from the forward pass)
+        rather than recompute, as if they were not recomputable: how a
+        budgeted plan keeps a whole segment to save its recomputation
+        (:mod:`memsave.solvers`).
 
     Returns
     -------
@@ -97,15 +107,20 @@ def build_schedule(fg: ForwardGraph, checkpoints: tuple[int, ...]) -> Schedule:
     b's: the ys step, then one step per layer of heads.
     """
     tensors = fg.tensors
+    stored = frozenset(in_place)
+
+    def recomputable(i: int) -> bool:
+        return fg.ops[i].recomputable and i not in stored
+
     kept: set[int] = set(checkpoints)
     for x in fg.xs:
         kept.add(x)
     for op in fg.ops:
-        if not op.recomputable:
+        if not recomputable(op.index):
             kept.update(op.outputs)
             kept.update(t for t in op.inputs if tensors[t].kind != "external")
 
-    _keep_shared_frontier(fg, kept)
+    _keep_shared_frontier(fg, kept, recomputable)
 
     def differentiable(t: int) -> bool:
         return t in kept and tensors[t].trainable and tensors[t].kind != "external"
@@ -132,7 +147,7 @@ def build_schedule(fg: ForwardGraph, checkpoints: tuple[int, ...]) -> Schedule:
     def unit_of(t: int) -> tuple[str, int]:
         producer = tensors[t].producer
         assert producer is not None, "this is a bug in memsave: unit of a non-internal tensor"
-        return ("t", t) if fg.ops[producer].recomputable else ("o", producer)
+        return ("t", t) if recomputable(producer) else ("o", producer)
 
     deps: dict[tuple[str, int], set[tuple[str, int]]] = {}
     segments: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
@@ -174,10 +189,11 @@ def build_schedule(fg: ForwardGraph, checkpoints: tuple[int, ...]) -> Schedule:
         checkpoints=tuple(sorted(set(checkpoints))),
         kept=tuple(sorted(kept)),
         steps=tuple(steps),
+        in_place=tuple(sorted(stored)),
     )
 
 
-def _keep_shared_frontier(fg: ForwardGraph, kept: set[int]) -> None:
+def _keep_shared_frontier(fg: ForwardGraph, kept: set[int], recomputable) -> None:
     """Keep tensors so that no op is recomputed by two different heads.
 
     When the kept tensors do not cut the graph (checkpoints off the residual
@@ -193,7 +209,7 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int]) -> None:
     while True:
         reach: list[tuple] = [()] * len(fg.ops)
         for op in reversed(fg.ops):
-            if not op.recomputable:
+            if not recomputable(op.index):
                 continue
             heads: set = set()
             for t in op.outputs:
@@ -203,7 +219,7 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int]) -> None:
                     if t in y_set:
                         heads.add(("ys",))  # unkept ys are the heads of the first step
                     for c in consumers[t]:
-                        if fg.ops[c].recomputable:
+                        if recomputable(c):
                             heads.update(reach[c])
                 if len(heads) > 1:
                     break
@@ -216,7 +232,7 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int]) -> None:
             for op in shared
             for t in op.outputs
             if t not in kept
-            and any(fg.ops[c].recomputable and len(reach[c]) == 1 for c in consumers[t])
+            and any(recomputable(c) and len(reach[c]) == 1 for c in consumers[t])
         }
         if not frontier:
             frontier = {t for op in shared for t in op.outputs}
