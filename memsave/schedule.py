@@ -17,7 +17,7 @@ the sum, over the steps, of what each step propagates from its heads to its
 boundary, provided each head's gradient is complete before its step runs
 (chain rule; every path from an x to a y crosses the segments once). Steps
 therefore run in reverse topological order of the heads: the heads are
-layered by longest path (``toposort``), and each layer is one step, whose
+layered by longest path (as ``toposort`` would, in linear time), and each layer is one step, whose
 heads depend on nothing else in the layer. The ys that are not kept form the
 first step. A head whose producer is not recomputable is differentiated in
 place (a *backprop* step on the original op) rather than copied.
@@ -32,8 +32,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 from typing import Literal
-
-import toposort
 
 from memsave.graph import ForwardGraph
 
@@ -174,7 +172,7 @@ def build_schedule(
     if y_heads:
         steps.append(_recompute_step(y_heads, [segment(y) for y in y_heads]))
 
-    for layer in reversed(list(toposort.toposort(deps))):
+    for layer in reversed(_layers(deps, lambda u: u[1] if u[0] == "o" else tensors[u[1]].producer)):
         heads = sorted(u[1] for u in layer if u[0] == "t")
         if heads:
             steps.append(_recompute_step(tuple(heads), [segments[h] for h in heads]))
@@ -237,6 +235,27 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int], recomputable) -> Non
         if not frontier:
             frontier = {t for op in shared for t in op.outputs}
         kept.update(frontier)
+
+
+def _layers(deps: dict, position) -> list[set]:
+    """``toposort.toposort(deps)`` as a list, in linear time.
+
+    A unit's layer is the longest dependency path below it (what toposort's
+    repeated removal of ready units computes, in time quadratic in the
+    number of layers: a long run of in-place ops makes one layer each).
+    Every dependency is produced earlier in the topological order
+    (``position``), so one pass in that order finds every layer.
+    """
+    units = set(deps)
+    for ds in deps.values():
+        units.update(ds)
+    level: dict = {}
+    for u in sorted(units, key=lambda u: (position(u), u)):
+        level[u] = 1 + max((level[d] for d in deps.get(u, ())), default=-1)
+    out: list[set] = [set() for _ in range(1 + max(level.values(), default=-1))]
+    for u, lv in level.items():
+        out[lv].add(u)
+    return out
 
 
 def _recompute_step(heads, parts) -> Step:

@@ -94,8 +94,10 @@ def get(name: str) -> Solver:
 
 
 def is_chain(problem: Problem) -> bool:
-    """Whether each candidate cut separates the graph: every tensor read across
-    a cut is the cut itself (or resident), so the DP's locality holds."""
+    """Whether the candidates cut the graph into a chain of segments: every
+    tensor read across a cut is the cut itself, read by the next segment (or
+    resident), and every y is produced in the last segment. The DP's
+    locality holds there."""
     fg = problem.fg
     bounds = [fg.tensors[t].producer for t in problem.candidates]
     seg = {}
@@ -105,6 +107,11 @@ def is_chain(problem: Problem) -> bool:
             k += 1
         seg[op.index] = k
     cand = set(problem.candidates)
+    last = len(bounds)
+    for y in fg.ys:  # a y's seed gradient is alive from the start of backprop
+        p = fg.tensors[y].producer
+        if p is not None and seg[p] != last:
+            return False
     for op in fg.ops:
         for t in op.inputs:
             p = fg.tensors[t].producer

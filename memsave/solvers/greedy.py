@@ -50,9 +50,10 @@ __all__ = ["greedy", "family", "MAX_STORE_STEPS", "EXHAUSTIVE_CUTS"]
 #: 1000 ops for the whole family).
 MAX_STORE_STEPS = 12
 
-#: Up to this many candidate cuts, every checkpoint count ``k`` and every
-#: ``j`` is tried (a richer family on graphs where simulation is cheap).
-EXHAUSTIVE_CUTS = 30
+#: Up to this many candidate cuts, every checkpoint count ``k`` is tried for
+#: every stored set, and every plan's neighbours (one candidate or segment
+#: toggled) join the family: a richer family where it stays small.
+EXHAUSTIVE_CUTS = 16
 
 
 def _spread(pos: list[int], total: int, k: int) -> list[int]:
@@ -78,37 +79,93 @@ def _thin(n: int, steps: int) -> list[int]:
     return sorted({round(i * n / (steps - 1)) for i in range(steps)})
 
 
+#: Largest Pareto front of stored sets kept per step of the knapsack DP
+#: (points merged beyond it): bounds its time on graphs with many segments.
+MAX_FRONT = 256
+
+
+def _held_bytes(problem: Problem) -> list[int]:
+    """Per segment: counted bytes its gradients read (held when it is stored)."""
+    fg, costs, counted = problem.fg, problem.costs, problem.allocator.counted
+    out = []
+    for seg in problem.segments:
+        reads = set()
+        for o in seg:
+            op, use = fg.ops[o], costs.gradient[o]
+            reads.update(op.inputs[i] for i in use.reads_inputs if i < len(op.inputs))
+            reads.update(op.outputs[i] for i in use.reads_outputs if i < len(op.outputs))
+        out.append(sum(counted(costs.tensor_B[t]) for t in reads
+                       if fg.tensors[t].kind == "internal" and costs.alias_of[t] is None))
+    return out
+
+
+def _stored_sets(problem: Problem) -> list[frozenset[int]]:
+    """Pareto-optimal stored sets: most FLOPs saved for the bytes they hold
+    (a 0/1 knapsack solved for every capacity at once, by DP over segments)."""
+    held = _held_bytes(problem)
+    # Points (bytes, -flops, segment added, parent point): sets are rebuilt
+    # from the parent links at the end, so a step costs O(front), not O(m).
+    front: list[tuple] = [(0, 0, -1, None)]
+    for j, seg in enumerate(problem.segments):
+        if not seg:
+            continue
+        f = problem.segment_flops[j]
+        merged = sorted(front + [(b + held[j], nf - f, j, pt) for pt in front
+                                 for b, nf in [(pt[0], pt[1])]],
+                        key=lambda x: (x[0], x[1]))
+        front = []
+        for pt in merged:  # keep points that save strictly more for more bytes
+            if not front or pt[1] < front[-1][1]:
+                front.append(pt)
+        if len(front) > MAX_FRONT:
+            front = [front[i] for i in _thin(len(front) - 1, MAX_FRONT)]
+    out = []
+    for pt in front:
+        st = set()
+        while pt is not None and pt[2] >= 0:
+            st.add(pt[2])
+            pt = pt[3]
+        out.append(frozenset(st))
+    return out
+
+
 def family(problem: Problem) -> list[Decision]:
     """The budget-independent plans ``greedy`` chooses from (see module docstring)."""
     fg, costs = problem.fg, problem.costs
     m = len(problem.candidates)
     seg_bytes = [sum(costs.tensor_B[t] for o in seg for t in fg.ops[o].outputs
                      if fg.tensors[t].trainable) for seg in problem.segments]
-    pos, total = [], 0
-    for k in range(m):
-        total += seg_bytes[k]
-        pos.append(total)
-    total += seg_bytes[m]
     small = m <= EXHAUSTIVE_CUTS
-    if small:
-        ks = list(range(0, m + 1))
-    else:
-        root = max(1, math.isqrt(m))
-        ks = sorted({max(1, root // 2), root, min(m, 2 * root)})
+    sets = _stored_sets(problem)
+    if not small:
+        sets = [sets[i] for i in _thin(len(sets) - 1, MAX_STORE_STEPS)]
     plans: dict[Decision, None] = {Decision.of(stored=range(m + 1)): None}
-    for k in ks:
-        kept = _spread(pos, total, k) if k else []
-        bounds = [0, *(i + 1 for i in kept), m + 1]
-        groups = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-        ratio = []
-        for gi, (a, b) in enumerate(groups):
-            flops = sum(problem.segment_flops[a:b])
-            held = max(sum(seg_bytes[a:b]), 1)
-            ratio.append((-flops / held, gi))
-        order = [gi for _, gi in sorted(ratio)]
-        for j in (range(len(groups) + 1) if small else _thin(len(groups), MAX_STORE_STEPS)):
-            stored = [s for gi in order[:j] for s in range(*groups[gi])]
+    for stored in sets:
+        # Candidates free to keep (their segment recomputed), placed at the
+        # recomputed bytes before them; cuts spread evenly over those bytes.
+        free, pos, total = [], [], 0
+        for k in range(m):
+            if k not in stored:
+                total += seg_bytes[k]
+                free.append(k)
+                pos.append(total)
+        if m not in stored:
+            total += seg_bytes[m]
+        if small:
+            ks = range(len(free) + 1)
+        else:
+            root = max(1, math.isqrt(len(free)))
+            ks = sorted({k for k in (0, max(1, root // 2), root, 2 * root) if k <= len(free)})
+        for k in ks:
+            kept = [free[i] for i in _spread(pos, total, k)] if k else []
             plans[Decision.of(kept, stored)] = None
+    if small:
+        # Local moves: every plan with one candidate or segment toggled.
+        for d in list(plans):
+            for k in range(m):
+                plans.setdefault(Decision(d.kept ^ {k}, d.stored), None)
+            for j in range(m + 1):
+                plans.setdefault(Decision(d.kept, d.stored ^ {j}), None)
     return list(plans)
 
 

@@ -190,7 +190,10 @@ def _kept_sets(problem: Problem, stored: frozenset[int]):
     """Every kept set for ``stored`` (or greedy's, when too many); exact?"""
     free = [k for k in range(len(problem.candidates)) if k not in stored]
     if len(free) <= MAX_EXACT_FREE_CUTS:
-        sets = (c for r in range(len(free) + 1) for c in itertools.combinations(free, r))
+        # Sizes near sqrt(free) first: where a feasible kept set usually is.
+        root = len(free) ** 0.5
+        sizes = sorted(range(len(free) + 1), key=lambda r: (abs(r - root), r))
+        sets = (c for r in sizes for c in itertools.combinations(free, r))
         return sets, True
     return (tuple(k for k in d.kept if k not in stored) for d in family(problem)), False
 
@@ -234,6 +237,8 @@ def milp(problem: Problem, budget_B: int, *, time_limit_s: float | None = None) 
             ev = problem.evaluate(Decision.of(kept, stored))
             if ev.peak_B <= budget_B and (best is None or ev.recompute_cost < best.recompute_cost):
                 best = ev
+            if best is not None and best.recompute_cost <= lb:
+                break  # no kept set does better than this stored set's bound
             if time.perf_counter() > deadline:
                 break
         master.exclude(stored)
