@@ -17,11 +17,12 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "(with GPU support), or tf-nightly."
     ) from e
 
-from memsave import strategies
+from memsave import solvers, strategies
 from memsave.errors import (
     CheckpointError,
     EagerExecutionError,
     GraphMismatchError,
+    MemoryBudgetError,
     MemsaveError,
     UnknownStrategyError,
 )
@@ -58,9 +59,11 @@ __all__ = [
     "unpatch",
     "Patch",
     "strategies",
+    "solvers",
     "MemsaveError",
     "EagerExecutionError",
     "GraphMismatchError",
     "CheckpointError",
     "UnknownStrategyError",
+    "MemoryBudgetError",
 ]
