@@ -17,7 +17,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "(with GPU support), or tf-nightly."
     ) from e
 
-from memsave import solvers, strategies
+from memsave import costs, simulate, solvers, strategies
 from memsave.errors import (
     CheckpointError,
     EagerExecutionError,
@@ -60,6 +60,8 @@ __all__ = [
     "Patch",
     "strategies",
     "solvers",
+    "costs",
+    "simulate",
     "MemsaveError",
     "EagerExecutionError",
     "GraphMismatchError",

@@ -18,6 +18,7 @@ from memsave.costs import Costs
 from memsave.errors import MemoryBudgetError
 from memsave.graph import ForwardGraph
 from memsave.schedule import Schedule
+from memsave.simulate import CPU_ONEDNN, Allocator
 from memsave.solvers import Problem, SolveResult, solve
 from memsave.strategies import articulation_candidates
 
@@ -54,8 +55,11 @@ def resolve_budget(memory_budget, baseline_peak_B: int, *, api: str) -> int:
 
 
 def plan_for_budget(fg: ForwardGraph, costs: Costs, memory_budget, *, api: str,
-                    solver: str = "auto", time_limit_s: float | None = None) -> BudgetPlan:
+                    solver: str = "auto", time_limit_s: float | None = None,
+                    allocator: Allocator = CPU_ONEDNN) -> BudgetPlan:
     """Least recompute cost with forecast peak <= ``memory_budget`` (see module docstring).
+
+    ``allocator``: whose reported peak the budget bounds (the device's).
 
     Raises
     ------
@@ -64,7 +68,7 @@ def plan_for_budget(fg: ForwardGraph, costs: Costs, memory_budget, *, api: str,
         (``.min_peak_bytes`` holds the smallest found).
     """
     cands = articulation_candidates(fg)
-    problem = Problem(fg, costs, cands if cands else None)
+    problem = Problem(fg, costs, cands if cands else None, allocator=allocator)
     baseline = problem.plain.peak_B
     budget_B = resolve_budget(memory_budget, baseline, api=api)
     res = solve(problem, budget_B, solver=solver, time_limit_s=time_limit_s)

@@ -149,6 +149,7 @@ def extract(
             shape=None if t.shape.rank is None else tuple(t.shape.as_list()),
             itemsize=_itemsize(t.dtype), dtype=t.dtype.name,
             held_B=_held_bytes(t) if t.dtype == tf.resource else None,
+            constant=t.op.type == "Const",
         ))
         return i
 

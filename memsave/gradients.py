@@ -35,7 +35,7 @@ from memsave.extract import Extraction, extract
 from memsave.plan import Plan, make_plan
 from memsave.rewrite import aggregate, rewrite
 from memsave.schedule import Schedule, build_schedule
-from memsave.simulate import simulate
+from memsave.simulate import BFC, CPU_ONEDNN, Allocator, simulate
 from memsave.solvers import SolveResult
 
 __all__ = [
@@ -281,7 +281,8 @@ def _prepare_budget(ys, xs, grad_ys, stop_gradients, graph, ex, costs, memory_bu
             f"{api}: with memory_budget, strategy_options take 'solver' and 'time_limit_s' "
             f"only, got {unknown}"
         )
-    bp = plan_for_budget(ex.fg, costs, memory_budget, api=api, **options)
+    allocator = BFC if tf.config.list_logical_devices("GPU") else CPU_ONEDNN
+    bp = plan_for_budget(ex.fg, costs, memory_budget, api=api, allocator=allocator, **options)
     note = "" if bp.schedule is not None else (
         "the budget fits tf.gradients' own forecast peak: nothing is recomputed")
     return _Prepared(ys, xs, grad_ys, stop_gradients, graph, ex, "budget", bp.checkpoints,
@@ -297,6 +298,7 @@ def plan(
     stop_gradients=None,
     strategy_options: Mapping[str, Any] | None = None,
     batch_size: int | None = None,
+    allocator: Allocator | None = None,
     memory_budget: int | float | None = None,
 ) -> Plan:
     """What :func:`gradients` would keep and recompute, and the peak it forecasts.
@@ -312,6 +314,10 @@ def plan(
         Size of unknown first dimensions (a tf.function traced with a
         ``None`` batch); without it they count as 1 and the Plan's
         ``assumptions`` say so.
+    allocator : memsave.simulate.Allocator, optional
+        Whose peak to forecast: :data:`memsave.simulate.BFC` when a GPU is
+        visible, else :data:`memsave.simulate.CPU_ONEDNN` (which does not
+        report buffers under 256 KiB).
     memory_budget : int or float, optional
         As for :func:`gradients`.
 
@@ -321,9 +327,11 @@ def plan(
     """
     p = _prepare(ys, xs, None, checkpoints, stop_gradients, strategy_options, batch_size,
                  memory_budget, "memsave.plan")
+    if allocator is None:
+        allocator = BFC if tf.config.list_logical_devices("GPU") else CPU_ONEDNN
     return make_plan(
         p.ex.fg, p.costs, strategy=p.strategy, checkpoints=p.checkpoints, reasons=p.reasons,
-        schedule=p.schedule, note=p.note, budget=p.budget,
+        schedule=p.schedule, note=p.note, allocator=allocator, budget=p.budget,
     )
 
 
@@ -413,8 +421,10 @@ def gradients(
         p.strategy, len(p.checkpoints), p.schedule.recomputed_ops,
     )
     fg = p.ex.fg
-    predicted = simulate(fg, p.schedule, p.costs, timeline=False).peak_B
-    baseline = simulate(fg, None, p.costs, timeline=False).peak_B
+    predicted = simulate(fg, p.schedule, p.costs, timeline=False,
+                         allocator=strategies.JUDGE_ALLOCATOR).peak_B
+    baseline = simulate(fg, None, p.costs, timeline=False,
+                        allocator=strategies.JUDGE_ALLOCATOR).peak_B
     if predicted >= baseline:
         logger.warning(
             "memsave.gradients(checkpoints=%r): this plan is not expected to save memory "

@@ -90,6 +90,8 @@ class TensorNode:
     held_B : int or None
         For a resource handle: bytes of the variable it refers to (resident
         for the whole step), None if unknown or not a handle.
+    constant : bool
+        Produced by a ``Const`` op (known before the step runs).
     """
 
     id: int
@@ -104,6 +106,7 @@ class TensorNode:
     itemsize: int = 0
     dtype: str = ""
     held_B: int | None = None
+    constant: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -126,14 +126,14 @@ class Plan:
     def summary(self) -> str:
         """The plan as aligned text: figures, kept tensors, steps, assumptions."""
         mib = 1 << 20
-        saving = 1.0 - self.predicted_peak_bytes / max(self.baseline_peak_bytes, 1)
+        change = self.predicted_peak_bytes / max(self.baseline_peak_bytes, 1) - 1.0
         overhead = self.recompute_cost / max(self.forward_cost, 1)
         lines = [
             f"memsave plan ({self.strategy}): {len(self.checkpoints)} checkpoints, "
             f"{len(self.kept)} kept tensors, {self.recomputed_ops} ops recomputed in "
             f"{len(self.steps)} steps, over {self.forward_ops} forward ops",
             f"  predicted peak   {self.predicted_peak_bytes / mib:12.2f} MiB"
-            f"  ({saving:+.1%} vs tf.gradients; at {self.peak_event})",
+            f"  ({change:+.1%} vs tf.gradients; at {self.peak_event})",
             f"  tf.gradients     {self.baseline_peak_bytes / mib:12.2f} MiB"
             f"  (at {self.baseline_peak_event})",
             f"  resident         {self.resident_bytes / mib:12.2f} MiB  (variables and inputs)",

@@ -25,6 +25,7 @@ MiB = 1 << 20
 READS_OUTPUT = ("Tanh", "Relu", "Sigmoid", "Softmax")
 READS_INPUTS = ("MatMul", "Conv2D", "Conv2DBackpropInput", "Mul")
 PASS_THROUGH = ("AddV2", "Add")
+VIEWS = ("Identity", "Reshape")
 
 
 def gradient_use(type: str, n_in: int) -> GradientUse:
@@ -33,6 +34,8 @@ def gradient_use(type: str, n_in: int) -> GradientUse:
         return GradientUse((), (0,), (None,) * n_in)
     if type in PASS_THROUGH:
         return GradientUse((), (), (0,) * n_in)
+    if type in VIEWS:
+        return GradientUse((), (), (0,) + (None,) * (n_in - 1))
     if type in READS_INPUTS:
         return GradientUse(tuple(range(n_in)), (), (None,) * n_in)
     return GradientUse((), (), (None,) * n_in)  # Mean, Identity, ...

@@ -19,7 +19,10 @@ from memsave import _tf_private
 
 RNG = np.random.RandomState(0)
 W_INIT = [RNG.randn(8, 8).astype(np.float32) * 0.5 for _ in range(6)]
-DATA = RNG.randn(4, 8).astype(np.float32)
+#: A batch of 512: activations (16 KiB) outweigh the 256-byte weights, so the
+#: simulator predicts a saving and 'memory' keeps a plan (on a batch of 4 the
+#: weights' gradients dominate and it rightly falls back to tf.gradients).
+DATA = RNG.randn(512, 8).astype(np.float32)
 
 
 def chain(h, ws):
@@ -209,8 +212,11 @@ def test_plan_lists_checkpoints_and_reasons():
     g = tf.Graph()
     with g.as_default():
         ws = [tf.compat.v1.Variable(tf.zeros([8, 8])) for _ in range(16)]
-        loss = chain(tf.zeros([4, 8]), ws)
-        p = memsave.plan(loss, ws, checkpoints="memory")
+        # A batch of 512: activations (16 KiB each) outweigh the weights'
+        # gradients, alive to the end. Every byte counted (BFC): on the CPU
+        # allocator these buffers are all under its 256 KiB reporting floor.
+        loss = chain(tf.zeros([512, 8]), ws)
+        p = memsave.plan(loss, ws, checkpoints="memory", allocator=memsave.simulate.BFC)
     assert 2 <= len(p.checkpoints) <= 8
     assert set(p.reasons) == {"articulation point"}
     assert p.checkpoint_bytes < p.activation_bytes
@@ -322,7 +328,7 @@ class Keep(logging.Handler):
         records.append(record.getMessage())
 logging.getLogger("memsave").addHandler(Keep())
 
-x = tf.compat.v1.placeholder(tf.float32, [4, 8])
+x = tf.compat.v1.placeholder(tf.float32, [512, 8])
 ws = [tf.compat.v1.Variable(np.random.RandomState(i).randn(8, 8).astype(np.float32) * 0.5)
       for i in range(8)]
 h = x
@@ -333,7 +339,7 @@ cond_loss = tf.reduce_sum(tf.compat.v1.cond(loss > 0, lambda: h * 2.0, lambda: h
 result = {}
 with tf.compat.v1.Session() as sess:
     sess.run(tf.compat.v1.global_variables_initializer())
-    feed = {x: np.random.RandomState(9).randn(4, 8).astype(np.float32)}
+    feed = {x: np.random.RandomState(9).randn(512, 8).astype(np.float32)}
     for strategy in ["memory", "speed"]:
         got, want = sess.run([memsave.gradients(loss, ws, checkpoints=strategy),
                               tf.gradients(loss, ws)], feed)

@@ -1,7 +1,8 @@
 """The memory simulator on hand-built graphs, with peaks worked out by hand.
 
 Every tensor is 1 MiB unless a test says otherwise; the x is resident (an
-input), so it counts from the start. Tanh's gradient reads its output,
+input), so it counts from the start, and so is the seed gradient
+``ones_like(y)`` (y's shape is static: Grappler folds it into a constant). Tanh's gradient reads its output,
 MatMul's its inputs, AddV2's nothing (its input gradients are the incoming
 gradient's buffer), as TensorFlow's registered gradients do
 (tests/test_costs.py checks that against TensorFlow).
@@ -30,14 +31,14 @@ def _peak(fg, checkpoints=None, **kw):
 
 
 def test_plain_tanh_chain():
-    # x, op0..op3 alive after the forward (each tanh output is read by its
-    # own gradient): 5 MiB; the seed gradient makes 6. Each gradient writes
-    # into the incoming gradient's buffer (TanhGrad is elementwise).
+    # x and the seed, then op0..op3 alive after the forward (each tanh
+    # output is read by its own gradient): 6 MiB. Each gradient writes into
+    # a dying buffer (TanhGrad is elementwise): the backward adds nothing.
     trace = _peak(H.chain(4))
     assert trace.peak_B == 6 * MiB
-    assert trace.resident_B == MiB
-    assert trace.end_B == 2 * MiB  # x and its gradient
-    assert trace.peak_event == "seed gradient of op3:0"
+    assert trace.resident_B == 2 * MiB
+    assert trace.end_B == 3 * MiB  # x, the seed and x's gradient
+    assert trace.peak_event == "run op3"
 
 
 def test_plain_chain_grows_by_one_tensor_per_op():
@@ -45,24 +46,26 @@ def test_plain_chain_grows_by_one_tensor_per_op():
 
 
 def test_checkpointed_tanh_chain():
-    # op1 kept. Forward: op0 is freed into op1 (in place), op2/op3 are not
-    # kept: 3 MiB at most. y's step recomputes op2, op3 from op1's proxy
-    # (which takes op1's buffer, its last use): x, op2', op3', seed = 4 MiB.
-    # op1's step: proxy of x (the gate lands on x, a new buffer), op0', op1'
-    # and op1's gradient: 4 MiB.
+    # op1 kept; x and the seed resident (2 MiB). Forward: op0 is written
+    # into op1 (in place), op2/op3 are not kept: 4 MiB at most. y's step
+    # recomputes op2, op3 from op1's proxy (which takes op1's buffer, its
+    # last use): 4 MiB. op1's step: a proxy of x (the gate lands on x: a new
+    # buffer), op0' written into it, op1' and op1's gradient: 5 MiB.
     trace = _peak(H.chain(4), ["op1:0"])
-    assert trace.peak_B == 4 * MiB
-    assert trace.end_B == 2 * MiB
+    assert trace.peak_B == 5 * MiB
+    assert trace.peak_event == "recompute op1"
+    assert trace.end_B == 3 * MiB
 
 
 def test_matmul_chain_keeps_inputs_for_the_gradient():
     # MatMul's gradient reads its inputs: op0..op2 stay alive, op3 (read by
-    # no gradient) is freed at once. Backward: x, op0..op2, the seed, and
-    # op3's gradient (a new buffer: MatMul is not elementwise) = 6 MiB.
+    # no gradient) is freed at once. Backward: x, the seed, op0..op2 and
+    # op3's gradient (a new buffer: MatMul is not elementwise) = 6 MiB, as
+    # much as while op3 ran.
     fg = H.chain(4, type="MatMul")
     trace = _peak(fg)
     assert trace.peak_B == 6 * MiB
-    assert trace.peak_event == "gradient of op3"
+    assert max(b for b, _ in trace.timeline[trace.backward_start:]) == 6 * MiB
 
 
 def test_views_allocate_nothing():
@@ -73,7 +76,8 @@ def test_views_allocate_nothing():
     h = b.op("s", "Identity", [h])
     y = b.op("b", "Tanh", [h])
     fg = b.build(["x"], [y])
-    # x, a (r and s are views of it), b, seed.
+    # x, the seed, a (r and s are views of it), b; the gradients of s and r
+    # are views of b's.
     assert _peak(fg).peak_B == 4 * MiB
     costs = estimate_costs(fg)
     assert costs.alias_of[b.ids["r:0"]] == b.ids["a:0"]
@@ -95,14 +99,17 @@ def _backward_max(trace):
 
 
 def test_add_gradient_is_the_incoming_buffer():
-    # x -> a -> (p, q) -> add. After the forward x, a, p, q are alive (add's
-    # output is read by no gradient); the seed makes 5 MiB. AddV2's input
-    # gradients are the seed itself (two views): nothing new. q's TanhGrad
-    # writes into q (its last use), p's into the seed (its last view).
+    # x -> a -> (p, q) -> add. After the forward x, the seed, a, p, q are
+    # alive (add's output is read by no gradient): 5 MiB. AddV2's input
+    # gradients are the seed itself (two views): nothing new. q's and p's
+    # TanhGrads write into q and p (their last use).
     assert _backward_max(_peak(_fork())) == 5 * MiB
-    # Were they new buffers, add's gradient would need one more MiB.
+    # Were they new buffers computed from the (constant) seed alone, Grappler
+    # would fold them into two more resident constants.
     no_pass_through = GradientUse((), (), (None, None))
-    assert _backward_max(_peak(_fork(no_pass_through))) == 6 * MiB
+    trace = _peak(_fork(no_pass_through))
+    assert trace.resident_B == 4 * MiB
+    assert _backward_max(trace) == 7 * MiB
 
 
 def _small_chain(n, size_B):
@@ -159,3 +166,19 @@ def test_memory_strategy_beats_plain_on_chains(n):
     sel = strategies.memory(fg)
     assert sel.checkpoints
     assert _peak(fg, [fg.tensors[t].name for t in sel.checkpoints]).peak_B < _peak(fg).peak_B
+
+
+def test_a_recompute_step_runs_only_the_copies_a_gradient_reads():
+    # y = Mean(op2): Mean's gradient reads nothing, so the y step's copy of
+    # the Mean (the loss itself) feeds nothing fetched and TensorFlow prunes
+    # it; op2's copy is read by its own gradient (Tanh reads its output).
+    b = Builder()
+    h = b.source("x")
+    for i in range(3):
+        h = b.op(f"op{i}", "Tanh", [h])
+    y = b.op("mean", "Mean", [h], size_B=4)
+    fg = b.build(["x"], [y])
+    events = [e for _, e in _peak(fg, ["op1:0"]).timeline]
+    assert "recompute op2" in events
+    assert "recompute mean" not in events
+    assert "run mean" in events  # the forward computes the loss once
