@@ -47,7 +47,7 @@ def _plan(memory_budget, **kw):
     return out["plan"]
 
 
-@pytest.mark.parametrize("fraction", [0.6, 0.75, 1.0])
+@pytest.mark.parametrize("fraction", [0.65, 0.8, 1.0])
 def test_plan_fits_the_budget_and_names_its_solver(fraction):
     plan = _plan(fraction)
     assert plan.budget_bytes == int(fraction * plan.baseline_peak_bytes)
@@ -62,7 +62,7 @@ def test_plan_fits_the_budget_and_names_its_solver(fraction):
 
 
 def test_a_larger_budget_never_costs_more_recomputation():
-    costs = [_plan(f).recompute_cost for f in (0.55, 0.65, 0.8, 1.0)]
+    costs = [_plan(f).recompute_cost for f in (0.6, 0.7, 0.85, 1.0)]
     assert costs == sorted(costs, reverse=True)
     assert costs[0] > costs[-1]
 
@@ -90,7 +90,7 @@ def test_gradients_under_a_budget_equal_tf_gradients():
     @tf.function
     def step():
         loss = loss_fn()
-        return (memsave.gradients(loss, ws, memory_budget=0.6),
+        return (memsave.gradients(loss, ws, memory_budget=0.65),
                 tf.gradients(loss, ws))
 
     ours, ref = step()
@@ -105,7 +105,7 @@ def test_patch_passes_the_budget():
     def step():
         loss = loss_fn()
         ref = tf.gradients(loss, ws)
-        with memsave.patch(memory_budget=0.6):
+        with memsave.patch(memory_budget=0.65):
             ours = tf.gradients(loss, ws)
         return ours, ref
 

@@ -60,9 +60,9 @@ Solver = Callable[..., SolveResult]
 _REGISTRY: dict[str, Solver] = {"dp": dp, "milp": milp, "greedy": greedy}
 
 #: ``auto`` uses ``dp`` on chains with at most this many candidate cuts: its
-#: probe simulations grow like cuts squared (about 0.5 s at 40 cuts of a
-#: 1000-op graph).
-DP_MAX_CUTS = 40
+#: probe simulations grow like cuts squared (about 4 m^2 of them, each a
+#: simulation of the whole graph: minutes at 40 cuts of a 1000-op chain).
+DP_MAX_CUTS = 12
 
 #: ``auto`` uses ``milp`` (when highspy is installed) on non-chain graphs with
 #: at most this many candidate cuts; its lazy cuts may take many rounds
