@@ -47,7 +47,7 @@ def _plan(memory_budget, **kw):
     return out["plan"]
 
 
-@pytest.mark.parametrize("fraction", [0.65, 0.8, 1.0])
+@pytest.mark.parametrize("fraction", [0.7, 0.85, 1.0])
 def test_plan_fits_the_budget_and_names_its_solver(fraction):
     plan = _plan(fraction)
     assert plan.budget_bytes == int(fraction * plan.baseline_peak_bytes)
@@ -62,13 +62,13 @@ def test_plan_fits_the_budget_and_names_its_solver(fraction):
 
 
 def test_a_larger_budget_never_costs_more_recomputation():
-    costs = [_plan(f).recompute_cost for f in (0.6, 0.7, 0.85, 1.0)]
+    costs = [_plan(f).recompute_cost for f in (0.7, 0.8, 0.9, 1.0)]
     assert costs == sorted(costs, reverse=True)
     assert costs[0] > costs[-1]
 
 
 def test_bytes_budget_and_infeasible_budget():
-    plan = _plan(0.7)
+    plan = _plan(0.75)
     again = _plan(int(plan.budget_bytes))
     assert again.budget_bytes == plan.budget_bytes
     with pytest.raises(MemoryBudgetError, match="smallest forecast peak") as e:
@@ -90,7 +90,7 @@ def test_gradients_under_a_budget_equal_tf_gradients():
     @tf.function
     def step():
         loss = loss_fn()
-        return (memsave.gradients(loss, ws, memory_budget=0.65),
+        return (memsave.gradients(loss, ws, memory_budget=0.7),
                 tf.gradients(loss, ws))
 
     ours, ref = step()
@@ -105,7 +105,7 @@ def test_patch_passes_the_budget():
     def step():
         loss = loss_fn()
         ref = tf.gradients(loss, ws)
-        with memsave.patch(memory_budget=0.65):
+        with memsave.patch(memory_budget=0.7):
             ours = tf.gradients(loss, ws)
         return ours, ref
 
