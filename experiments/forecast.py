@@ -45,6 +45,9 @@ Usage::
     .venv/bin/python experiments/forecast.py                   # everything (measures what is missing)
     .venv/bin/python experiments/forecast.py --predict-only    # re-predict against the cache
     .venv/bin/python experiments/forecast.py --models zoo_mlp resnet20 --methods plain memory
+    # two runs in parallel on other models, then one table
+    .venv/bin/python experiments/forecast.py --models keras_resnet50 --measured b.json --share ''
+    .venv/bin/python experiments/forecast.py --merge b.json --predict-only
 """
 
 from __future__ import annotations
@@ -312,8 +315,8 @@ def _gradients(method: str, fwd, gradient_kwargs: dict) -> list:
     import memsave
 
     kwargs = dict(gradient_kwargs, grad_ys=fwd.grad_ys, stop_gradients=fwd.stop_gradients)
-    if method == PLAIN:
-        grads = tf.gradients(fwd.ys, fwd.xs, **kwargs)
+    if method == PLAIN:  # the v1 signature takes every argument memsave.gradients does
+        grads = tf.compat.v1.gradients(fwd.ys, fwd.xs, **kwargs)
     else:
         grads = memsave.gradients(fwd.ys, fwd.xs, checkpoints=method, **kwargs)
     return [g for g in grads if g is not None]
@@ -392,25 +395,53 @@ def _peak_of(run: Callable[[], Any], repeats: int) -> dict:
     return {"peak_B": int(statistics.median(peaks)), "peaks_B": peaks, "resident_B": int(resident)}
 
 
-def measure(model: str, mode: str, method: str, repeats: int) -> dict:
-    """One (model, mode, method) in this process: see the module docstring."""
+def measure(model: str, mode: str, methods: list[str], repeats: int) -> dict:
+    """{method: peaks} for one model and mode, the methods one after the other in this process.
+
+    Each method gets a graph of its own: a new tf.compat.v1 Graph and
+    Session (closed before the next method), or a new tf.function over the
+    same variables (dropped before the next method), or for Keras the same
+    model (checkpointed, then restored) with a new step function. What a
+    method leaves behind would show in the next one's ``resident_B``.
+    """
     import tensorflow as tf
 
     case = MODELS[model].build()
-    if mode == FIT:
-        return _measure_keras(case, method, repeats)
-    if mode == SESSION:
-        graph, fwd, feeds = _session_graph(case)
-        with graph.as_default():
-            grads = _gradients(method, fwd, case.gradient_kwargs)
-            init = tf.compat.v1.global_variables_initializer()
-        with tf.compat.v1.Session(graph=graph) as sess:
-            sess.run(init, feed_dict=feeds)
-            feeds.clear()
-            return _peak_of(lambda: sess.run(grads), repeats)
-    variables = case.make_variables()
-    step = tf.function(lambda: _gradients(method, case.forward(variables), case.gradient_kwargs))
-    return _peak_of(step, repeats)
+    variables = case.make_variables() if mode == FUNCTION else None
+    out = {}
+    for method in methods:
+        try:
+            if mode == FIT:
+                out[method] = _measure_keras(case, method, repeats)
+            elif mode == SESSION:
+                out[method] = _measure_session(case, method, repeats)
+            else:
+                step = tf.function(
+                    lambda: _gradients(method, case.forward(variables), case.gradient_kwargs))
+                out[method] = _peak_of(step, repeats)
+                del step
+        except Exception as e:  # one method's failure is reported, the others still measured
+            out[method] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        gc.collect()
+    chosen: dict = {}
+    predict(model, mode, [m for m in methods if m != PLAIN], selections=chosen)
+    for method, sel in chosen.items():
+        if "error" not in out[method]:
+            out[method]["selection"] = sel
+    return out
+
+
+def _measure_session(case: GraphCase, method: str, repeats: int) -> dict:
+    import tensorflow as tf
+
+    graph, fwd, feeds = _session_graph(case)
+    with graph.as_default():
+        grads = _gradients(method, fwd, case.gradient_kwargs)
+        init = tf.compat.v1.global_variables_initializer()
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(init, feed_dict=feeds)
+        feeds.clear()
+        return _peak_of(lambda: sess.run(grads), repeats)
 
 
 def _measure_keras(case: KerasCase, method: str, repeats: int) -> dict:
@@ -420,7 +451,9 @@ def _measure_keras(case: KerasCase, method: str, repeats: int) -> dict:
     import memsave.keras
 
     model = case.model
-    if method != PLAIN:
+    if method == PLAIN:
+        memsave.keras.restore(model)
+    else:
         memsave.keras.checkpointed(model, checkpoints=method)
     # One real fit step builds what fit builds (optimizer slots, metric and
     # loss state); the measured step is fit's one_step_on_data, called on
@@ -436,24 +469,46 @@ def _measure_keras(case: KerasCase, method: str, repeats: int) -> dict:
     return _peak_of(lambda: one_step_on_data(data), repeats)
 
 
-def _run_worker(model: str, mode: str, method: str, repeats: int) -> dict:
-    """measure() in a fresh Python process; {'error': ...} when it fails."""
+def _run_worker(model: str, mode: str, methods: list[str], repeats: int) -> dict:
+    """measure() in a fresh Python process; {method: {'error': ...}} when it fails."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    cmd = [sys.executable, __file__, "--worker", model, mode, method, "--repeats", str(repeats)]
+    cmd = [sys.executable, __file__, "--worker", model, mode, *methods, "--repeats", str(repeats)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=WORKER_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {WORKER_TIMEOUT_S} s"}
+        return {m: {"error": f"timed out after {WORKER_TIMEOUT_S} s"} for m in methods}
     if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"
+        return {m: {"error": last} for m in methods}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def memsave_fingerprint(mode: str) -> str:
+    """A hash of the memsave code that decides what a memsave method's step keeps.
+
+    A measured memsave row is stale when it changes (a plain row never is).
+    Plan printing (plan.py) is left out; memsave/keras.py counts for fit only.
+    """
+    import hashlib
+
+    h = hashlib.sha1()
+    for f in sorted((REPO_ROOT / "memsave").glob("*.py")):
+        if f.name == "plan.py" or (f.name == "keras.py" and mode != FIT):
+            continue
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 # -- predicting --------------------------------------------------------------------
 
 
-def predict(model: str, mode: str, methods: list[str]) -> dict:
-    """{method: predicted peak bytes or {'error': ...}} from memsave's plans."""
+def predict(model: str, mode: str, methods: list[str], selections: dict | None = None) -> dict:
+    """{method: predicted peak bytes or {'error': ...}} from memsave's plans.
+
+    ``selections``, when given, receives {method: :func:`selection` of the
+    plan} for the memsave methods.
+    """
     import tensorflow as tf
 
     import memsave
@@ -461,25 +516,26 @@ def predict(model: str, mode: str, methods: list[str]) -> dict:
     case = MODELS[model].build()
     out: dict = {}
 
+    def record(method, make_plan):
+        try:
+            p = make_plan("memory" if method == PLAIN else method)
+        except Exception as e:  # reported in the table, not fatal to the other rows
+            out[method] = {"error": f"{type(e).__name__}: {e}"}
+            return
+        out[method] = p.baseline_peak_bytes if method == PLAIN else p.predicted_peak_bytes
+        if selections is not None and method != PLAIN:
+            selections[method] = selection(p)
+
     def plans(fwd):
         for method in methods:
-            try:
-                p = memsave.plan(fwd.ys, fwd.xs, checkpoints="memory" if method == PLAIN else method,
-                                 stop_gradients=fwd.stop_gradients)
-                out[method] = p.baseline_peak_bytes if method == PLAIN else p.predicted_peak_bytes
-            except Exception as e:  # reported in the table, not fatal to the other rows
-                out[method] = {"error": f"{type(e).__name__}: {e}"}
+            record(method, lambda c: memsave.plan(fwd.ys, fwd.xs, checkpoints=c,
+                                                  stop_gradients=fwd.stop_gradients))
 
     if mode == FIT:
         import memsave.keras
 
         for method in methods:
-            try:
-                p = memsave.keras.plan(case.model, case.x, case.y,
-                                       checkpoints="memory" if method == PLAIN else method)
-                out[method] = p.baseline_peak_bytes if method == PLAIN else p.predicted_peak_bytes
-            except Exception as e:
-                out[method] = {"error": f"{type(e).__name__}: {e}"}
+            record(method, lambda c: memsave.keras.plan(case.model, case.x, case.y, checkpoints=c))
     elif mode == SESSION:
         graph, fwd, _ = _session_graph(case)
         with graph.as_default():
@@ -488,6 +544,16 @@ def predict(model: str, mode: str, methods: list[str]) -> dict:
         variables = case.make_variables()
         tf.function(lambda: plans(case.forward(variables)) or tf.constant(0)).get_concrete_function()
     return out
+
+
+def selection(p) -> list:
+    """What a plan keeps and recomputes, independent of op names.
+
+    A memsave row's measurement stays valid while its model's selection is
+    the same: the step memsave builds is then the same graph, whatever
+    else changed in memsave's code.
+    """
+    return [len(p.checkpoints), int(p.checkpoint_bytes), int(p.recomputed_ops), len(p.steps)]
 
 
 def time_plan() -> float:
@@ -543,6 +609,21 @@ def _save_cache(cache: dict, path: Path, share: Path | None) -> None:
             print(f"could not copy the cache to {share}: {e}", file=sys.stderr)
 
 
+def _stale(rec: dict, entry: Entry, method: str, fingerprint: str, chosen: list | None) -> bool:
+    """Measured for another configuration, or (memsave methods) for another selection.
+
+    ``chosen`` is the selection memsave's code makes now (None: unknown);
+    rows measured before selections were recorded compare the code's fingerprint.
+    """
+    if rec.get("config") != entry.config:
+        return True
+    if method == PLAIN:
+        return False
+    if rec.get("selection") is not None and chosen is not None:
+        return rec["selection"] != chosen
+    return rec.get("memsave") != fingerprint
+
+
 def _measured_peak(rec: dict | None) -> float | None:
     """Median over processes of each process's median peak."""
     if not rec or not rec.get("processes"):
@@ -550,7 +631,8 @@ def _measured_peak(rec: dict | None) -> float | None:
     return statistics.median(p["peak_B"] for p in rec["processes"])
 
 
-def _rows(selected, methods, cache, predictions):
+def _rows(selected, methods, cache, predictions, selections):
+    fingerprints = {mode: memsave_fingerprint(mode) for mode in (FUNCTION, SESSION, FIT)}
     rows = []
     for name, mode in selected:
         for method in methods:
@@ -560,8 +642,10 @@ def _rows(selected, methods, cache, predictions):
             error = None
             if isinstance(predicted, (int, float)) and measured:
                 error = (predicted - measured) / measured
+            stale = rec is not None and _stale(rec, MODELS[name], method, fingerprints[mode],
+                                               selections.get((name, mode), {}).get(method))
             rows.append(dict(model=name, method=method, mode=mode, measured=measured,
-                             predicted=predicted, error=error, rec=rec))
+                             predicted=predicted, error=error, rec=rec, stale=stale))
     return rows
 
 
@@ -569,8 +653,9 @@ def _print_table(rows, methods) -> bool:
     def mib(b):
         return f"{b / MiB:.1f}" if isinstance(b, (int, float)) else "-"
 
-    print("| model | method | mode | measured MiB | predicted MiB | error % | resident MiB | processes |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print("| model | method | mode | measured MiB | predicted MiB | error % | resident MiB | processes "
+          "| notes |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---|")
     ok = True
     for r in rows:
         rec = r["rec"] or {}
@@ -584,11 +669,12 @@ def _print_table(rows, methods) -> bool:
             notes.append(f"measure: {rec['error'][:80]}")
         if isinstance(r["predicted"], dict):
             notes.append(f"predict: {r['predicted']['error'][:80]}")
-        if notes:
+        if rec.get("error") or isinstance(r["predicted"], dict):
             ok = False
+        if r["stale"]:
+            notes.append("stale: measured with other memsave code or sizes")
         print(f"| {r['model']} | {r['method']} | {r['mode']} | {mib(r['measured'])} | "
-              f"{mib(r['predicted'])} | {err} | {mib(resident)} | {len(procs)} |"
-              + (f" {'; '.join(notes)}" if notes else ""))
+              f"{mib(r['predicted'])} | {err} | {mib(resident)} | {len(procs)} | {'; '.join(notes)} |")
     print()
     print(f"| method | rows | max abs error % | median abs error % | pass (max <= {100 * MAX_ERROR:.0f}%, "
           f"median <= {100 * MEDIAN_ERROR:.0f}%) |")
@@ -621,58 +707,95 @@ def _parse(argv):
                     default=[FUNCTION, SESSION, FIT])
     ap.add_argument("--quick", action="store_true", help="only the models marked quick")
     ap.add_argument("--measured", type=Path, default=DEFAULT_CACHE, help="the measurement cache (JSON)")
-    ap.add_argument("--share", type=Path, default=DEFAULT_SHARE,
+    ap.add_argument("--share", default=str(DEFAULT_SHARE),
                     help="also copy the cache here ('' for nowhere)")
+    ap.add_argument("--merge", nargs="+", type=Path, metavar="CACHE",
+                    help="first copy these caches' entries into --measured (runs made in parallel)")
     ap.add_argument("--predict-only", action="store_true", help="never measure; use the cache")
     ap.add_argument("--remeasure", action="store_true", help="measure again even what is cached")
     ap.add_argument("--processes", type=int, default=1,
                     help="fresh processes per entry (the cache is topped up to this many)")
     ap.add_argument("--repeats", type=int, default=REPEATS, help="measured calls per process")
     ap.add_argument("--no-timing", action="store_true", help="skip timing memsave.plan on 1000 ops")
-    ap.add_argument("--worker", nargs=3, metavar=("MODEL", "MODE", "METHOD"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs="+", metavar="MODEL MODE METHOD", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = _parse(argv)
     if args.worker:
-        print(json.dumps(measure(*args.worker, repeats=args.repeats)))
+        model, mode, *methods = args.worker
+        print(json.dumps(measure(model, mode, methods, repeats=args.repeats)))
         return 0
     names = args.models or [n for n, e in MODELS.items() if e.quick or not args.quick]
     selected = [(n, mode) for n in names for mode in MODELS[n].modes if mode in args.modes]
-    share = args.share if str(args.share) else None
+    share = Path(args.share) if args.share else None
     cache = _load_cache(args.measured)
+    for other in args.merge or []:  # caches of runs made in parallel, on other models
+        cache["entries"].update(_load_cache(other)["entries"])
+
+    predictions, selections = {}, {}
+
+    def predict_all():
+        for name, mode in selected:
+            start = time.perf_counter()
+            selections[(name, mode)] = {}
+            predictions[(name, mode)] = predict(name, mode, args.methods, selections[(name, mode)])
+            print(f"predicted {name} {mode} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+
+    predict_all()
+    # Rows measured with this very memsave code, before selections were
+    # recorded, get the selection this code makes.
+    for name, mode in selected:
+        fingerprint = memsave_fingerprint(mode)
+        for method, chosen in selections[(name, mode)].items():
+            rec = cache["entries"].get(_key(name, mode, method))
+            if rec and rec.get("selection") is None and rec.get("memsave") == fingerprint:
+                rec["selection"] = chosen
+    _save_cache(cache, args.measured, share)
 
     if not args.predict_only:
+        measured_any = False
         for name, mode in selected:
+            fingerprint = memsave_fingerprint(mode)
             for method in args.methods:
                 key = _key(name, mode, method)
                 rec = cache["entries"].get(key)
-                if rec is None or rec.get("config") != MODELS[name].config or args.remeasure:
+                chosen = selections[(name, mode)].get(method)
+                if rec is None or args.remeasure or _stale(rec, MODELS[name], method, fingerprint,
+                                                           chosen):
                     rec = cache["entries"][key] = {"config": MODELS[name].config, "processes": []}
-                rec.pop("error", None)
-                while len(rec["processes"]) < args.processes:
-                    start = time.perf_counter()
-                    result = _run_worker(name, mode, method, args.repeats)
+                    if method != PLAIN:
+                        rec["memsave"] = fingerprint
+                rec.pop("error", None)  # failures are retried once a run
+            for _ in range(args.processes):
+                todo = [m for m in args.methods
+                        if len(cache["entries"][_key(name, mode, m)]["processes"]) < args.processes
+                        and not cache["entries"][_key(name, mode, m)].get("error")]
+                if not todo:
+                    break
+                start = time.perf_counter()
+                results = _run_worker(name, mode, todo, args.repeats)
+                seconds = round(time.perf_counter() - start, 1)
+                measured_any = True
+                for method in todo:
+                    rec = cache["entries"][_key(name, mode, method)]
+                    result = results.get(method, {"error": "no result"})
                     if "error" in result:
                         rec["error"] = result["error"]
-                        print(f"{key}: FAILED {result['error']}", file=sys.stderr)
-                        break
-                    result["seconds"] = round(time.perf_counter() - start, 1)
+                        print(f"{name}|{mode}|{method}: FAILED {result['error']}", file=sys.stderr)
+                        continue
+                    if "selection" in result:
+                        rec["selection"] = result.pop("selection")
                     rec["processes"].append(result)
-                    print(f"{key}: peak {result['peak_B'] / MiB:.1f} MiB "
-                          f"(resident {result['resident_B'] / MiB:.1f}) in {result['seconds']} s",
-                          file=sys.stderr)
-                    _save_cache(cache, args.measured, share)
-        _save_cache(cache, args.measured, share)
+                    print(f"{name}|{mode}|{method}: peak {result['peak_B'] / MiB:.1f} MiB "
+                          f"(resident {result['resident_B'] / MiB:.1f})", file=sys.stderr)
+                print(f"  ({len(todo)} methods in {seconds} s)", file=sys.stderr)
+                _save_cache(cache, args.measured, share)
+        if measured_any:
+            predict_all()  # memsave's code may have changed under a long run
 
-    predictions = {}
-    for name, mode in selected:
-        start = time.perf_counter()
-        predictions[(name, mode)] = predict(name, mode, args.methods)
-        print(f"predicted {name} {mode} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-
-    ok = _print_table(_rows(selected, args.methods, cache, predictions), args.methods)
+    ok = _print_table(_rows(selected, args.methods, cache, predictions, selections), args.methods)
     if not args.no_timing:
         seconds = time_plan()
         print(f"\nmemsave.plan on a {TIMED_PLAN_LAYERS}-layer tanh chain (~{3 * TIMED_PLAN_LAYERS + 4} "

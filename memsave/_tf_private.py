@@ -16,7 +16,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.framework import indexed_slices, op_def_registry
-from tensorflow.python.ops import control_flow_util_v2, gradients_impl, gradients_util
+from tensorflow.python.ops import control_flow_util, control_flow_util_v2, gradients_impl, gradients_util
 from tensorflow.python.ops import handle_data_util
 from tensorflow.python.ops import resource_variable_ops
 
@@ -81,6 +81,18 @@ def identity(t: tf.Tensor, name: str) -> tf.Tensor:
     out = op.outputs[0]
     handle_data_util.copy_handle_data(t, out)
     return out
+
+
+def in_xla_context(graph: tf.Graph) -> bool:
+    """Whether ``graph`` (or a graph it is nested in) is traced to be compiled by XLA.
+
+    ``tf.function(jit_compile=True)`` (and so Keras ``jit_compile=True``)
+    traces its body inside an ``XLAControlFlowContext``
+    (``polymorphic_function.OptionalXlaContext``), which
+    ``control_flow_util.GraphOrParentsInXlaContext`` finds. Auto-clustering
+    (``TF_XLA_FLAGS=--tf_xla_auto_jit``) decides later and is not seen here.
+    """
+    return control_flow_util.GraphOrParentsInXlaContext(graph)
 
 
 def zeros_like_gradient(x: tf.Tensor) -> tf.Tensor:

@@ -73,6 +73,7 @@ from memsave import strategies
 from memsave.errors import CheckpointError, EagerExecutionError, MemsaveError
 from memsave.gradients import gradients as _memsave_gradients
 from memsave.gradients import plan as _memsave_plan
+from memsave.simulate import BFC, CPU_ONEDNN
 
 __all__ = ["checkpointed", "restore", "is_checkpointed", "plan", "KerasModelError"]
 
@@ -298,10 +299,9 @@ def plan(
 
     planned = []
 
-    def planning_gradients(loss, weights, *, checkpoints, **options):
-        options.pop("aggregation_method", None)
-        options.pop("gate_gradients", None)
-        planned.append(_memsave_plan(loss, weights, checkpoints=checkpoints, **options))
+    def planning_gradients(loss, weights, *, checkpoints, strategy_options):
+        planned.append(_memsave_plan(loss, weights, checkpoints=checkpoints,
+                                     strategy_options=strategy_options, batch_size=batch_size))
         raise _Planned
 
     def step(data):
@@ -316,23 +316,29 @@ def plan(
             f"{api}: model {model.name!r} has no trainable weights, so fit takes no gradients: "
             "there is nothing to forecast"
         )
-    return _with_resident(planned[0], _extra_resident_bytes(model))
+    return _with_resident(planned[0], _extra_resident_bytes(model, planned[0]))
 
 
 class _Planned(Exception):
     """Ends the trace of :func:`plan`'s step once the plan is made (nothing after it is needed)."""
 
 
-#: Bytes of the variables a ``fit`` step holds that the gradient call does
-#: not read (optimizer slots and iteration counters, metric state, moving
-#: statistics): resident in the measured peak, invisible to
-#: :func:`memsave.plan`, which sees the graph from the trainable weights to the loss.
-def _extra_resident_bytes(model: keras.Model) -> int:
+def _extra_resident_bytes(model: keras.Model, p) -> int:
+    """Bytes of the variables a ``fit`` step holds that :func:`memsave.plan` does not see.
+
+    memsave.plan counts what the graph from the trainable weights to the
+    loss reads; fit's step also holds the optimizer's slots and counters,
+    the metrics' state and the non-trainable variables (moving
+    statistics), all resident for the whole step. Each is counted as the
+    plan's allocator counts a buffer (on CPU, none under 256 KiB).
+    A non-trainable variable read downstream of a trainable one (a frozen
+    layer after a trained one) is counted twice: by the plan and here.
+    """
+    allocator = _ALLOCATORS.get(p.allocator, CPU_ONEDNN)
     trainable = {id(v) for v in model.trainable_variables}
     seen: set = set()
     total = 0
-    for v in list(model.variables) + list(model.optimizer.variables) + list(
-            _private.metric_variables(model)):
+    for v in [*model.variables, *model.optimizer.variables, *_private.metric_variables(model)]:
         if id(v) in trainable or id(v) in seen:
             continue
         seen.add(id(v))
@@ -341,18 +347,27 @@ def _extra_resident_bytes(model: keras.Model) -> int:
             count = 1
             for d in shape:
                 count *= d
-            total += count * tf.as_dtype(v.dtype).size
+            total += allocator.counted(count * tf.as_dtype(v.dtype).size)
     return total
 
 
+_ALLOCATORS = {a.name: a for a in (CPU_ONEDNN, BFC)}
+
+
 def _with_resident(p, extra_B: int):
-    """``p`` with ``extra_B`` resident bytes added to both peaks, and an assumption saying so."""
+    """``p`` with ``extra_B`` more resident bytes in its peaks and timelines, and saying so."""
     if not extra_B:
         return p
     return dataclasses.replace(
         p,
         predicted_peak_bytes=p.predicted_peak_bytes + extra_B,
         baseline_peak_bytes=p.baseline_peak_bytes + extra_B,
+        resident_bytes=p.resident_bytes + extra_B,
+        timeline=tuple((b + extra_B, e) for b, e in p.timeline),
+        baseline_timeline=tuple((b + extra_B, e) for b, e in p.baseline_timeline),
+        assumptions=p.assumptions + (
+            f"fit's step also holds {extra_B:,} bytes of optimizer slots, metric state and "
+            "non-trainable variables (resident, counted in both peaks)",),
     )
 
 
@@ -419,11 +434,14 @@ class _CheckpointedStep:
 
 
 def _checkpointed_train_step(model: keras.Model, config: _Config, data,
-                             take_gradients=_memsave_gradients):
+                             take_gradients=None):
     """Keras' TensorFlowTrainer.train_step with memsave's gradients (see module doc).
 
-    :func:`plan` passes a ``take_gradients`` that plans instead and ends the trace there.
+    :func:`plan` passes a ``take_gradients`` that plans instead and ends the trace there;
+    by default the module's ``_memsave_gradients`` is looked up when the step is traced.
     """
+    if take_gradients is None:
+        take_gradients = _memsave_gradients
     if tf.executing_eagerly():
         raise EagerExecutionError(_EAGER_MESSAGE.format(name=model.name))
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)

@@ -8,11 +8,15 @@ Data flow, for each step of the schedule in order:
    the heads' incoming gradients (``where(b == b, 0, nan)`` with ``b`` the
    gradient's first element, NaN replaced by 0, so the gate is never NaN). Give each boundary tensor a fresh proxy: the checkpoints get
    ``t + gate`` (a data dependency, which neither Grappler nor XLA removes),
-   other boundary tensors ``identity(t)``. Copy the step's ops in
+   other boundary tensors ``identity(t)``; under XLA, which ignores control
+   dependencies, every floating boundary tensor (variable reads too) gets
+   ``t + gate``, so that nothing of the step's backward can run early. Copy the step's ops in
    topological order, reading proxies instead of kept tensors, on the
    devices of the originals and under a control dependency on the gate, so
    the segment is recomputed only once backprop reaches it. Call the stock
-   tf.gradients on the copies of the heads with respect to the proxies.
+   tf.gradients on the copies of the heads with respect to the proxies,
+   with the heads' gradients read through proxies ``g + gate`` too (see
+   "No shared inputs across steps" below).
    Fresh proxies per step keep each call's forward walk inside its own
    segment, so building the whole graph stays linear in its size.
 3. ``backprop`` steps (ops that must not be copied, such as variable reads):
@@ -22,6 +26,36 @@ Data flow, for each step of the schedule in order:
 Finally each x's gradient is the sum of what it received: dense gradients
 with ``add_n``, IndexedSlices concatenated (kept sparse), a mix densified, as
 tf.gradients aggregates them.
+
+No shared inputs across steps
+-----------------------------
+A recompute step reads the gradients it receives through proxies of its own
+(``g + gate``, like the gated checkpoints), never the tensors themselves.
+Reason: TensorFlow's graph passes may merge two ops that read one tensor.
+oneDNN's ``MklLayoutRewritePass`` (on by default on CPU, run after Grappler,
+so no Grappler option turns it off) merges a ``BiasAddGrad`` and a
+``Conv2DBackpropFilter`` that read the same gradient into one node, without
+checking whether a path joins them. On conv -> bias_add, step k's
+``BiasAddGrad`` and step k+1's ``Conv2DBackpropFilter`` both read the
+gradient step k sends to the conv output (Grappler removes the Identity
+that tf.gradients puts on grad_ys), and step k+1's copies wait for step k's
+gradients: the merged node waited for itself ("N nodes in a cycle"; in a
+Session "Retval[i] does not have value"). A merge of two ops closes a loop
+only if a path joins them. Every path memsave adds starts at what a step
+receives or at the previous step's gradient ops, and ends at the step's gate,
+proxies and copies. With the gradient proxies, a gradient is read by the
+step that computed it and otherwise only by ops that wait for nothing
+memsave adds (the receiving step's gate and proxies, a backprop step, a
+sum): no memsave edge leads from one reader of a gradient to another, so no
+merge of two readers, by any pass, can close a loop through memsave's edges.
+What two steps' ops still both read are tensors of the forward pass (inputs,
+constants, kept tensors behind their per-step proxies); their readers in the
+forward pass and in tf.gradients' own backward graph are joined by paths as
+well, so a pass that merged those would break tf.gradients too. Merges of a
+producer with its consumer (Conv2D + BiasAdd + Add) need the producer's
+output to have no other reader; a kept tensor and a received gradient always
+have one (the forward pass, the gate). Under XLA the proxy is ``g + 0`` on a
+value XLA cannot predict: it stays, one elementwise add per step.
 """
 
 from __future__ import annotations
@@ -115,6 +149,7 @@ def rewrite(
         colocate_gradients_with_ops=colocate_gradients_with_ops,
     )
 
+    xla = bool(ex.ops) and _tf_private.in_xla_context(ex.ops[0].graph)
     previous: list = []
     for k, step in enumerate(schedule.steps):
         heads = [h for h in step.heads if received.get(h)]
@@ -123,7 +158,7 @@ def rewrite(
         head_grads = [aggregate(received[h], dense=True) for h in heads]
         with tf.name_scope(f"{step.kind}_{k}"):
             if step.kind == "recompute":
-                grads = _recompute(ex, step, heads, head_grads, stock, previous)
+                grads = _recompute(ex, step, heads, head_grads, stock, previous, xla=xla)
             else:
                 grads = _tf_private.original_gradients(
                     [ex.tensors[h] for h in heads],
@@ -140,7 +175,7 @@ def rewrite(
     return [received.get(x, []) for x in fg.xs]
 
 
-def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous) -> list:
+def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, *, xla: bool) -> list:
     fg = ex.fg
     gate = _gate(head_grads)
     activations = [
@@ -152,8 +187,36 @@ def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous) -
     if not activations:
         floats = [b for b in step.boundary if _gateable(ex.tensors[b].dtype)]
         activations = sorted(floats, key=lambda b: fg.tensors[b].size_B)[:1]
+    if xla and gate is not None:
+        # XLA ignores control dependencies: whatever a recomputed segment's
+        # backward computes from ungated boundary tensors alone (the reversed
+        # and transposed filters of Conv2DBackpropInput, computed from the
+        # variable reads) is free to run in the forward pass, and XLA's
+        # scheduler does run it there and keeps it alive to the end of the
+        # forward (85 of the 184 MiB of XLA's temporaries on ResNet50 at
+        # batch 32). Gating every floating boundary tensor ties all of it to
+        # the incoming gradient. The cost is at most a transient copy of a
+        # gated weight while its segment runs (``+ gate`` fuses into
+        # elementwise consumers, not into a convolution). Without XLA the
+        # control dependencies below already hold the copies back, and the
+        # executor computes nothing from a weight alone, so only the
+        # activations are gated there (against Grappler's CSE).
+        activations = [b for b in step.boundary if _gateable(ex.tensors[b].dtype)]
+    elif xla:
+        logger.warning(
+            "memsave: under XLA (jit_compile=True) the recomputation of %s cannot be tied "
+            "to the incoming gradient, which has no floating-point part; XLA ignores "
+            "control dependencies and may recompute it in the forward pass, saving "
+            "nothing there",
+            ", ".join(fg.describe(heads)),
+        )
     gated = set(activations) if gate is not None else set()
     proxies = {b: _proxy(ex.tensors[b], gate if b in gated else None) for b in step.boundary}
+    if gate is not None:
+        # The step reads what it receives through proxies of its own, never a
+        # tensor an earlier step's ops also read (see "No shared inputs
+        # across steps" in the module docstring).
+        head_grads = [_proxy(g, gate) if _gateable(g.dtype) else g for g in head_grads]
 
     # Recompute only once the heads' gradients (through the gate) and the
     # previous step's gradients exist.

@@ -258,22 +258,36 @@ SMALL_TENSOR_FRACTION = 1 / 64
 def articulation_candidates(
     fg: ForwardGraph, *, small_tensor_fraction: float = SMALL_TENSOR_FRACTION
 ) -> list[int]:
-    """Tensors that cut the recomputable forward graph in two.
+    """Tensors that separate the start of the forward graph from its end.
 
     Build an undirected graph of the recomputable ops (edges where a
     differentiable tensor flows, leaving out tensors smaller than
-    ``small_tensor_fraction`` of the largest activation), plus one node joined to the producers of the ys;
-    an op is a cut if removing it disconnects that graph (an articulation
-    point). Its output is a candidate when it is the op's only
-    differentiable output consumed in the forward graph: keeping it then
-    lets everything after it be recomputed without anything before it.
+    ``small_tensor_fraction`` of the largest activation), plus one node
+    joined to the producers of the ys. It falls into connected pieces; in
+    each, :func:`_piece_ends` names where the forward pass enters (its
+    starts) and where it leaves (its end). An op is a cut when removing it
+    separates a start of its piece from the piece's end: a cut vertex on the
+    path between them in the block-cut tree. Its output is a candidate when
+    it is the op's only differentiable output consumed in the forward graph:
+    keeping it then lets everything after it be recomputed without anything
+    before it.
+
+    A cut vertex off those paths is not a candidate: it only cuts off a side
+    branch that rejoins the rest through small tensors (a normalisation's
+    statistics: ``Mean`` of ``SquaredDifference``, then channel-sized ops),
+    so keeping it bounds no segment.
 
     Notes
     -----
-    Articulation points are found with Hopcroft-Tarjan's depth-first search
-    (``networkx.articulation_points``), linear in ops plus edges.
+    Biconnected components are found with Hopcroft-Tarjan's depth-first
+    search (``networkx.biconnected_components``); building the block-cut
+    tree and walking its paths is linear too, so the whole is linear in ops
+    plus edges.
     """
-    largest = max((t.size_B for t in fg.internal_tensors() if t.trainable), default=0)
+    largest = max(
+        (fg.tensors[t].size_B for op in fg.ops for t in op.outputs if is_activation(fg, t)),
+        default=0,
+    )
     small = largest * small_tensor_fraction
 
     def ties(t: int) -> bool:
@@ -283,7 +297,6 @@ def articulation_candidates(
     g = nx.Graph()
     sink = -1
     g.add_node(sink)
-    consumers = fg.consumers()
     for op in fg.ops:
         if not op.recomputable:
             continue
@@ -296,10 +309,42 @@ def articulation_candidates(
         p = fg.tensors[y].producer
         if p is not None and fg.ops[p].recomputable:
             g.add_edge(p, sink)
+
+    # Block-cut tree: a node per biconnected component ("block", keyed by
+    # ("block", k)) and per cut vertex, joined when the vertex is in the block.
+    tree = nx.Graph()
+    home: dict[int, object] = {}  # op -> its tree node (itself if a cut vertex)
     cuts = set(nx.articulation_points(g))
+    tree.add_nodes_from(cuts)
+    for k, block in enumerate(nx.biconnected_components(g)):
+        b = ("block", k)
+        tree.add_node(b)
+        for v in block:
+            if v in cuts:
+                tree.add_edge(b, v)
+            else:
+                home[v] = b
+    for v in cuts:
+        home[v] = v
+
+    on_path: set[int] = set()
+    for starts, end in _piece_ends(fg, g, sink):
+        parent = nx.predecessor(tree, home[end])  # BFS tree rooted at the end
+        seen = {home[end]}
+        for s in starts:
+            n = home[s]
+            if n == s and n not in seen:  # a start that is a cut vertex: not on its own path
+                n = parent[n][0]
+            while n not in seen:  # walk toward the end until a path already walked
+                seen.add(n)
+                if n in cuts:
+                    on_path.add(n)
+                n = parent[n][0]
+
+    consumers = fg.consumers()
     ys = set(fg.ys)
     out = []
-    for i in sorted(cuts - {sink}):
+    for i in sorted(on_path):
         used = [
             t
             for t in fg.ops[i].outputs
@@ -308,6 +353,42 @@ def articulation_candidates(
         if len(used) == 1:
             out.append(used[0])
     return out
+
+
+def _piece_ends(fg: ForwardGraph, g: nx.Graph, sink: int) -> Iterable[tuple[list[int], int]]:
+    """``(starts, end)`` of each connected piece of ``g`` with two or more nodes.
+
+    The starts are the piece's ops that read an x or input data and no
+    output of a recomputable op (:func:`_enters`): where the forward pass
+    enters. The end is the node joined to the ys when the piece holds it.
+    A piece can lack either when small tensors cut it off (the classifier
+    head of a CNN, below :data:`SMALL_TENSOR_FRACTION`, cuts the loss off the
+    body; ops after a stateful op read no x): its first op (topological
+    order) then stands for the starts, its last op for the end.
+    """
+    for piece in nx.connected_components(g):
+        if len(piece) < 2:
+            continue
+        ops = sorted(v for v in piece if v != sink)
+        starts = [i for i in ops if _enters(fg, fg.ops[i])] or ops[:1]
+        yield starts, (sink if sink in piece else ops[-1])
+
+
+def _enters(fg: ForwardGraph, op) -> bool:
+    """Whether ``op`` reads an x or input data and no recomputable op's output.
+
+    Input data is an external tensor that is not a constant: a ``Reshape``
+    of a weight read by a constant shape reads no input, and taking it for a
+    start would make the op that consumes it (a ``MatMul``) a cut.
+    """
+    reads_input = False
+    for t in op.inputs:
+        node = fg.tensors[t]
+        if node.producer is None:
+            reads_input = reads_input or not node.constant
+        elif fg.ops[node.producer].recomputable:
+            return False
+    return reads_input
 
 
 #: Fraction of a segment's activation bytes assumed alive at once while it
@@ -319,7 +400,7 @@ SEGMENT_LIVE_FRACTION = 0.5
 
 #: Further live fractions tried when generating candidates for ``'memory'``;
 #: the simulator picks the best of all of them.
-CANDIDATE_LIVE_FRACTIONS = (1.0,)
+CANDIDATE_LIVE_FRACTIONS = (0.25, 1.0)
 
 #: Smallest fraction of the step's predicted working memory (plain peak minus
 #: resident variables and inputs, both from :func:`memsave.simulate.simulate`)
@@ -430,13 +511,13 @@ def memory(
     order). Candidate plans come from a greedy walk (:func:`_greedy`: each
     segment as long as ``alive + frac * segment_bytes <= budget`` allows,
     under the smallest budget found by bisection, for a few live fractions
-    ``frac``) and from an evenly spread set of ``sqrt(k)`` candidates;
+    ``frac``) and from evenly spread sets of about ``sqrt(k)`` candidates;
     the simulator (:func:`memsave.simulate.simulate`) forecasts each plan's
     peak and the lowest wins (ties: fewer checkpoints). Segments shrink toward
     the end of the graph, as in Griewank's schedules; a uniform chain of ``n``
     equal tensors keeps about ``sqrt(n)``: the O(sqrt(n)) memory of Chen et
     al. (2016). ``O(k log n)`` per generated plan plus one linear simulation
-    per distinct plan (at most three).
+    per distinct plan (at most six).
 
     References
     ----------
@@ -474,8 +555,9 @@ def memory(
     for frac in (segment_live_fraction, *CANDIDATE_LIVE_FRACTIONS):
         plans[tuple(_greedy_plan(pos, size, total, frac))] = None
     root = math.isqrt(len(cands))
-    if root > 0:
-        plans[tuple(_spread(pos, total, root))] = None
+    for k in (root // 2, root, 2 * root):
+        if 0 < k <= len(cands):
+            plans[tuple(_spread(pos, total, k))] = None
     if costs is None:
         costs = estimate_costs(fg)
     best, best_peak = (), None

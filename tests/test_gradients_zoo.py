@@ -8,6 +8,17 @@ The lists must agree in length, in None positions, in sparse
 (tf.IndexedSlices) versus dense positions, in dtypes and shapes, and in
 values within a tolerance chosen by dtype (see TOLERANCES).
 
+Next to the values, each case asserts what was planned and built (as JAX's
+remat tests assert the saved residuals): ``memsave.plan`` recomputes (steps
+> 0), and the graph memsave built holds exactly the planned number of
+recomputed copies of forward ops, found by op type and input wiring
+(:func:`count_recomputed_copies`), while tf.gradients' own graph holds none.
+A strategy a model declares in ``Model.fallbacks`` must instead log
+memsave's fallback warning and build no copies. Checked by breaking
+memsave: with the rewrite disabled (always falling back, or silently calling
+tf.gradients in place of the rewrite) these assertions fail on every case
+that is not a declared fallback.
+
 Cases: each zoo model (tests/zoo.py) x each strategy ('collection',
 'memory', 'speed', and 'explicit': the model's own list of mid-graph
 tensors) x each mode (Session graph, tf.function); seeded random DAGs with
@@ -82,8 +93,91 @@ def _label(x):
         return str(name)
 
 
+# ----------------------------------------------------------------------------
+# what was built: recomputed copies of forward ops, found by graph structure
+
+# The two kinds of op the rewrite puts in front of a recomputed segment
+# (memsave/rewrite.py ``_proxy``): ``identity(t)``, and ``t + gate`` with a
+# scalar gate computed from the incoming gradient.
+PROXY_TYPES = ("Identity", "AddV2")
+
+
+def count_recomputed_copies(forward_ops, new_ops) -> int:
+    """How many of ``new_ops`` recompute a forward op: same op type, and each
+    input is the forward op's own input, or that input read through a proxy,
+    or the same output of a copy of its producer (with at least one input
+    not the original, so the op is not a plain duplicate).
+
+    Ops are matched by type and by where their inputs come from, never by
+    name: a copy and its original may have any names. ``forward_ops`` are
+    the ops that existed before the gradient call, ``new_ops`` those it
+    made, in creation (hence topological) order.
+    """
+    by_signature = {}
+    for op in forward_ops:
+        key = (op.type, tuple(t.ref() for t in op.inputs))
+        by_signature.setdefault(key, op)
+    forward_tensors = {t.ref() for op in forward_ops for t in op.outputs}
+    # origin[ref of a new tensor] = ref of the forward tensor it stands for
+    origin = {}
+    copies = 0
+    for op in new_ops:
+        sources, derived = [], False
+        for t in op.inputs:
+            if t.ref() in forward_tensors:
+                sources.append(t.ref())
+            elif t.ref() in origin:
+                sources.append(origin[t.ref()])
+                derived = True
+            else:
+                sources = None
+                break
+        if sources is not None and derived:
+            original = by_signature.get((op.type, tuple(sources)))
+            if original is not None:
+                copies += 1
+                for src, dst in zip(original.outputs, op.outputs):
+                    origin[dst.ref()] = src.ref()
+                continue
+        proxied = _proxied_tensor(op, forward_tensors)
+        if proxied is not None:
+            origin[op.outputs[0].ref()] = proxied
+    return copies
+
+
+def _proxied_tensor(op, forward_tensors):
+    """The forward tensor ``op`` stands for, if it is a proxy: identity(t),
+    or t + (a scalar that is not a forward tensor)."""
+    if op.type not in PROXY_TYPES or len(op.outputs) != 1:
+        return None
+    if op.type == "Identity":
+        t = op.inputs[0]
+        return t.ref() if t.ref() in forward_tensors else None
+    a, b = op.inputs
+    for t, other in ((a, b), (b, a)):
+        if (t.ref() in forward_tensors and other.ref() not in forward_tensors
+                and other.shape.rank == 0 and t.shape.rank != 0):
+            return t.ref()
+    return None
+
+
+#: The zoo's models are tiny (batch 4): the weights' gradients, alive to the
+#: end of the step, make most of the peak, and the simulator rightly
+#: forecasts that 'memory' and 'speed' save less than their minimum saving
+#: (they would fall back to tf.gradients, see strategies.judge). The zoo
+#: tests the rewrite, so it keeps any plan; the fallback rule has its own
+#: tests (test_strategies, test_memory).
+KEEP_ANY_PLAN = {"min_saving_fraction": 0.0}
+
+
+def _options(checkpoints):
+    """strategy_options for ``checkpoints``: keep any plan of 'memory'/'speed'."""
+    return KEEP_ANY_PLAN if checkpoints in ("memory", "speed") else None
+
+
 def _memsave_gradients(fwd, checkpoints, kwargs):
-    return memsave.gradients(fwd.ys, fwd.xs, checkpoints=checkpoints, **kwargs)
+    return memsave.gradients(fwd.ys, fwd.xs, checkpoints=checkpoints,
+                             strategy_options=_options(checkpoints), **kwargs)
 
 
 def _both_gradients(fwd, checkpoints, gradient_kwargs, ours_fn=_memsave_gradients,
@@ -98,13 +192,23 @@ def _both_gradients(fwd, checkpoints, gradient_kwargs, ours_fn=_memsave_gradient
     before.
     """
     kwargs = dict(grad_ys=fwd.grad_ys, stop_gradients=fwd.stop_gradients, **gradient_kwargs)
+    graph = tf.compat.v1.get_default_graph()
+    forward_ops = graph.get_operations()
+
+    def built_by(fn):
+        before = len(graph.get_operations())
+        out = fn()
+        return out, count_recomputed_copies(forward_ops, graph.get_operations()[before:])
+
+    ours_call = lambda: ours_fn(fwd, checkpoints, kwargs)  # noqa: E731
+    ref_call = lambda: tf.compat.v1.gradients(fwd.ys, fwd.xs, **kwargs)  # noqa: E731
     if reference_first:
-        ref = tf.compat.v1.gradients(fwd.ys, fwd.xs, **kwargs)
-        ours = ours_fn(fwd, checkpoints, kwargs)
+        ref, ref_copies = built_by(ref_call)
+        ours, our_copies = built_by(ours_call)
     else:
-        ours = ours_fn(fwd, checkpoints, kwargs)
-        ref = tf.compat.v1.gradients(fwd.ys, fwd.xs, **kwargs)
-    return ours, ref
+        ours, our_copies = built_by(ours_call)
+        ref, ref_copies = built_by(ref_call)
+    return ours, ref, {"ours": our_copies, "ref": ref_copies}
 
 
 def _gradient_body(model, strategy_of, **both_kwargs):
@@ -113,7 +217,13 @@ def _gradient_body(model, strategy_of, **both_kwargs):
     def body(variables):
         fwd = model.forward(variables)
         checkpoints = strategy_of(fwd)
-        ours, ref = _both_gradients(fwd, checkpoints, model.gradient_kwargs, **both_kwargs)
+        plan = None
+        if checkpoints is not None:
+            plan = memsave.plan(fwd.ys, fwd.xs, checkpoints=checkpoints,
+                                stop_gradients=fwd.stop_gradients,
+                                strategy_options=_options(checkpoints))
+        ours, ref, copies = _both_gradients(fwd, checkpoints, model.gradient_kwargs,
+                                            **both_kwargs)
         out = {
             "ours": list(ours),
             "ref": list(ref),
@@ -124,6 +234,8 @@ def _gradient_body(model, strategy_of, **both_kwargs):
             "ours_dtypes": [None if g is None else g.dtype.name for g in ours],
             "ref_dtypes": [None if g is None else g.dtype.name for g in ref],
             "probes": dict(fwd.probes),
+            "plan": plan,
+            "copies": copies,
         }
         return out
 
@@ -187,10 +299,46 @@ def _strategy_of(strategy):
 
 
 @pytest.mark.parametrize("model_name, strategy, mode", list(_zoo_cases()))
-def test_zoo_gradients_match_tf_gradients(model_name, strategy, mode, evaluate):
+def test_zoo_gradients_match_tf_gradients(model_name, strategy, mode, evaluate, caplog):
     model = zoo.ZOO[model_name]
     result = evaluate(mode, model.make_variables, _gradient_body(model, _strategy_of(strategy)))
     assert_gradients_match(result, model.compute_dtype, evaluate.SparseValue)
+    assert_rewrite_built(result, model, strategy, caplog)
+
+
+def assert_rewrite_built(result, model, strategy, caplog):
+    """What was planned and built, next to the values (as JAX's remat tests
+    assert the saved residuals): a plan that recomputes, and its copies in
+    the graph memsave built (none in the graph tf.gradients built); or, for
+    a strategy the model declares as a fallback, memsave's warning and no
+    copies."""
+    plan, copies = result["plan"], result["copies"]
+    assert copies["ref"] == 0, (
+        f"count_recomputed_copies finds {copies['ref']} copies in tf.gradients' own graph: "
+        "the counter is wrong, so it proves nothing about memsave's"
+    )
+    fell_back = [r.getMessage() for r in caplog.records
+                 if r.name.startswith("memsave") and "nothing to checkpoint" in r.getMessage()]
+    if strategy in model.fallbacks:
+        assert len(plan.steps) == 0 and copies["ours"] == 0, (
+            f"{model.name} declares '{strategy}' a fallback ({model.fallbacks[strategy]}), "
+            f"but memsave planned:\n{plan.summary()}\nand built {copies['ours']} copies: "
+            "remove it from Model.fallbacks"
+        )
+        assert fell_back, f"memsave fell back to tf.gradients without its warning: {caplog.text}"
+        return
+    assert not fell_back, f"memsave fell back to tf.gradients: {fell_back}"
+    assert len(plan.steps) > 0 and plan.recomputed_ops > 0, f"nothing recomputed:\n{plan.summary()}"
+    if model.copies_identifiable:
+        assert copies["ours"] == plan.recomputed_ops, (
+            f"the plan recomputes {plan.recomputed_ops} ops, the built graph holds "
+            f"{copies['ours']} copies of forward ops:\n{plan.summary()}"
+        )
+    else:
+        assert 0 < copies["ours"] <= plan.recomputed_ops, (
+            f"the plan recomputes {plan.recomputed_ops} ops, the built graph holds "
+            f"{copies['ours']} identifiable copies of forward ops"
+        )
 
 
 def test_zoo_embedding_gradient_is_sparse(evaluate):
@@ -206,12 +354,13 @@ def test_zoo_embedding_gradient_is_sparse(evaluate):
 @pytest.mark.parametrize(
     "model_name", ["mlp", "resnet_bn", "transformer", "embedding", "rnn_while", "two_losses"]
 )
-def test_zoo_reference_computed_first(model_name, mode, evaluate):
+def test_zoo_reference_computed_first(model_name, mode, evaluate, caplog):
     """tf.gradients already built in the graph when memsave.gradients runs."""
     model = zoo.ZOO[model_name]
     body = _gradient_body(model, _strategy_of("memory"), reference_first=True)
     result = evaluate(mode, model.make_variables, body)
     assert_gradients_match(result, model.compute_dtype, evaluate.SparseValue)
+    assert_rewrite_built(result, model, "memory", caplog)
 
 
 PRESETS = {
@@ -250,7 +399,7 @@ def test_single_tensor_ys_and_xs_return_a_list(mode, evaluate):
     def body(variables):
         fwd = model.forward(variables)
         fwd = dataclasses.replace(fwd, xs=variables["w3"])
-        ours, ref = _both_gradients(fwd, "memory", {}, ours_fn=ours_fn)
+        ours, ref, _ = _both_gradients(fwd, "memory", {}, ours_fn=ours_fn)
         return {
             "ours": list(ours), "ref": list(ref), "ours_is_list": isinstance(ours, list),
             "labels": [_label(variables["w3"])], "x_shapes": [tuple(variables["w3"].shape)],
@@ -267,6 +416,16 @@ def test_single_tensor_ys_and_xs_return_a_list(mode, evaluate):
 
 RANDOM_DAG_SEEDS = range(10)
 
+#: (seed, strategy) -> why that strategy legitimately keeps nothing on that
+#: DAG (read off the warnings of the run at bf35940). The random DAGs are not
+#: held to an exact copy count: on seeds 1 and 9 the structural matcher
+#: recognises 14 of 17 and 5 of 6 planned copies (not investigated; the
+#: gradients match), so they require 0 < copies <= planned.
+RANDOM_DAG_FALLBACKS = {
+    (4, "speed"): "no MatMul between xs and ys",
+    (9, "speed"): "no MatMul between xs and ys",
+}
+
 
 def _random_dag_cases():
     for seed in RANDOM_DAG_SEEDS:
@@ -279,10 +438,15 @@ def _random_dag_cases():
 
 
 @pytest.mark.parametrize("seed, strategy, mode", list(_random_dag_cases()))
-def test_random_dag_gradients_match_tf_gradients(seed, strategy, mode, evaluate):
-    model = zoo.build_random_dag(seed)
+def test_random_dag_gradients_match_tf_gradients(seed, strategy, mode, evaluate, caplog):
+    model = dataclasses.replace(
+        zoo.build_random_dag(seed),
+        fallbacks={s: why for (k, s), why in RANDOM_DAG_FALLBACKS.items() if k == seed},
+        copies_identifiable=False,
+    )
     result = evaluate(mode, model.make_variables, _gradient_body(model, _strategy_of(strategy)))
     assert_gradients_match(result, model.compute_dtype, evaluate.SparseValue)
+    assert_rewrite_built(result, model, strategy, caplog)
 
 
 # ----------------------------------------------------------------------------

@@ -184,6 +184,10 @@ def measure(mode):
         runs = _measure_session(w_np, x_np)
     else:
         runs = _measure_function(w_np, x_np, jit_compile=(mode == XLA))
+    return _compare(runs)
+
+
+def _compare(runs):
     _, ref_digest, ref_grads = runs["tf.gradients"]
     result = {}
     for method, (peak, dig, grads) in runs.items():
@@ -200,6 +204,79 @@ def measure(mode):
             "grad_scale": grad_scale,
         }
     return result
+
+
+# -- a convolution chain under XLA ------------------------------------------------
+# XLA ignores control dependencies, so whatever the backward computes from an
+# ungated tensor alone is free to run during the forward pass. The backward
+# of a convolution computes its filter reversed and transposed
+# (Conv2DBackpropInput lowered by XLA) from the variable read alone: unless
+# the rewrite gates the reads too, XLA's scheduler computes every layer's
+# reversed filter early and keeps them all alive through the forward pass.
+
+XLA_CONV = "xla-conv"
+
+#: 12 layers ``relu(conv3x3(h, w))`` with 256 channels on a [16, 8, 8, 256]
+#: batch: every activation is 1 MiB and every filter (and its reversed
+#: copy) 2.25 MiB, so the reversed filters (27 MiB) outweigh the activations.
+CONV_LAYERS, CONV_CHANNELS, CONV_SIZE, CONV_BATCH = 12, 256, 8, 16
+
+#: Allocated (uninitialised, never touched) and freed before anything else
+#: in the XLA_CONV process. XLA allocates its temporaries as one buffer, and
+#: the CPU allocator (a BFCAllocator under oneDNN) counts the whole chunk
+#: it hands out, which in a pool that never held much is a fresh region of
+#: the next power of two: a 20 MiB buffer would be counted 32 MiB. One large
+#: region made first is split for every later allocation, so the counted
+#: peak is the bytes asked for. See experiments/xla_cnn.py.
+PRESPLIT_B = 1 << 30
+
+# Measured at commit 91a07be, 2 fresh processes each (median-of-5 peaks
+# above the resident variables and batch, MiB): tf.gradients 50.75 both,
+# 'memory' 24.25 both (0.48); 'memory' with only the activations gated (the
+# rewrite before 6843059, reproduced by making _tf_private.in_xla_context
+# return False) 33.75 (0.665).
+
+#: 'memory' above-resident peak at most this fraction of tf.gradients'.
+XLA_CONV_MAX_RATIO = 0.55
+
+
+def _conv_gradients(method, ws, x):
+    h = x
+    for w in ws:
+        h = tf.nn.relu(tf.nn.conv2d(h, w, 1, "SAME"))
+    loss = tf.reduce_sum(h * h)
+    if method == "tf.gradients":
+        return tf.gradients(loss, ws)
+    # The simulator models the executor, not XLA's buffer assignment, and
+    # forecasts too little saving for this chain; the test is about the
+    # rewrite under XLA, so it keeps the plan.
+    return memsave.gradients(loss, ws, checkpoints=method,
+                             strategy_options={"min_saving_fraction": 0.0})
+
+
+def _conv_digest(grads):
+    return [s for g in grads for s in (tf.reduce_sum(g, [0, 1, 2]), tf.reduce_sum(g, [0, 1, 3]),
+                                       tf.reduce_sum(g * g))]
+
+
+def measure_xla_conv():
+    """Peak bytes above the resident ones, and gradient errors, of the conv chain under XLA."""
+    tf.raw_ops.Empty(shape=[PRESPLIT_B // 4], dtype=tf.float32, init=False)
+    rs = np.random.RandomState(0)
+    fan_in = 9 * CONV_CHANNELS
+    ws = [tf.Variable((rs.randn(3, 3, CONV_CHANNELS, CONV_CHANNELS) / np.sqrt(fan_in)).astype(np.float32))
+          for _ in range(CONV_LAYERS)]
+    x = tf.constant(rs.randn(CONV_BATCH, CONV_SIZE, CONV_SIZE, CONV_CHANNELS).astype(np.float32))
+    runs = {}
+    for m in ("tf.gradients", "memory"):
+        grads = functools.partial(_conv_gradients, m, ws, x)
+        digest_fn = tf.function(lambda: _conv_digest(grads()), jit_compile=True)
+        digest_fn()
+        resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        peak, dig = _peak(lambda: [t.numpy() for t in digest_fn()])
+        grads_fn = tf.function(grads, jit_compile=True)
+        runs[m] = (peak - resident, dig, [np.array(t.numpy(), copy=True) for t in grads_fn()])
+    return _compare(runs)
 
 
 # -- the tests --------------------------------------------------------------------
@@ -299,5 +376,24 @@ def test_plan_predicts_a_saving(graph, checkpoints):
         assert p.predicted_peak_bytes < p.baseline_peak_bytes
 
 
+@pytest.mark.xfail(strict=False, reason=(
+    "since the simulator picks 'memory''s plan, it keeps a plan that XLA holds at 0.70 of "
+    "tf.gradients on this chain (0.48 with the plan chosen before); not yet diagnosed"))
+@pytest.mark.parametrize("method", ["memory"])
+def test_xla_conv_backward_waits_for_gradient(method):
+    res = _measured(XLA_CONV)
+    ours, ref = res[method]["peak_B"] / MiB, res["tf.gradients"]["peak_B"] / MiB
+    assert ours <= XLA_CONV_MAX_RATIO * ref, (
+        f"xla conv chain: memsave {method!r} peaks {ours:.2f} MiB above the resident "
+        f"tensors, {ours / ref:.2f} of tf.gradients' {ref:.2f} MiB (allowed "
+        f"{XLA_CONV_MAX_RATIO}): is the backward of a recomputed segment (its reversed "
+        f"filters) still free to run in the forward pass?"
+    )
+    assert res[method]["digest_rel_err"] <= GRAD_RTOL
+    assert res[method]["grad_scale"] > 1e-3
+    assert res[method]["grad_abs_err"] <= GRAD_RTOL * res[method]["grad_scale"]
+
+
 if __name__ == "__main__":
-    print(json.dumps(measure(sys.argv[1])))
+    mode = sys.argv[1]
+    print(json.dumps(measure_xla_conv() if mode == XLA_CONV else measure(mode)))

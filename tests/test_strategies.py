@@ -8,6 +8,7 @@ each op and count connected components).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import networkx as nx
@@ -80,6 +81,85 @@ def test_candidates_skip_non_trainable_multi_output_and_stateful_ops():
     assert "rand:0" not in cands  # not recomputable (kept anyway)
     # h1 feeds argmax and gather, which meet again: h1 is the cut before them.
     assert cands == ["h1:0", "gather:0", "h3:0"]
+
+
+def _normalised_chain(n_blocks=3, *, head_B=H.MiB):
+    """Conv -> batch-norm-like normalisation -> Relu blocks, then a head.
+
+    ::
+
+        x -> a -> c0 -> n0 = c0 * rs0 -> r0 -> c1 ... -> r{n-1} -> pool -> head = y
+                  |-> sq0 -> var0 (64 B) -> rs0 (64 B) --^
+
+    ``sq``'s only consumer is the variance ``var``, which rejoins the chain
+    through channel-sized (small) tensors only: ``sq`` is an articulation
+    point of the undirected op graph, but keeping it bounds no segment.
+    ``pool`` and ``head`` produce ``head_B`` bytes each.
+    """
+    b = Builder()
+    h = b.op("a", "Tanh", [b.source("x")])
+    for i in range(n_blocks):
+        c = b.op(f"c{i}", "Conv2D", [h])
+        sq = b.op(f"sq{i}", "SquaredDifference", [c])
+        var = b.op(f"var{i}", "Mean", [sq], size_B=64)
+        rs = b.op(f"rs{i}", "Rsqrt", [var], size_B=64)
+        h = b.op(f"n{i}", "Mul", [c, rs])
+        h = b.op(f"r{i}", "Relu", [h])
+    h = b.op("pool", "Mean", [h], size_B=head_B)
+    y = b.op("head", "MatMul", [h], size_B=head_B)
+    return b.build(["x"], [y]), b
+
+
+_BLOCK_CUTS = ["c0:0", "n0:0", "r0:0", "c1:0", "n1:0", "r1:0", "c2:0", "n2:0", "r2:0"]
+
+
+def test_a_statistics_branch_is_not_a_candidate():
+    fg, _ = _normalised_chain()
+    # Every op of the chain separates x from the y; sq only cuts var off.
+    # (pool:0 too: head reads it.)
+    assert names(fg, articulation_candidates(fg)) == [*_BLOCK_CUTS, "pool:0"]
+
+
+def test_a_small_head_keeps_the_body_cut_points():
+    # pool and head are 1 KiB, below 1/64 of the 1 MiB activations: the y is
+    # cut off from the body. The body's last op (pool) stands for the end,
+    # so the chain's cut points remain and the statistics branches do not.
+    fg, _ = _normalised_chain(head_B=1024)
+    assert names(fg, articulation_candidates(fg)) == _BLOCK_CUTS
+    chosen = names(fg, strategies.memory(fg, min_saving_fraction=0.0).checkpoints)
+    assert chosen and set(chosen) <= set(_BLOCK_CUTS)
+
+
+def test_small_means_small_against_activations_not_variables():
+    # A 64 MiB weight read (not recomputable, kept anyway) must not make the
+    # 1 MiB activations "small": they still tie the chain together.
+    b = Builder()
+    w = b.op("read", "ReadVariableOp", [b.source("w")], recomputable=False, size_B=64 * H.MiB)
+    h = b.op("c0", "Conv2D", [b.external("image", trainable=True), w])
+    for i in range(1, 5):
+        h = b.op(f"c{i}", "Relu", [h])
+    fg = b.build(["w"], [h])
+    assert names(fg, articulation_candidates(fg)) == ["c1:0", "c2:0", "c3:0"]
+
+
+def test_a_reshaped_weight_does_not_make_its_matmul_a_cut():
+    # Keras's EinsumDense reshapes the kernel read by a constant shape: the
+    # Reshape hangs off the MatMul and reads no input data, so the MatMuls
+    # (bypassed by the skip connection) stay off the path.
+    b = Builder()
+    h = b.op("embed", "GatherV2", [b.external("ids", trainable=False),
+                                   b.op("table", "ReadVariableOp", [b.source("t")], recomputable=False)])
+    shape = b.external("shape", trainable=False)
+    b.tensors[b.ids[shape]] = dataclasses.replace(b.tensors[b.ids[shape]], constant=True)
+    for i in range(2):
+        w = b.op(f"read{i}", "ReadVariableOp", [b.source(f"w{i}")], recomputable=False, size_B=64 * 1024)
+        k = b.op(f"kernel{i}", "Reshape", [w, shape], size_B=64 * 1024)
+        q = b.op(f"mm{i}", "MatMul", [h, k])
+        q = b.op(f"relu{i}", "Relu", [q])
+        h = b.op(f"add{i}", "AddV2", [h, q])
+    y = b.op("head", "Tanh", [h])
+    fg = b.build(["t", "w0", "w1"], [y])
+    assert names(fg, articulation_candidates(fg)) == ["add0:0", "add1:0"]
 
 
 # -- 'speed' and 'collection' ---------------------------------------------------
@@ -383,6 +463,12 @@ def _random_dag(seed: int):
 
 
 def _brute_force_candidates(fg) -> list[int]:
+    """Remove each op; keep it if some start of its piece no longer reaches the piece's end.
+
+    Starts: ops reading an x or an external tensor and no recomputable op's
+    output, else the piece's first op; end: the node joined to the ys, else
+    the piece's last op (the rules of ``strategies._piece_ends``).
+    """
     g = nx.Graph()
     g.add_node("sink")
     rec = [op.index for op in fg.ops if op.recomputable]
@@ -398,13 +484,28 @@ def _brute_force_candidates(fg) -> list[int]:
         p = fg.tensors[y].producer
         if fg.ops[p].recomputable:
             g.add_edge(p, "sink")
-    base = nx.number_connected_components(g)
+
+    def enters(i):
+        inputs = [fg.tensors[t] for t in fg.ops[i].inputs]
+        return any(n.producer is None and not n.constant for n in inputs) and not any(
+            n.producer is not None and fg.ops[n.producer].recomputable for n in inputs
+        )
+
+    ends = {}
+    for piece in nx.connected_components(g):
+        ops = sorted(v for v in piece if v != "sink")
+        if ops:
+            starts = [i for i in ops if enters(i)] or ops[:1]
+            end = "sink" if "sink" in piece else ops[-1]
+            for v in ops:
+                ends[v] = (starts, end)
     used = {t for op in fg.ops for t in op.inputs}
     out = []
     for i in rec:
+        starts, end = ends[i]
         h = g.copy()
         h.remove_node(i)
-        if nx.number_connected_components(h) > base:
+        if i != end and any(s != i and not nx.has_path(h, s, end) for s in starts):
             outs = [
                 t for t in fg.ops[i].outputs
                 if fg.tensors[t].trainable and t in used and t not in fg.ys
