@@ -141,11 +141,23 @@ def build_schedule(
         return tuple(sorted(seen)), tuple(sorted(boundary))
 
     # Units of work: ("t", tensor) recomputes a head; ("o", op) backprops a
-    # non-recomputable op in place.
+    # non-recomputable op in place; ("o", first op) backprops a run of stored
+    # ops in place, as one step (see _stored_runs).
+    run_of = _stored_runs(fg, stored)
+
     def unit_of(t: int) -> tuple[str, int]:
         producer = tensors[t].producer
         assert producer is not None, "this is a bug in memsave: unit of a non-internal tensor"
-        return ("t", t) if recomputable(producer) else ("o", producer)
+        if recomputable(producer):
+            return ("t", t)
+        return ("o", run_of.get(producer, producer))
+
+    runs: dict[int, list[int]] = {}
+    for o, first in run_of.items():
+        runs.setdefault(first, []).append(o)
+
+    def unit_ops(u: tuple[str, int]) -> list[int]:
+        return runs.get(u[1], [u[1]])
 
     deps: dict[tuple[str, int], set[tuple[str, int]]] = {}
     segments: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
@@ -156,11 +168,13 @@ def build_schedule(
         if unit[0] == "t":
             segments[t] = segment(t)
             boundary = segments[t][1]
+        elif unit in deps:
+            continue  # an in-place unit's boundary is its ops', whichever output
         else:
-            op = fg.ops[unit[1]]
-            boundary = tuple(x for x in op.inputs if differentiable(x))
+            boundary = _outer_inputs(fg, unit_ops(unit), differentiable)
         deps.setdefault(unit, set()).update(
-            unit_of(b) for b in boundary if tensors[b].kind == "internal"
+            u for u in (unit_of(b) for b in boundary if tensors[b].kind == "internal")
+            if u != unit
         )
 
     steps: list[Step] = []
@@ -172,16 +186,17 @@ def build_schedule(
     if y_heads:
         steps.append(_recompute_step(y_heads, [segment(y) for y in y_heads]))
 
-    for layer in reversed(_layers(deps, lambda u: u[1] if u[0] == "o" else tensors[u[1]].producer)):
+    def position(u: tuple[str, int]) -> int:
+        return unit_ops(u)[-1] if u[0] == "o" else tensors[u[1]].producer
+
+    for layer in reversed(_layers(deps, position)):
         heads = sorted(u[1] for u in layer if u[0] == "t")
         if heads:
             steps.append(_recompute_step(tuple(heads), [segments[h] for h in heads]))
-        forced = sorted(u[1] for u in layer if u[0] == "o")
+        forced = sorted(o for u in layer if u[0] == "o" for o in unit_ops(u))
         if forced:
             outs = tuple(t for o in forced for t in fg.ops[o].outputs if tensors[t].trainable)
-            bnd = tuple(
-                sorted({t for o in forced for t in fg.ops[o].inputs if differentiable(t)})
-            )
+            bnd = _outer_inputs(fg, forced, differentiable)
             steps.append(Step("backprop", outs, tuple(forced), bnd))
     return Schedule(
         checkpoints=tuple(sorted(set(checkpoints))),
@@ -189,6 +204,45 @@ def build_schedule(
         steps=tuple(steps),
         in_place=tuple(sorted(stored)),
     )
+
+
+def _stored_runs(fg: ForwardGraph, stored: frozenset[int]) -> dict[int, int]:
+    """Group the stored ops into runs, each differentiated by one backprop step.
+
+    Returns op index -> first op of its run. A run is a maximal sequence of
+    stored ops in topological order, skipping ops that are not recomputable
+    (variable reads, stateful ops) and read nothing the run produced; any
+    other op ends the run. No
+    path leaves a run and comes back into it: an op outside the run that
+    reads from it ends the run, so every later op of the run is reached only
+    through the run itself. One step per run keeps the schedule (and the
+    tf.gradients calls of the rewrite) to one per run instead of one per op.
+    """
+    run_of: dict[int, int] = {}
+    if not stored:
+        return run_of
+    first = -1
+    produced: set[int] = set()
+    for op in fg.ops:
+        i = op.index
+        if i in stored:
+            if first < 0:
+                first = i
+            run_of[i] = first
+            produced.update(op.outputs)
+        elif first >= 0 and (op.recomputable or any(t in produced for t in op.inputs)):
+            first = -1
+            produced = set()
+    return run_of
+
+
+def _outer_inputs(fg: ForwardGraph, ops, differentiable) -> tuple[int, ...]:
+    """Differentiable inputs of ``ops`` that none of them produces, sorted."""
+    inside = set(ops)
+    return tuple(sorted({
+        t for o in ops for t in fg.ops[o].inputs
+        if differentiable(t) and fg.tensors[t].producer not in inside
+    }))
 
 
 def _keep_shared_frontier(fg: ForwardGraph, kept: set[int], recomputable) -> None:
