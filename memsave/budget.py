@@ -3,7 +3,8 @@
 Data flow: :func:`plan_for_budget` resolves the budget (bytes, or a fraction
 of the forecast plain peak), builds a :class:`memsave.solvers.Problem` over
 the graph's candidate cuts (articulation points where the graph has them,
-every activation otherwise), runs the solver ``auto`` picks (or the one
+every activation otherwise; at most :data:`memsave.solvers.MAX_CUTS` of
+them, :func:`memsave.solvers.coarsen`), runs the solver ``auto`` picks (or the one
 named) and returns the checkpoints, the stored ops, their schedule and the
 :class:`~memsave.solvers.SolveResult`. No plan fits: a
 :class:`~memsave.errors.MemoryBudgetError` giving the smallest forecast peak.
@@ -19,7 +20,7 @@ from memsave.errors import MemoryBudgetError
 from memsave.graph import ForwardGraph
 from memsave.schedule import Schedule
 from memsave.simulate import CPU_ONEDNN, Allocator
-from memsave.solvers import Problem, SolveResult, solve
+from memsave.solvers import MAX_CUTS, Problem, SolveResult, coarsen, solve
 from memsave.strategies import articulation_candidates
 
 __all__ = ["BudgetPlan", "resolve_budget", "plan_for_budget"]
@@ -68,7 +69,9 @@ def plan_for_budget(fg: ForwardGraph, costs: Costs, memory_budget, *, api: str,
         (``.min_peak_bytes`` holds the smallest found).
     """
     cands = articulation_candidates(fg)
-    problem = Problem(fg, costs, cands if cands else None, allocator=allocator)
+    if not cands:
+        cands = Problem.default_candidates(fg)
+    problem = Problem(fg, costs, coarsen(fg, costs, cands, MAX_CUTS), allocator=allocator)
     baseline = problem.plain.peak_B
     budget_B = resolve_budget(memory_budget, baseline, api=api)
     res = solve(problem, budget_B, solver=solver, time_limit_s=time_limit_s)

@@ -73,6 +73,8 @@ def _oracle(name):
         evs = [p.evaluate(Decision.of(k, s))
                for r in range(m + 1) for k in itertools.combinations(range(m), r)
                for q in range(m + 2) for s in itertools.combinations(range(m + 1), q)]
+        # The cost solvers read without simulating is the simulated plan's.
+        assert all(p.recompute_cost(e.decision) == e.recompute_cost for e in evs)
         lo = min(e.peak_B for e in evs)
         hi = p.plain.peak_B
         budgets = sorted({lo - 1, lo, *(int(lo + f * (hi - lo)) for f in (0.2, 0.35, 0.5, 0.75)), hi})

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from memsave.solvers.dp import dp
 from memsave.solvers.greedy import greedy
 from memsave.solvers.milp import milp
-from memsave.solvers.problem import Decision, Evaluation, Problem, SolveResult
+from memsave.solvers.problem import Decision, Evaluation, Problem, SolveResult, coarsen
 
 __all__ = [
     "Problem",
@@ -53,6 +53,8 @@ __all__ = [
     "greedy",
     "DP_MAX_CUTS",
     "MILP_MAX_CUTS",
+    "MAX_CUTS",
+    "coarsen",
 ]
 
 Solver = Callable[..., SolveResult]
@@ -68,6 +70,14 @@ DP_MAX_CUTS = 12
 #: at most this many candidate cuts; its lazy cuts may take many rounds
 #: beyond that.
 MILP_MAX_CUTS = 12
+
+
+#: Candidate cuts a budget plan chooses from at most (:func:`coarsen` keeps
+#: this many, spread evenly over the activation bytes): every simulation
+#: walks the whole graph, and the greedy family and its knapsack grow with
+#: the cuts; 96 still allows about 2 sqrt(n) checkpoints on graphs of a
+#: few thousand ops (measured in experiments/bench_planner.py).
+MAX_CUTS = 96
 
 
 def register(name: str, solver: Solver) -> None:

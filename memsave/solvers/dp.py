@@ -113,8 +113,9 @@ class _Terms:
     def _probe(self, groups: list[tuple[int, int, str]]) -> None:
         p = self.p
         ev = p.evaluate(self.decision(groups))
-        trace = simulate(p.fg, ev.schedule, p.costs, allocator=p.allocator, timeline=True)
-        prog, _, backward_start = _build(p.fg, ev.schedule, p.costs)
+        trace = simulate(p.fg, ev.schedule, p.costs, allocator=p.allocator, timeline=True,
+                         forward=p.forward)
+        prog, _, backward_start = _build(p.fg, ev.schedule, p.costs, p.forward)
         self.resident = trace.resident_B
         n_instr = len(prog.reads)
         seg_group = [0] * self.n_seg

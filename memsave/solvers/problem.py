@@ -29,15 +29,51 @@ Recompute cost is the FLOPs (``Costs.op_flops``) of the ops the schedule's
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Iterable, Sequence
 
 from memsave.costs import Costs, is_activation
 from memsave.graph import ForwardGraph
 from memsave.schedule import Schedule, build_schedule
-from memsave.simulate import CPU_ONEDNN, Allocator, simulate
+from memsave.simulate import CPU_ONEDNN, Allocator, forward_program, simulate
 
-__all__ = ["Problem", "Decision", "Evaluation", "SolveResult"]
+__all__ = ["Problem", "Decision", "Evaluation", "SolveResult", "coarsen"]
+
+
+def coarsen(fg: ForwardGraph, costs: Costs, candidates: Sequence[int], max_cuts: int) -> tuple[int, ...]:
+    """At most ``max_cuts`` of ``candidates``, spread evenly over the activation bytes.
+
+    The bytes of the activations (outputs of recomputable ops) produced up
+    to each candidate, in topological order, place it; the candidates
+    closest to ``j * total / (max_cuts + 1)``, ``j = 1 .. max_cuts``, are
+    kept, so each coarse segment holds about the same activation bytes
+    (what Chen et al.'s sqrt(n) plan equalises). Any subset of cuts is a
+    valid decision space; this one bounds the solvers' work on large graphs.
+    ``O(n + m)``.
+    """
+    cands = sorted(dict.fromkeys(candidates), key=lambda t: (fg.tensors[t].producer, t))
+    if len(cands) <= max_cuts:
+        return tuple(cands)
+    at_op = [0] * (len(fg.ops) + 1)
+    total = 0
+    for op in fg.ops:
+        if op.recomputable:
+            total += sum(costs.tensor_B[t] for t in op.outputs)
+        at_op[op.index] = total
+    pos = [at_op[fg.tensors[t].producer] for t in cands]
+    chosen: list[int] = []
+    lo = 0
+    for j in range(1, max_cuts + 1):
+        target = total * j / (max_cuts + 1)
+        hi = len(cands) - (max_cuts - j)
+        i = bisect.bisect_left(pos, target, lo, hi)
+        if i >= hi or (i > lo and target - pos[i - 1] <= pos[i] - target):
+            i -= 1
+        i = max(i, lo)
+        chosen.append(cands[i])
+        lo = i + 1
+    return tuple(chosen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,9 +189,7 @@ class Problem:
         self.costs = costs
         self.allocator = allocator
         if candidates is None:
-            ys = set(fg.ys)
-            candidates = [t.id for t in fg.internal_tensors()
-                          if is_activation(fg, t.id) and t.size_B > 0 and t.id not in ys]
+            candidates = self.default_candidates(fg)
         for t in candidates:
             if not is_activation(fg, t):
                 raise ValueError(
@@ -177,7 +211,15 @@ class Problem:
             sum(costs.op_flops[o] for o in s) for s in self.segments)
         self._empty = frozenset(k for k, s in enumerate(self.segments) if not s)
         self._cache: dict[Decision, Evaluation] = {}
+        self.forward = forward_program(fg, costs)  # shared by every simulation
         self.plain = self.evaluate(Decision.of(stored=range(len(self.segments))))
+
+    @staticmethod
+    def default_candidates(fg: ForwardGraph) -> list[int]:
+        """Every activation that is not a y and has a nonzero size."""
+        ys = set(fg.ys)
+        return [t.id for t in fg.internal_tensors()
+                if is_activation(fg, t.id) and t.size_B > 0 and t.id not in ys]
 
     # -- the evaluator -------------------------------------------------------
 
@@ -194,6 +236,17 @@ class Problem:
         if stored == d.stored and kept == d.kept:
             return d
         return Decision(kept, stored)
+
+    def recompute_cost(self, d: Decision) -> int:
+        """FLOPs ``d`` recomputes, without simulating: every recomputable op of a
+        segment not stored is copied exactly once (``build_schedule`` keeps a
+        frontier wherever two heads would share an op), so the cost is the
+        sum of those segments' FLOPs; equal to ``evaluate(d).recompute_cost``
+        (tests/test_solvers.py checks it on every decision of its cases)."""
+        d = self.canonical(d)
+        if len(d.stored) == len(self.segments):
+            return 0
+        return sum(f for k, f in enumerate(self.segment_flops) if k not in d.stored)
 
     def evaluate(self, d: Decision) -> Evaluation:
         """Forecast peak and recompute cost of ``d`` (cached)."""
@@ -212,7 +265,8 @@ class Problem:
             sched = build_schedule(fg, checkpoints, in_place=in_place)
             cost = sum(self.costs.op_flops[o] for s in sched.steps if s.kind == "recompute"
                        for o in s.ops)
-        peak = simulate(fg, sched, self.costs, allocator=self.allocator, timeline=False).peak_B
+        peak = simulate(fg, sched, self.costs, allocator=self.allocator, timeline=False,
+                        forward=self.forward).peak_B
         ev = Evaluation(d, checkpoints, in_place, sched, peak, cost)
         self._cache[d] = ev
         return ev
