@@ -17,11 +17,12 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "(with GPU support), or tf-nightly."
     ) from e
 
-from memsave import costs, simulate, strategies
+from memsave import costs, simulate, solvers, strategies
 from memsave.errors import (
     CheckpointError,
     EagerExecutionError,
     GraphMismatchError,
+    MemoryBudgetError,
     MemsaveError,
     UnknownStrategyError,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "unpatch",
     "Patch",
     "strategies",
+    "solvers",
     "costs",
     "simulate",
     "MemsaveError",
@@ -65,4 +67,5 @@ __all__ = [
     "GraphMismatchError",
     "CheckpointError",
     "UnknownStrategyError",
+    "MemoryBudgetError",
 ]

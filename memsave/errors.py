@@ -15,6 +15,7 @@ __all__ = [
     "GraphMismatchError",
     "CheckpointError",
     "UnknownStrategyError",
+    "MemoryBudgetError",
 ]
 
 
@@ -36,3 +37,18 @@ class CheckpointError(MemsaveError, ValueError):
 
 class UnknownStrategyError(MemsaveError, ValueError):
     """``checkpoints=`` names no registered strategy."""
+
+
+class MemoryBudgetError(MemsaveError, ValueError):
+    """``memory_budget=`` is invalid, or below the smallest forecast peak.
+
+    Attributes
+    ----------
+    min_peak_bytes : int or None
+        The smallest forecast peak memsave found for this graph (None when
+        the value itself was invalid).
+    """
+
+    def __init__(self, message: str, min_peak_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.min_peak_bytes = min_peak_bytes

@@ -36,6 +36,7 @@ from memsave.plan import Plan, make_plan
 from memsave.rewrite import aggregate, rewrite
 from memsave.schedule import Schedule, build_schedule
 from memsave.simulate import BFC, CPU_ONEDNN, Allocator, simulate
+from memsave.solvers import SolveResult
 
 __all__ = [
     "gradients",
@@ -67,6 +68,7 @@ class _Prepared:
     note: str
     schedule: Schedule | None
     costs: Costs
+    budget: SolveResult | None = None
 
 
 def _as_list(v) -> list:
@@ -221,7 +223,8 @@ def _accepts(fn, name: str) -> bool:
 
 
 def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options,
-             batch_size: int | None = None) -> _Prepared:
+             batch_size: int | None = None, memory_budget=None,
+             api: str = "memsave.gradients") -> _Prepared:
     ys, xs, grad_ys, stop_gradients, graph = _normalize(ys, xs, grad_ys, stop_gradients, checkpoints)
     if isinstance(checkpoints, str):
         strategy = strategies.get(checkpoints)
@@ -245,6 +248,9 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options,
     if unsupported:
         return _Prepared(ys, xs, grad_ys, stop_gradients, graph, ex, name, (), {}, unsupported,
                          None, costs)
+    if memory_budget is not None:
+        return _prepare_budget(ys, xs, grad_ys, stop_gradients, graph, ex, costs,
+                               memory_budget, strategy_options, api)
     if strategy is None:
         ids = _validate_list(checkpoints, ex, ys, xs)
         reasons = {i: "given" for i in ids}
@@ -260,6 +266,29 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options,
                      schedule, costs)
 
 
+def _prepare_budget(ys, xs, grad_ys, stop_gradients, graph, ex, costs, memory_budget,
+                    strategy_options, api) -> _Prepared:
+    """The budget planner's choice (memsave.budget) in place of a strategy's.
+
+    ``strategy_options`` may name the ``solver`` and its ``time_limit_s``.
+    """
+    from memsave.budget import plan_for_budget
+
+    options = dict(strategy_options or {})
+    unknown = sorted(set(options) - {"solver", "time_limit_s"})
+    if unknown:
+        raise TypeError(
+            f"{api}: with memory_budget, strategy_options take 'solver' and 'time_limit_s' "
+            f"only, got {unknown}"
+        )
+    allocator = BFC if tf.config.list_logical_devices("GPU") else CPU_ONEDNN
+    bp = plan_for_budget(ex.fg, costs, memory_budget, api=api, allocator=allocator, **options)
+    note = "" if bp.schedule is not None else (
+        "the budget fits tf.gradients' own forecast peak: nothing is recomputed")
+    return _Prepared(ys, xs, grad_ys, stop_gradients, graph, ex, "budget", bp.checkpoints,
+                     bp.reasons, note, bp.schedule, costs, bp.result)
+
+
 @tf.autograph.experimental.do_not_convert
 def plan(
     ys,
@@ -270,6 +299,7 @@ def plan(
     strategy_options: Mapping[str, Any] | None = None,
     batch_size: int | None = None,
     allocator: Allocator | None = None,
+    memory_budget: int | float | None = None,
 ) -> Plan:
     """What :func:`gradients` would keep and recompute, and the peak it forecasts.
 
@@ -288,17 +318,20 @@ def plan(
         Whose peak to forecast: :data:`memsave.simulate.BFC` when a GPU is
         visible, else :data:`memsave.simulate.CPU_ONEDNN` (which does not
         report buffers under 256 KiB).
+    memory_budget : int or float, optional
+        As for :func:`gradients`.
 
     Examples
     --------
     >>> print(memsave.plan(loss, params, checkpoints="memory").summary())  # doctest: +SKIP
     """
-    p = _prepare(ys, xs, None, checkpoints, stop_gradients, strategy_options, batch_size)
+    p = _prepare(ys, xs, None, checkpoints, stop_gradients, strategy_options, batch_size,
+                 memory_budget, "memsave.plan")
     if allocator is None:
         allocator = BFC if tf.config.list_logical_devices("GPU") else CPU_ONEDNN
     return make_plan(
         p.ex.fg, p.costs, strategy=p.strategy, checkpoints=p.checkpoints, reasons=p.reasons,
-        schedule=p.schedule, note=p.note, allocator=allocator,
+        schedule=p.schedule, note=p.note, allocator=allocator, budget=p.budget,
     )
 
 
@@ -316,6 +349,7 @@ def gradients(
     stop_gradients=None,
     unconnected_gradients=tf.UnconnectedGradients.NONE,
     strategy_options: Mapping[str, Any] | None = None,
+    memory_budget: int | float | None = None,
 ) -> list:
     """Symbolic derivatives of sum(ys) w.r.t. xs, recomputing between checkpoints.
 
@@ -335,7 +369,13 @@ def gradients(
         xs and ys.
     strategy_options : mapping, optional
         Keyword options for the named strategy (e.g.
-        ``{"num_checkpoints": 8}`` for ``'memory'``).
+        ``{"num_checkpoints": 8}`` for ``'memory'``); with ``memory_budget``,
+        ``solver`` (a :mod:`memsave.solvers` name) and ``time_limit_s``.
+    memory_budget : int or float, optional
+        The forecast peak allowed: bytes (int), or a fraction in (0, 1] of
+        the forecast plain peak (``Plan.baseline_peak_bytes``). memsave then
+        keeps and stores what gives the least predicted recompute cost
+        under it (:mod:`memsave.budget`), instead of ``checkpoints``.
 
     Raises
     ------
@@ -347,6 +387,9 @@ def gradients(
         When a listed checkpoint is a y or is not between xs and ys.
     UnknownStrategyError
         When ``checkpoints`` names no registered strategy.
+    MemoryBudgetError
+        When ``memory_budget`` is invalid or below the smallest forecast
+        peak (its ``min_peak_bytes``).
     """
     try:
         unconnected = tf.UnconnectedGradients(unconnected_gradients)
@@ -355,7 +398,8 @@ def gradients(
             f"memsave.gradients: unconnected_gradients={unconnected_gradients!r}; use one of "
             f"{[u.value for u in tf.UnconnectedGradients]}"
         ) from None
-    p = _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options)
+    p = _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options,
+                 memory_budget=memory_budget)
     stock = dict(
         gate_gradients=gate_gradients,
         aggregation_method=aggregation_method,

@@ -96,6 +96,7 @@ def checkpointed(
     strategy_options: Mapping[str, Any] | None = None,
     aggregation_method=None,
     gate_gradients: bool = False,
+    memory_budget: int | float | None = None,
 ) -> keras.Model:
     """Make ``model.fit`` compute the train step's gradients with memsave.
 
@@ -121,6 +122,10 @@ def checkpointed(
         Options of the named strategy, e.g. ``{"num_checkpoints": 8}``.
     aggregation_method, gate_gradients
         Passed to :func:`memsave.gradients` (as to ``tf.gradients``).
+    memory_budget : int or float, optional
+        Passed to :func:`memsave.gradients`: the forecast peak of the train
+        step's gradient computation allowed, in bytes or as a fraction of
+        its plain peak; memsave then plans the least recomputation under it.
 
     Returns
     -------
@@ -167,6 +172,7 @@ def checkpointed(
             strategy_options=_check_strategy_options(strategy_options, checkpoints),
             aggregation_method=aggregation_method,
             gate_gradients=gate_gradients,
+            **({} if memory_budget is None else {"memory_budget": memory_budget}),
         ),
     )
     if _private.compiled(model) and model.run_eagerly:

@@ -32,7 +32,7 @@ _ORIGINAL_V1 = _tf_private.original_gradients
 _ORIGINAL_V2 = _tf_private.original_gradients_v2
 
 
-def _wrappers(checkpoints, strategy_options):
+def _wrappers(checkpoints, strategy_options, memory_budget=None):
     @tf.autograph.experimental.do_not_convert
     @functools.wraps(_ORIGINAL_V1)
     def gradients_v1(ys, xs, grad_ys=None, name="gradients", colocate_gradients_with_ops=False,
@@ -43,7 +43,7 @@ def _wrappers(checkpoints, strategy_options):
             colocate_gradients_with_ops=colocate_gradients_with_ops,
             gate_gradients=gate_gradients, aggregation_method=aggregation_method,
             stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients,
-            strategy_options=strategy_options,
+            strategy_options=strategy_options, memory_budget=memory_budget,
         )
 
     @tf.autograph.experimental.do_not_convert
@@ -78,9 +78,10 @@ def _aliases():
 class Patch:
     """An applied patch; a context manager that undoes itself on exit."""
 
-    def __init__(self, checkpoints, strategy_options: Mapping[str, Any] | None = None):
+    def __init__(self, checkpoints, strategy_options: Mapping[str, Any] | None = None,
+                 memory_budget: int | float | None = None):
         self.checkpoints = checkpoints
-        v1, v2 = _wrappers(checkpoints, strategy_options)
+        v1, v2 = _wrappers(checkpoints, strategy_options, memory_budget)
         with _lock:
             self._saved = []
             for module, attr, value in _aliases():
@@ -124,7 +125,8 @@ class Patch:
         self.undo()
 
 
-def patch(checkpoints="memory", *, strategy_options: Mapping[str, Any] | None = None) -> Patch:
+def patch(checkpoints="memory", *, strategy_options: Mapping[str, Any] | None = None,
+          memory_budget: int | float | None = None) -> Patch:
     """Make tf.gradients (every alias) and tf.compat.v1 optimizers use memsave.
 
     Use as a context manager::
@@ -132,9 +134,11 @@ def patch(checkpoints="memory", *, strategy_options: Mapping[str, Any] | None = 
         with memsave.patch(checkpoints="memory"):
             train_op = tf.compat.v1.train.AdamOptimizer().minimize(loss)
 
-    or call it and later :func:`unpatch` (or ``p.undo()``).
+    or call it and later :func:`unpatch` (or ``p.undo()``). ``memory_budget``
+    is passed to every :func:`memsave.gradients` call (bytes, or a fraction
+    of each call's forecast plain peak).
     """
-    return Patch(checkpoints, strategy_options)
+    return Patch(checkpoints, strategy_options, memory_budget)
 
 
 def unpatch() -> None:

@@ -84,6 +84,11 @@ class Plan:
         Ops between xs and ys; op copies the rewrite makes.
     note : str
         Empty, or why nothing was chosen and what to do.
+    solver, solve_time_s, optimal, feasible, budget_bytes
+        With ``memory_budget=``: the solver that chose the plan
+        (:mod:`memsave.solvers`), its wall time, whether it proved the plan
+        optimal, whether the forecast fits, and the budget in bytes; None
+        otherwise.
     """
 
     strategy: str
@@ -107,6 +112,11 @@ class Plan:
     forward_ops: int
     recomputed_ops: int
     note: str = ""
+    solver: str | None = None
+    solve_time_s: float | None = None
+    optimal: bool | None = None
+    feasible: bool | None = None
+    budget_bytes: int | None = None
 
     @property
     def kept_tensors(self) -> int:
@@ -130,6 +140,11 @@ class Plan:
             f"  recompute cost   {self.recompute_cost:14,} FLOPs ({overhead:.2f} forward passes)",
             f"  allocator        {self.allocator}",
         ]
+        if self.budget_bytes is not None:
+            lines.append(
+                f"  budget           {self.budget_bytes / mib:12.2f} MiB  (solver {self.solver}, "
+                f"{'optimal' if self.optimal else 'not proven optimal'}, "
+                f"{self.solve_time_s:.3f} s)")
         if self.kept:
             rows = [("tensor", "op type", "shape", "dtype", "bytes", "why kept")]
             for k in self.kept:
@@ -206,8 +221,12 @@ def make_plan(
     schedule: Schedule | None,
     note: str = "",
     allocator: Allocator = CPU_ONEDNN,
+    budget=None,
 ) -> Plan:
-    """Build the :class:`Plan` of ``schedule`` (None: plain tf.gradients)."""
+    """Build the :class:`Plan` of ``schedule`` (None: plain tf.gradients).
+
+    ``budget``: the :class:`memsave.solvers.SolveResult` that chose it, if any.
+    """
     base = simulate(fg, None, costs, allocator=allocator)
     ours = simulate(fg, schedule, costs, allocator=allocator) if schedule is not None else base
     kept: list[KeptTensor] = []
@@ -265,4 +284,7 @@ def make_plan(
         forward_ops=len(fg.ops),
         recomputed_ops=recomputed_ops,
         note=note,
+        **({} if budget is None else dict(
+            solver=budget.solver, solve_time_s=budget.solve_time_s, optimal=budget.optimal,
+            feasible=budget.feasible, budget_bytes=budget.budget_B)),
     )

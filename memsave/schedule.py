@@ -17,7 +17,7 @@ the sum, over the steps, of what each step propagates from its heads to its
 boundary, provided each head's gradient is complete before its step runs
 (chain rule; every path from an x to a y crosses the segments once). Steps
 therefore run in reverse topological order of the heads: the heads are
-layered by longest path (``toposort``), and each layer is one step, whose
+layered by longest path (as ``toposort`` would, in linear time), and each layer is one step, whose
 heads depend on nothing else in the layer. The ys that are not kept form the
 first step. A head whose producer is not recomputable is differentiated in
 place (a *backprop* step on the original op) rather than copied.
@@ -30,9 +30,8 @@ overlap (ops shared by heads of different layers are copied once per layer).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from typing import Literal
-
-import toposort
 
 from memsave.graph import ForwardGraph
 
@@ -70,6 +69,7 @@ class Schedule:
     checkpoints: tuple[int, ...]
     kept: tuple[int, ...]
     steps: tuple[Step, ...]
+    in_place: tuple[int, ...] = ()
 
     @property
     def recomputed_ops(self) -> int:
@@ -77,7 +77,9 @@ class Schedule:
         return sum(len(s.ops) for s in self.steps if s.kind == "recompute")
 
 
-def build_schedule(fg: ForwardGraph, checkpoints: tuple[int, ...]) -> Schedule:
+def build_schedule(
+    fg: ForwardGraph, checkpoints: tuple[int, ...], *, in_place: Collection[int] = ()
+) -> Schedule:
     """Order the backward steps for ``fg`` with ``checkpoints`` kept.
 
     Parameters
@@ -86,6 +88,12 @@ def build_schedule(fg: ForwardGraph, checkpoints: tuple[int, ...]) -> Schedule:
     checkpoints : tuple of int
         Internal tensor ids to keep; outputs of non-recomputable ops and
         xs are kept whether listed or not.
+    in_place : collection of int
+        Op indices to differentiate in place (``backprop`` steps on the
+        originals, their inputs and outputs kept from the forward pass)
+        rather than recompute, as if they were not recomputable: how a
+        budgeted plan keeps a whole segment to save its recomputation
+        (:mod:`memsave.solvers`).
 
     Returns
     -------
@@ -97,15 +105,20 @@ def build_schedule(fg: ForwardGraph, checkpoints: tuple[int, ...]) -> Schedule:
     b's: the ys step, then one step per layer of heads.
     """
     tensors = fg.tensors
+    stored = frozenset(in_place)
+
+    def recomputable(i: int) -> bool:
+        return fg.ops[i].recomputable and i not in stored
+
     kept: set[int] = set(checkpoints)
     for x in fg.xs:
         kept.add(x)
     for op in fg.ops:
-        if not op.recomputable:
+        if not recomputable(op.index):
             kept.update(op.outputs)
             kept.update(t for t in op.inputs if tensors[t].kind != "external")
 
-    _keep_shared_frontier(fg, kept)
+    _keep_shared_frontier(fg, kept, recomputable)
 
     def differentiable(t: int) -> bool:
         return t in kept and tensors[t].trainable and tensors[t].kind != "external"
@@ -128,11 +141,23 @@ def build_schedule(fg: ForwardGraph, checkpoints: tuple[int, ...]) -> Schedule:
         return tuple(sorted(seen)), tuple(sorted(boundary))
 
     # Units of work: ("t", tensor) recomputes a head; ("o", op) backprops a
-    # non-recomputable op in place.
+    # non-recomputable op in place; ("o", first op) backprops a run of stored
+    # ops in place, as one step (see _stored_runs).
+    run_of = _stored_runs(fg, stored)
+
     def unit_of(t: int) -> tuple[str, int]:
         producer = tensors[t].producer
         assert producer is not None, "this is a bug in memsave: unit of a non-internal tensor"
-        return ("t", t) if fg.ops[producer].recomputable else ("o", producer)
+        if recomputable(producer):
+            return ("t", t)
+        return ("o", run_of.get(producer, producer))
+
+    runs: dict[int, list[int]] = {}
+    for o, first in run_of.items():
+        runs.setdefault(first, []).append(o)
+
+    def unit_ops(u: tuple[str, int]) -> list[int]:
+        return runs.get(u[1], [u[1]])
 
     deps: dict[tuple[str, int], set[tuple[str, int]]] = {}
     segments: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
@@ -143,11 +168,13 @@ def build_schedule(fg: ForwardGraph, checkpoints: tuple[int, ...]) -> Schedule:
         if unit[0] == "t":
             segments[t] = segment(t)
             boundary = segments[t][1]
+        elif unit in deps:
+            continue  # an in-place unit's boundary is its ops', whichever output
         else:
-            op = fg.ops[unit[1]]
-            boundary = tuple(x for x in op.inputs if differentiable(x))
+            boundary = _outer_inputs(fg, unit_ops(unit), differentiable)
         deps.setdefault(unit, set()).update(
-            unit_of(b) for b in boundary if tensors[b].kind == "internal"
+            u for u in (unit_of(b) for b in boundary if tensors[b].kind == "internal")
+            if u != unit
         )
 
     steps: list[Step] = []
@@ -159,25 +186,66 @@ def build_schedule(fg: ForwardGraph, checkpoints: tuple[int, ...]) -> Schedule:
     if y_heads:
         steps.append(_recompute_step(y_heads, [segment(y) for y in y_heads]))
 
-    for layer in reversed(list(toposort.toposort(deps))):
+    def position(u: tuple[str, int]) -> int:
+        return unit_ops(u)[-1] if u[0] == "o" else tensors[u[1]].producer
+
+    for layer in reversed(_layers(deps, position)):
         heads = sorted(u[1] for u in layer if u[0] == "t")
         if heads:
             steps.append(_recompute_step(tuple(heads), [segments[h] for h in heads]))
-        forced = sorted(u[1] for u in layer if u[0] == "o")
+        forced = sorted(o for u in layer if u[0] == "o" for o in unit_ops(u))
         if forced:
             outs = tuple(t for o in forced for t in fg.ops[o].outputs if tensors[t].trainable)
-            bnd = tuple(
-                sorted({t for o in forced for t in fg.ops[o].inputs if differentiable(t)})
-            )
+            bnd = _outer_inputs(fg, forced, differentiable)
             steps.append(Step("backprop", outs, tuple(forced), bnd))
     return Schedule(
         checkpoints=tuple(sorted(set(checkpoints))),
         kept=tuple(sorted(kept)),
         steps=tuple(steps),
+        in_place=tuple(sorted(stored)),
     )
 
 
-def _keep_shared_frontier(fg: ForwardGraph, kept: set[int]) -> None:
+def _stored_runs(fg: ForwardGraph, stored: frozenset[int]) -> dict[int, int]:
+    """Group the stored ops into runs, each differentiated by one backprop step.
+
+    Returns op index -> first op of its run. A run is a maximal sequence of
+    stored ops in topological order, skipping ops that are not recomputable
+    (variable reads, stateful ops) and read nothing the run produced; any
+    other op ends the run. No
+    path leaves a run and comes back into it: an op outside the run that
+    reads from it ends the run, so every later op of the run is reached only
+    through the run itself. One step per run keeps the schedule (and the
+    tf.gradients calls of the rewrite) to one per run instead of one per op.
+    """
+    run_of: dict[int, int] = {}
+    if not stored:
+        return run_of
+    first = -1
+    produced: set[int] = set()
+    for op in fg.ops:
+        i = op.index
+        if i in stored:
+            if first < 0:
+                first = i
+            run_of[i] = first
+            produced.update(op.outputs)
+        elif first >= 0 and (op.recomputable or any(t in produced for t in op.inputs)):
+            first = -1
+            produced = set()
+    return run_of
+
+
+def _outer_inputs(fg: ForwardGraph, ops, differentiable) -> tuple[int, ...]:
+    """Differentiable inputs of ``ops`` that none of them produces, sorted."""
+    inside = set(ops)
+    return tuple(sorted({
+        t for o in ops for t in fg.ops[o].inputs
+        if differentiable(t) and fg.tensors[t].producer not in inside
+    }))
+
+
+def _keep_shared_frontier(fg: ForwardGraph, kept: set[int], recomputable) -> None:
     """Keep tensors so that no op is recomputed by two different heads.
 
     When the kept tensors do not cut the graph (checkpoints off the residual
@@ -193,7 +261,7 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int]) -> None:
     while True:
         reach: list[tuple] = [()] * len(fg.ops)
         for op in reversed(fg.ops):
-            if not op.recomputable:
+            if not recomputable(op.index):
                 continue
             heads: set = set()
             for t in op.outputs:
@@ -203,7 +271,7 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int]) -> None:
                     if t in y_set:
                         heads.add(("ys",))  # unkept ys are the heads of the first step
                     for c in consumers[t]:
-                        if fg.ops[c].recomputable:
+                        if recomputable(c):
                             heads.update(reach[c])
                 if len(heads) > 1:
                     break
@@ -216,11 +284,32 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int]) -> None:
             for op in shared
             for t in op.outputs
             if t not in kept
-            and any(fg.ops[c].recomputable and len(reach[c]) == 1 for c in consumers[t])
+            and any(recomputable(c) and len(reach[c]) == 1 for c in consumers[t])
         }
         if not frontier:
             frontier = {t for op in shared for t in op.outputs}
         kept.update(frontier)
+
+
+def _layers(deps: dict, position) -> list[set]:
+    """``toposort.toposort(deps)`` as a list, in linear time.
+
+    A unit's layer is the longest dependency path below it (what toposort's
+    repeated removal of ready units computes, in time quadratic in the
+    number of layers: a long run of in-place ops makes one layer each).
+    Every dependency is produced earlier in the topological order
+    (``position``), so one pass in that order finds every layer.
+    """
+    units = set(deps)
+    for ds in deps.values():
+        units.update(ds)
+    level: dict = {}
+    for u in sorted(units, key=lambda u: (position(u), u)):
+        level[u] = 1 + max((level[d] for d in deps.get(u, ())), default=-1)
+    out: list[set] = [set() for _ in range(1 + max(level.values(), default=-1))]
+    for u, lv in level.items():
+        out[lv].add(u)
+    return out
 
 
 def _recompute_step(heads, parts) -> Step:

@@ -60,6 +60,8 @@ __all__ = [
     "BFC",
     "MemoryTrace",
     "simulate",
+    "ForwardProgram",
+    "forward_program",
 ]
 
 
@@ -288,17 +290,60 @@ class _Builder:
         pass  # replaced per stage
 
 
-def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs) -> tuple[_Program, int, int]:
-    b = _Builder(fg, costs)
+class ForwardProgram:
+    """The forward part of every step's program: the same whatever the schedule.
+
+    Build it once per graph (:func:`forward_program`) and pass it to
+    :func:`simulate` to simulate many schedules of one graph (the budget
+    solvers do) without rebuilding it each time.
+    """
+
+    __slots__ = ("fg", "costs", "lists", "orig", "resident_B")
+
+    def __init__(self, fg: ForwardGraph, costs: Costs) -> None:
+        b = _Builder(fg, costs)
+        orig = b.orig
+
+        def bind_orig(t: int, v: int) -> None:
+            orig[t] = v
+
+        b.bind = bind_orig
+        for i in range(len(fg.ops)):
+            b.run_op(i, orig.__getitem__, "forward")
+        assert not b.constant and not b.p.pinned, "this is a bug in memsave: forward constants"
+        self.fg, self.costs = fg, costs
+        self.lists = {k: getattr(b.p, k) for k in _Program.__slots__ if k != "pinned"}
+        self.orig = orig
+        self.resident_B = b.resident_B
+
+    def builder(self) -> _Builder:
+        """A builder whose program holds the forward pass (copies: extend freely)."""
+        b = _Builder.__new__(_Builder)
+        b.fg, b.costs = self.fg, self.costs
+        b.p = _Program()
+        for k, v in self.lists.items():
+            setattr(b.p, k, list(v))
+        b.grads = {}
+        b.orig = list(self.orig)
+        b.resident_B = self.resident_B
+        b.constant = set()
+        return b
+
+
+def forward_program(fg: ForwardGraph, costs: Costs) -> ForwardProgram:
+    """The schedule-independent forward program of ``fg`` (for ``simulate(forward=)``)."""
+    return ForwardProgram(fg, costs)
+
+
+def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs,
+           forward: ForwardProgram | None = None) -> tuple[_Program, int, int]:
+    if forward is None:
+        forward = ForwardProgram(fg, costs)
+    elif forward.fg is not fg or forward.costs is not costs:
+        raise ValueError("memsave.simulate: forward= was built for another graph or costs")
+    b = forward.builder()
     p = b.p
     orig = b.orig
-
-    def bind_orig(t: int, v: int) -> None:
-        orig[t] = v
-
-    b.bind = bind_orig
-    for i in range(len(fg.ops)):
-        b.run_op(i, orig.__getitem__, "forward")
     backward_start = len(p.reads)
 
     # Seeds: grad_ys = ones_like(y), a folded constant when y's shape is static.
@@ -387,6 +432,7 @@ def simulate(
     *,
     allocator: Allocator = CPU_ONEDNN,
     timeline: bool = True,
+    forward: ForwardProgram | None = None,
 ) -> MemoryTrace:
     """Forecast the allocator peak of one step: forward and gradients.
 
@@ -402,6 +448,9 @@ def simulate(
     timeline : bool
         Record the bytes alive after every event (off for solvers that only
         need the peak).
+    forward : ForwardProgram, optional
+        :func:`forward_program` of ``fg`` and ``costs``, built once for many
+        simulations of one graph (the same result, less work).
 
     Returns
     -------
@@ -413,7 +462,7 @@ def simulate(
     >>> trace = simulate(fg, None, estimate_costs(fg))  # doctest: +SKIP
     >>> trace.peak_B  # doctest: +SKIP
     """
-    p, resident_B, backward_start = _build(fg, schedule, costs)
+    p, resident_B, backward_start = _build(fg, schedule, costs, forward)
     reads, writes, size, alias = p.reads, p.writes, p.size, p.alias
     n_instr = len(reads)
     n_val = len(size)

@@ -80,10 +80,13 @@ class Builder:
         trainable: bool = True,
         tagged: bool = False,
         gradient: GradientUse | None = None,
+        flops: int | None = None,
     ):
         """Add an op; return its output name (a list of names if ``n_out > 1``).
 
-        ``gradient`` defaults to :func:`gradient_use` of ``type``.
+        ``gradient`` defaults to :func:`gradient_use` of ``type``; ``flops``
+        to None (the cost model then counts the elements produced, 0 for
+        hand-built tensors, which have no itemsize).
         """
         index = len(self.ops)
         outs = [
@@ -96,6 +99,7 @@ class Builder:
             inputs=tuple(self.ids[t] for t in inputs),
             outputs=tuple(self.ids[t] for t in outs),
             recomputable=recomputable,
+            flops=flops,
             gradient=gradient if gradient is not None else gradient_use(type, len(inputs)),
         ))
         return outs[0] if n_out == 1 else outs
@@ -171,3 +175,41 @@ def unet() -> ForwardGraph:
     out = b.op("out", "Conv2D", [d1])
     y = b.op("head", "Mean", [out])
     return b.build(["x"], [y])
+
+
+#: Op types of the random graphs: gradients that read the output (in place,
+#: elementwise), the inputs (MatMul, Conv2D, Mul) or nothing (AddV2's
+#: pass-through), as tests/test_costs.py checks against TensorFlow.
+RANDOM_OP_TYPES = ("Tanh", "Relu", "Sigmoid", "MatMul", "Conv2D", "Mul")
+
+
+def random_chain(rs, n: int, *, sizes=(1, 2, 3), types=RANDOM_OP_TYPES) -> ForwardGraph:
+    """A heterogeneous chain x -> op0 -> ... -> op{n-1} = y: random op types,
+    tensor sizes (MiB multiples of ``sizes``) and FLOPs (1-100), from the
+    ``random.Random`` ``rs``."""
+    b = Builder()
+    h = b.source("x", size_B=rs.choice(sizes) * MiB)
+    for i in range(n):
+        h = b.op(f"op{i}", rs.choice(types), [h], size_B=rs.choice(sizes) * MiB,
+                 flops=rs.randint(1, 100))
+    return b.build(["x"], [h])
+
+
+def random_dag(rs, n: int, *, sizes=(1, 2, 3)) -> ForwardGraph:
+    """A random DAG of ``n`` ops from the ``random.Random`` ``rs``: one x (an
+    input), each op reading one or two recent tensors (chains with skips),
+    AddV2 where it reads two; random sizes and FLOPs. The ys are the tensors
+    nothing reads."""
+    b = Builder()
+    live = [b.source("x", size_B=rs.choice(sizes) * MiB)]
+    for i in range(n):
+        k = 2 if (len(live) > 1 and rs.random() < 0.35) else 1
+        picks = sorted({len(live) - min(int(rs.expovariate(0.7)) + 1, len(live))
+                        for _ in range(k)})
+        ins = [live[j] for j in picks]
+        typ = "AddV2" if len(ins) == 2 else rs.choice(RANDOM_OP_TYPES)
+        live.append(b.op(f"op{i}", typ, ins, size_B=rs.choice(sizes) * MiB,
+                         flops=rs.randint(1, 100)))
+    consumed = {t for op in b.ops for t in op.inputs}
+    ys = [f"op{i}:0" for i in range(n) if b.ids[f"op{i}:0"] not in consumed]
+    return b.build(["x"], ys)

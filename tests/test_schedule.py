@@ -413,3 +413,24 @@ def test_step_and_schedule_are_values():
     b = build_schedule(fg, _ids(fg, "op1:0"))
     assert a == b and hash(a.steps) == hash(b.steps)
     assert isinstance(a.steps[0], Step)
+
+
+def test_a_run_of_stored_ops_is_one_backprop_step():
+    # mm0..tanh1 stored: one backprop step over the run (the variable reads
+    # between them do not end it), not one step per op.
+    fg = _dense_chain(4)
+    ops = {op.name: op.index for op in fg.ops}
+    stored = [ops[n] for n in ("mm0", "tanh0", "mm1", "tanh1")]
+    sched = build_schedule(fg, (), in_place=stored)
+    assert _steps(fg, sched) == [
+        ("recompute", ["tanh3:0"], ["mm2", "tanh2", "mm3", "tanh3"],
+         ["tanh1:0", "read2:0", "read3:0"]),
+        ("backprop", ["mm0:0", "tanh0:0", "mm1:0", "tanh1:0"], ["mm0", "tanh0", "mm1", "tanh1"],
+         ["read0:0", "read1:0"]),
+        ("backprop", [f"read{i}:0" for i in range(4)], [f"read{i}" for i in range(4)],
+         ["w0", "w1", "w2", "w3"]),
+    ]
+    # A recomputed op between two stored ones ends the run.
+    stored = [ops[n] for n in ("tanh0", "tanh1")]
+    steps = _steps(fg, build_schedule(fg, (), in_place=stored))
+    assert [s[2] for s in steps if s[0] == "backprop"][:2] == [["tanh1"], ["tanh0"]]

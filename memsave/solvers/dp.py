@@ -1,0 +1,232 @@
+"""``dp``: exact dynamic programming over a chain of candidate cuts (rotor-like).
+
+The chain model
+---------------
+The candidates cut the ops into segments ``0 .. m`` (see
+:mod:`memsave.solvers.problem`). A plan is a partition of the segments into
+consecutive *groups*, each either **recomputed** (``R``: its first cut is a
+checkpoint, its ops are recomputed once when backprop reaches it) or
+**stored** (``S``: its ops are differentiated in place on the forward
+tensors, at no recompute cost). Every decision of the problem is such a
+partition (cuts inside a stored segment are kept anyway).
+
+Split every buffer of the step by the group whose instruction *reads it last*
+(forward, recompute, gradient or proxy instructions belong to the group of
+their op; the seed, sums and proxies to the step they open). Buffers created
+by the forward pass and read last by the *backward* of group ``G`` are alive
+from their creation until ``G``'s backward, which runs after the backward of
+every later group; so while any event of a later group ``h`` runs they are
+alive. Hence, for every event ``e`` of group ``h``::
+
+    alive(e) = resident + sum_{G < h} held(G) + local(e)
+
+where ``held(G)`` is the bytes of those buffers and ``local(e)`` everything
+else. On a chain, each op reads only its predecessor's output, so a buffer is
+read by its own group or the next one, and ``local`` and ``held`` depend only
+on the group, its mode and its neighbours' modes (*locality*). Then::
+
+    peak = max_h [ resident + sum_{G < h} held(G) + Lmax(h | prev, next) ]
+
+and a left-to-right DP over states ``(cut, mode before it, mode after it)``
+keeps, per state, the Pareto set of labels ``(held bytes, peak so far,
+recompute FLOPs)``; it is exact because a label's future depends only on its
+state and held bytes.
+
+The terms are not modelled: ``held`` and ``Lmax`` of a group in context are
+read off the simulator's own program and timeline for a probe plan (the prefix
+as one group, the group, the suffix as one group), so the DP optimises the
+simulator's peak. Locality is verified, not assumed: the plan found is
+simulated once more, and if its peak differs from the DP's, the result is
+marked not optimal (tests/test_solvers.py checks equality on every
+decision of random heterogeneous chains).
+
+Notes
+-----
+``O(m^2)`` probe simulations of ``O(n)`` each, then ``O(m^2)`` transitions
+with small Pareto sets: meant for chains of up to a few dozen cuts (the
+``auto`` choice sends larger problems to ``greedy``).
+
+References
+----------
+O. Beaumont, L. Eyraud-Dubois, J. Herrmann, A. Joly, A. Shilova. Optimal
+checkpointing for heterogeneous chains: how to train deep neural networks
+with limited memory. arXiv:1911.13214, 2019 (rotor).
+"""
+
+from __future__ import annotations
+
+import time
+
+from memsave.simulate import _build, simulate
+from memsave.solvers.problem import Decision, Problem, SolveResult
+
+__all__ = ["dp"]
+
+R, S = "R", "S"
+_MODES = (R, S)
+
+
+class _Terms:
+    """``held`` and ``Lmax`` of groups in context, read from probe simulations."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.p = problem
+        self.n_seg = len(problem.segments)
+        self.seg_of_op = {}
+        for k, seg in enumerate(problem.segments):
+            for o in seg:
+                self.seg_of_op[o] = k
+        # Non-recomputable ops belong to the segment of their topological position.
+        bounds = [problem.fg.tensors[t].producer for t in problem.candidates]
+        k = 0
+        for op in problem.fg.ops:
+            while k < len(bounds) and op.index > bounds[k]:
+                k += 1
+            self.seg_of_op.setdefault(op.index, k)
+        self.memo: dict[tuple, tuple[int, int]] = {}
+        self.resident = None
+
+    @staticmethod
+    def decision(groups: list[tuple[int, int, str]]) -> Decision:
+        kept, stored = set(), set()
+        for a, b, mode in groups:
+            if a > 0:
+                kept.add(a - 1)
+            if mode == S:
+                stored.update(range(a, b))
+        return Decision.of(kept, stored)
+
+    def get(self, prev: str | None, a: int, b: int, mode: str, nxt: str | None) -> tuple[int, int]:
+        key = (prev, a, b, mode, nxt)
+        hit = self.memo.get(key)
+        if hit is None:
+            groups = []
+            if a > 0:
+                groups.append((0, a, prev))
+            groups.append((a, b, mode))
+            if b < self.n_seg:
+                groups.append((b, self.n_seg, nxt))
+            self._probe(groups)
+            hit = self.memo[key]
+        return hit
+
+    def _probe(self, groups: list[tuple[int, int, str]]) -> None:
+        p = self.p
+        ev = p.evaluate(self.decision(groups))
+        trace = simulate(p.fg, ev.schedule, p.costs, allocator=p.allocator, timeline=True,
+                         forward=p.forward)
+        prog, _, backward_start = _build(p.fg, ev.schedule, p.costs, p.forward)
+        self.resident = trace.resident_B
+        n_instr = len(prog.reads)
+        seg_group = [0] * self.n_seg
+        for gi, (a, b, _) in enumerate(groups):
+            for k in range(a, b):
+                seg_group[k] = gi
+        # Group of each instruction: its op's; others take the next op's.
+        group = [-1] * n_instr
+        for k, (kind, ref) in enumerate(prog.labels):
+            if kind in ("forward", "recompute", "grad"):
+                group[k] = seg_group[self.seg_of_op[ref]]
+        nxt = len(groups) - 1
+        for k in range(n_instr - 1, -1, -1):
+            if group[k] < 0:
+                group[k] = nxt if k >= backward_start else 0
+            nxt = group[k]
+        # held: forward-created buffers read last by a group's backward.
+        n_val = len(prog.size)
+        last = [-1] * n_val
+        for k in range(n_instr):
+            for r in prog.reads[k]:
+                last[r] = k
+        root = list(range(n_val))
+        for v in range(n_val):
+            a = prog.alias[v]
+            if a >= 0:
+                root[v] = root[a]
+        eff_last = list(last)
+        for v in range(n_val):
+            if root[v] != v and last[v] > eff_last[root[v]]:
+                eff_last[root[v]] = last[v]
+        created = [-1] * n_val
+        for k in range(n_instr):
+            for v, _ in prog.writes[k]:
+                created[v] = k
+        held = [0] * len(groups)
+        counted = p.allocator.counted
+        for v in range(n_val):
+            if prog.resident[v] or root[v] != v or not 0 <= created[v] < backward_start:
+                continue
+            k = eff_last[v]
+            if k >= backward_start:
+                held[group[k]] += counted(prog.size[v])
+        lmax = [None] * len(groups)
+        before = [sum(held[:gi]) for gi in range(len(groups))]
+        for k, (alive, _) in enumerate(trace.timeline):
+            g = group[k]
+            local = alive - trace.resident_B - before[g]
+            if lmax[g] is None or local > lmax[g]:
+                lmax[g] = local
+        for gi, (a, b, mode) in enumerate(groups):
+            prev = groups[gi - 1][2] if gi > 0 else None
+            nx = groups[gi + 1][2] if gi + 1 < len(groups) else None
+            self.memo.setdefault((prev, a, b, mode, nx), (held[gi], lmax[gi] or 0))
+
+
+def _pareto_insert(labels: list, new: tuple) -> None:
+    """Keep ``labels`` (held, peak, cost, ...) Pareto-minimal in the first three."""
+    h, pk, c = new[0], new[1], new[2]
+    for lab in labels:
+        if lab[0] <= h and lab[1] <= pk and lab[2] <= c:
+            return
+    labels[:] = [lab for lab in labels if not (h <= lab[0] and pk <= lab[1] and c <= lab[2])]
+    labels.append(new)
+
+
+def _run(problem: Problem, terms: _Terms, budget_B: float):
+    """Best (cost, peak, groups) under ``budget_B`` (inf: every Pareto end label)."""
+    n = terms.n_seg
+    # states[(a, prev, mode)] -> labels (held, peak, cost, groups)
+    states: dict[tuple, list] = {}
+    for mode in _MODES:
+        states[(0, None, mode)] = [(0, 0, 0, ())]
+    finals = []
+    for a in range(n):
+        for prev in (None, R, S):
+            for mode in _MODES:
+                labels = states.pop((a, prev, mode), None)
+                if not labels:
+                    continue
+                for b in range(a + 1, n + 1):
+                    cost_g = 0 if mode == S else sum(problem.segment_flops[a:b])
+                    for nxt in (_MODES if b < n else (None,)):
+                        held_g, lmax_g = terms.get(prev, a, b, mode, nxt)
+                        for held, peak, cost, groups in labels:
+                            pk = max(peak, terms.resident + held + lmax_g)
+                            if pk > budget_B:
+                                continue
+                            lab = (held + held_g, pk, cost + cost_g, groups + ((a, b, mode),))
+                            if b == n:
+                                finals.append(lab)
+                            else:
+                                _pareto_insert(states.setdefault((b, mode, nxt), []), lab)
+    return finals
+
+
+def dp(problem: Problem, budget_B: int, *, time_limit_s: float | None = None) -> SolveResult:
+    """Least recompute cost with forecast peak <= ``budget_B``, exactly, on chains.
+
+    See the module docstring for the chain model. When no plan fits, returns
+    the smallest-peak plan (``feasible=False``).
+    """
+    start = time.perf_counter()
+    terms = _Terms(problem)
+    finals = _run(problem, terms, budget_B)
+    if finals:
+        best = min(finals, key=lambda lab: (lab[2], lab[1], len(lab[3])))
+    else:
+        finals = _run(problem, terms, float("inf"))
+        best = min(finals, key=lambda lab: (lab[1], lab[2], len(lab[3])))
+    ev = problem.evaluate(_Terms.decision(list(best[3])))
+    exact = ev.peak_B == best[1] and (not ev.peak_B <= budget_B or ev.recompute_cost == best[2])
+    return problem.result("dp", budget_B, ev, optimal=exact,
+                          solve_time_s=time.perf_counter() - start)

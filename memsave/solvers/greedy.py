@@ -1,0 +1,211 @@
+"""``greedy``: a fast heuristic for large graphs, within budget and monotone.
+
+Algorithm
+---------
+1. *Base plans.* For a few checkpoint counts ``k`` (``0, sqrt(m),
+   2 sqrt(m), 4 sqrt(m)`` of the ``m`` candidate cuts, and every ``k`` on small
+   problems), keep ``k`` cuts spread so that the segments between them hold
+   about equal activation bytes (Chen et al.'s sqrt(n) plan). The cuts split
+   the segments into groups.
+2. *Storing groups.* Storing a group saves its FLOPs and holds its
+   activations until its gradient runs, so groups are stored in decreasing
+   order of FLOPs saved per activation byte held (the knapsack ratio); for
+   base plan ``k`` the family holds the plans storing the first ``j`` groups,
+   ``j = 0 .. G``, thinned to :data:`MAX_STORE_STEPS` values of ``j`` on
+   large graphs. Plain ``tf.gradients`` (everything stored) is in the family.
+3. *Choice.* The answer is the least ``(recompute cost, peak)`` among the
+   plans whose forecast peak fits the budget, else the smallest-peak plan
+   (``feasible=False``). Costs are known without simulating, so plans are
+   simulated (cached) in increasing cost, up to the first cost level with a
+   plan that fits.
+
+The family does not depend on the budget, so the answer is *monotone*: a
+smaller budget never gives a larger forecast peak (if the plan chosen under
+the larger budget fits the smaller one it is chosen again, by the
+lexicographic order; otherwise the new plan's peak is below the smaller
+budget, hence below the old plan's peak). It never exceeds the budget
+because every plan's peak comes from the simulator.
+
+Notes
+-----
+At most ``F`` simulations of ``O(n)`` each for a family of ``F`` plans
+(about ``4 * MAX_STORE_STEPS`` on large graphs; fewer when a cheap plan
+fits), plus the knapsack over the segments, ``O(m * MAX_FRONT)``.
+
+References
+----------
+T. Chen, B. Xu, C. Zhang, C. Guestrin. Training Deep Nets with Sublinear
+Memory Cost. arXiv:1604.06174, 2016.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+
+from memsave.solvers.problem import Decision, Evaluation, Problem, SolveResult
+
+__all__ = ["greedy", "family", "MAX_STORE_STEPS", "EXHAUSTIVE_CUTS"]
+
+#: Stored sets tried on large graphs (thinned from the knapsack's Pareto
+#: front), each with about four checkpoint counts: every plan is one
+#: simulation of the whole graph (about 0.05-0.1 s per 1000 ops on this
+#: machine), so this bounds the planning time.
+MAX_STORE_STEPS = 8
+
+#: Up to this many candidate cuts, every checkpoint count ``k`` is tried for
+#: every stored set, and every plan's neighbours (one candidate or segment
+#: toggled) join the family: a richer family where it stays small.
+EXHAUSTIVE_CUTS = 16
+
+
+def _spread(pos: list[int], total: int, k: int) -> list[int]:
+    """Indices of ``k`` increasing positions closest to ``j * total / (k + 1)``."""
+    chosen: list[int] = []
+    lo = 0
+    n = len(pos)
+    for j in range(1, k + 1):
+        target = total * j / (k + 1)
+        hi = n - (k - j)
+        i = bisect.bisect_left(pos, target, lo, hi)
+        if i >= hi or (i > lo and target - pos[i - 1] <= pos[i] - target):
+            i -= 1
+        i = max(i, lo)
+        chosen.append(i)
+        lo = i + 1
+    return chosen
+
+
+def _thin(n: int, steps: int) -> list[int]:
+    if n + 1 <= steps:
+        return list(range(n + 1))
+    return sorted({round(i * n / (steps - 1)) for i in range(steps)})
+
+
+#: Largest Pareto front of stored sets kept per step of the knapsack DP
+#: (points merged beyond it): bounds its time on graphs with many segments.
+MAX_FRONT = 256
+
+
+def _held_bytes(problem: Problem) -> list[int]:
+    """Per segment: counted bytes its gradients read (held when it is stored)."""
+    fg, costs, counted = problem.fg, problem.costs, problem.allocator.counted
+    out = []
+    for seg in problem.segments:
+        reads = set()
+        for o in seg:
+            op, use = fg.ops[o], costs.gradient[o]
+            reads.update(op.inputs[i] for i in use.reads_inputs if i < len(op.inputs))
+            reads.update(op.outputs[i] for i in use.reads_outputs if i < len(op.outputs))
+        out.append(sum(counted(costs.tensor_B[t]) for t in reads
+                       if fg.tensors[t].kind == "internal" and costs.alias_of[t] is None))
+    return out
+
+
+def _stored_sets(problem: Problem) -> list[frozenset[int]]:
+    """Pareto-optimal stored sets: most FLOPs saved for the bytes they hold
+    (a 0/1 knapsack solved for every capacity at once, by DP over segments)."""
+    held = _held_bytes(problem)
+    # Points (bytes, -flops, segment added, parent point): sets are rebuilt
+    # from the parent links at the end, so a step costs O(front), not O(m).
+    front: list[tuple] = [(0, 0, -1, None)]
+    for j, seg in enumerate(problem.segments):
+        if not seg:
+            continue
+        f = problem.segment_flops[j]
+        merged = sorted(front + [(b + held[j], nf - f, j, pt) for pt in front
+                                 for b, nf in [(pt[0], pt[1])]],
+                        key=lambda x: (x[0], x[1]))
+        front = []
+        for pt in merged:  # keep points that save strictly more for more bytes
+            if not front or pt[1] < front[-1][1]:
+                front.append(pt)
+        if len(front) > MAX_FRONT:
+            front = [front[i] for i in _thin(len(front) - 1, MAX_FRONT)]
+    out = []
+    for pt in front:
+        st = set()
+        while pt is not None and pt[2] >= 0:
+            st.add(pt[2])
+            pt = pt[3]
+        out.append(frozenset(st))
+    return out
+
+
+def family(problem: Problem) -> list[Decision]:
+    """The budget-independent plans ``greedy`` chooses from (see module docstring)."""
+    fg, costs = problem.fg, problem.costs
+    m = len(problem.candidates)
+    seg_bytes = [sum(costs.tensor_B[t] for o in seg for t in fg.ops[o].outputs
+                     if fg.tensors[t].trainable) for seg in problem.segments]
+    small = m <= EXHAUSTIVE_CUTS
+    sets = _stored_sets(problem)
+    if not small:
+        sets = [sets[i] for i in _thin(len(sets) - 1, MAX_STORE_STEPS)]
+    plans: dict[Decision, None] = {Decision.of(stored=range(m + 1)): None}
+    for stored in sets:
+        # Candidates free to keep (their segment recomputed), placed at the
+        # recomputed bytes before them; cuts spread evenly over those bytes.
+        free, pos, total = [], [], 0
+        for k in range(m):
+            if k not in stored:
+                total += seg_bytes[k]
+                free.append(k)
+                pos.append(total)
+        if m not in stored:
+            total += seg_bytes[m]
+        if small:
+            ks = range(len(free) + 1)
+        else:
+            root = max(1, math.isqrt(len(free)))
+            ks = sorted({k for k in (0, root, 2 * root, 4 * root) if k <= len(free)})
+        for k in ks:
+            kept = [free[i] for i in _spread(pos, total, k)] if k else []
+            plans[Decision.of(kept, stored)] = None
+    if small:
+        # Local moves: every plan with one candidate or segment toggled.
+        for d in list(plans):
+            for k in range(m):
+                plans.setdefault(Decision(d.kept ^ {k}, d.stored), None)
+            for j in range(m + 1):
+                plans.setdefault(Decision(d.kept, d.stored ^ {j}), None)
+    return list(plans)
+
+
+def _pick(evs: list[Evaluation], budget_B: int) -> tuple[Evaluation, bool]:
+    fits = [e for e in evs if e.peak_B <= budget_B]
+    if fits:
+        return min(fits, key=lambda e: (e.recompute_cost, e.peak_B, sorted(e.decision.kept))), True
+    return min(evs, key=lambda e: (e.peak_B, e.recompute_cost, sorted(e.decision.kept))), False
+
+
+def greedy(problem: Problem, budget_B: int, *, time_limit_s: float | None = None) -> SolveResult:
+    """Cheapest plan of :func:`family` whose forecast peak fits ``budget_B``.
+
+    Plans are simulated lazily, in increasing recompute cost (known without
+    simulating, :meth:`Problem.recompute_cost`): the first cost level with a
+    plan that fits holds the answer, so the plans above it are never
+    simulated. The answer is the one simulating the whole family would give
+    (hence monotone). Only an infeasible budget simulates every plan.
+
+    ``time_limit_s`` is accepted for the common signature; the family is
+    small enough that it is not needed.
+    """
+    start = time.perf_counter()
+    plans = sorted(family(problem), key=lambda d: (problem.recompute_cost(d), sorted(d.kept),
+                                                   sorted(d.stored)))
+    evs: list[Evaluation] = []
+    i = 0
+    while i < len(plans):
+        cost = problem.recompute_cost(plans[i])
+        level = []
+        while i < len(plans) and problem.recompute_cost(plans[i]) == cost:
+            level.append(problem.evaluate(plans[i]))
+            i += 1
+        evs += level
+        if any(e.peak_B <= budget_B for e in level):
+            break
+    ev, _ = _pick(evs, budget_B)
+    return problem.result("greedy", budget_B, ev, optimal=False,
+                          solve_time_s=time.perf_counter() - start)
