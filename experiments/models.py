@@ -137,6 +137,12 @@ class Model:
     init: Callable[[int, int], dict[str, np.ndarray]]  # (size, seed) -> params
     batch: Callable[[int, int], tuple[np.ndarray, np.ndarray]]  # (batch, seed) -> x, y
     loss: Callable  # (size, params, x, y, arch) -> scalar
+    # How the study sweeps it (experiments/registry.py reads these):
+    title: str = ""  # plot and table title, ``{b}`` is the batch size
+    sizes: tuple[int, ...] = ()  # default sweep of ``size``
+    batch_size: int = 32  # default batch
+    size_flag: str = ""  # the study's command-line flag for the sweep, e.g. "--unet-convs"
+    size_help: str = ""
 
 
 # -- ResNet -----------------------------------------------------------------------------
@@ -205,6 +211,8 @@ RESNET = Model(
     name="resnet", size_name="blocks/stage",
     depth=lambda n: 6 * n + 2, label=lambda n: f"ResNet-{6 * n + 2}",
     init=resnet_init, batch=image_batch, loss=resnet_loss,
+    title="CIFAR ResNet (batch {b})", sizes=(1, 3, 9, 18), batch_size=32,
+    size_flag="--blocks-per-stage", size_help="ResNet sweep (depth 6n+2; 18 is ResNet-110)",
 )
 
 
@@ -248,6 +256,8 @@ MLP = Model(
     name="mlp", size_name="layers",
     depth=lambda n: n + 2, label=lambda n: f"MLP-{n}",
     init=mlp_init, batch=mlp_batch, loss=mlp_loss,
+    title="MLP chain (batch {b})", sizes=(16, 32, 64, 128), batch_size=1024,
+    size_flag="--mlp-layers", size_help="MLP chain sweep",
 )
 
 
@@ -305,6 +315,8 @@ UNET = Model(
     name="unet", size_name="convs/stack",
     depth=lambda n: 7 * n + 8, label=lambda n: f"U-Net-{7 * n + 8}",
     init=unet_init, batch=image_batch, loss=unet_loss,
+    title="U-Net-like, long skips (batch {b})", sizes=(1, 2, 4, 8), batch_size=32,
+    size_flag="--unet-convs", size_help="U-Net sweep: conv layers per stack (depth 7n+8)",
 )
 
 MODELS = {m.name: m for m in (RESNET, MLP, UNET)}
