@@ -1,0 +1,134 @@
+"""'memory' on a graph whose long skips leave no articulation point in the body.
+
+The model is a small U-Net: a stem, then ``LEVELS`` levels whose skip is
+taken before the level's encoder stack and added after its decoder stack,
+so every layer between the stem and the final sum is bypassed by a skip.
+Articulation points alone cannot cut it (``'memory'`` fell back to
+tf.gradients before cuts of the topological order were planned); with cuts,
+'memory' keeps the running activation and the open skips at a few layers.
+
+Checked: the plan keeps tensors that cross cuts; the gradients equal
+tf.gradients'; and the real allocator peak, measured in a fresh process
+(this file run as a script), goes down to at most MAX_PEAK_RATIO of
+tf.gradients'.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+from memsave import strategies
+
+LEVELS = 3
+CONVS = 6  # conv-ReLU layers per stack
+
+#: Measured: 31,850,496 of 86,376,448 bytes, 0.369 of tf.gradients' peak
+#: (the forecast says the same to the byte); before cuts, 'memory' fell
+#: back to tf.gradients: 1.0. With CONVS = 3 the same plan family reaches
+#: only 0.53 (three 2 MiB skips are open at the bottom of a 19-layer net).
+MAX_PEAK_RATIO = 0.5
+
+
+def _weights(channels: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shapes = [(3, 3, 3, channels)]
+    for _ in range(LEVELS):
+        shapes += [(3, 3, channels, channels)] * CONVS  # encoder stack
+    for _ in range(LEVELS):
+        shapes += [(3, 3, channels, channels)] * CONVS  # decoder stack
+    shapes += [(channels, 10)]
+    return [(rng.normal(size=s) * np.sqrt(2.0 / np.prod(s[:-1]))).astype(np.float32)
+            for s in shapes]
+
+
+def _loss(ws, x):
+    it = iter(ws)
+
+    def conv(h):
+        return tf.nn.relu(tf.nn.conv2d(h, next(it), 1, "SAME"))
+
+    h = conv(x)
+    skips = []
+    for _ in range(LEVELS):
+        skips.append(h)
+        for _ in range(CONVS):
+            h = conv(h)
+    for skip in reversed(skips):
+        for _ in range(CONVS):
+            h = conv(h)
+        h = h + skip
+    logits = tf.matmul(tf.reduce_mean(h, axis=[1, 2]), next(it))
+    return tf.reduce_mean(tf.square(logits))
+
+
+def test_memory_plans_over_cuts_and_matches_tf_gradients():
+    ws = [tf.Variable(w) for w in _weights(channels=4)]
+    x = tf.constant(np.random.default_rng(1).normal(size=(2, 8, 8, 3)).astype(np.float32))
+    out = {}
+
+    @tf.function
+    def step():
+        loss = _loss(ws, x)
+        out["plan"] = memsave.plan(loss, ws, checkpoints="memory",
+                                   strategy_options={"min_saving_fraction": 0.0})
+        return (memsave.gradients(loss, ws, checkpoints="memory",
+                                  strategy_options={"min_saving_fraction": 0.0}),
+                tf.gradients(loss, ws))
+
+    ours, ref = step()
+    reasons = set(out["plan"].reasons)
+    assert strategies.CUT_REASON in reasons, reasons
+    for a, b in zip(ours, ref):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _measure() -> dict:
+    """Median peak over 3 calls of each method's step, in this (fresh) process."""
+    ws = [tf.Variable(w) for w in _weights(channels=16)]
+    x = tf.constant(np.random.default_rng(1).normal(size=(32, 32, 32, 3)).astype(np.float32))
+
+    def make(method):
+        @tf.function
+        def step():
+            loss = _loss(ws, x)
+            if method == "tf.gradients":
+                grads = tf.gradients(loss, ws)
+            else:
+                grads = memsave.gradients(loss, ws, checkpoints="memory")
+            return tf.add_n([tf.reduce_sum(g * g) for g in grads])
+        return step
+
+    res = {}
+    for method in ("tf.gradients", "memory"):
+        fn = make(method)
+        value = float(fn().numpy())
+        peaks = []
+        for _ in range(3):
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            fn().numpy()
+            peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+        res[method] = {"peak_B": sorted(peaks)[1], "value": value}
+    return res
+
+
+def test_memory_on_a_unet_lowers_the_measured_peak():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    plain, ours = res["tf.gradients"], res["memory"]
+    assert ours["peak_B"] <= MAX_PEAK_RATIO * plain["peak_B"], res
+    assert ours["value"] == pytest.approx(plain["value"], rel=1e-4)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_measure()))
