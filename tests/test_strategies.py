@@ -425,6 +425,74 @@ def test_topological_cuts_of_the_unet_graph():
     ]
 
 
+def _dense_block(layers: int):
+    """DenseNet-like: layer i convolves the concatenation of the stem and every earlier layer."""
+    b = Builder()
+    x = b.source("x")
+    feats = [b.op("stem", "Conv2D", [x])]
+    for i in range(layers):
+        cat = (feats[0] if i == 0 else
+               b.op(f"cat{i}", "ConcatV2", list(feats), size_B=len(feats) * MiB))
+        feats.append(b.op(f"c{i}", "Conv2D", [cat]))
+    out = b.op("out", "ConcatV2", list(feats), size_B=len(feats) * MiB)
+    y = b.op("y", "Mean", [out], size_B=4)
+    return b, b.build(["x"], [y])
+
+
+def test_topological_cuts_of_a_dense_block():
+    # Crossing MiB after stem 1, c0 2, cat1 4, c1 3, cat2 6, c2 4, out 4:
+    # a concatenation dies at the conv that reads it, so the cuts after the
+    # convs cross only the (small) features, and the big concatenations
+    # are recomputed: the memory-efficient DenseNet trick.
+    b, fg = _dense_block(3)
+    cuts = topological_cuts(fg, estimate_costs(fg))
+    assert [(fg.ops[c.position].name, names(fg, c.crossing), c.crossing_B) for c in cuts] == [
+        ("stem", ["stem:0"], MiB),
+        ("c1", ["stem:0", "c0:0", "c1:0"], 3 * MiB),
+        ("c2", ["stem:0", "c0:0", "c1:0", "c2:0"], 4 * MiB),
+    ]
+
+
+def test_memory_on_a_dense_block_keeps_features_and_recomputes_concatenations():
+    b, fg = _dense_block(8)
+    assert names(fg, articulation_candidates(fg)) == ["out:0"]  # the head only
+    sel = strategies.memory(fg)
+    assert sel.checkpoints and set(sel.reasons.values()) == {strategies.CUT_REASON}
+    kept_types = {fg.ops[fg.tensors[t].producer].type for t in sel.checkpoints}
+    assert kept_types == {"Conv2D"}  # features, never a concatenation
+    costs = estimate_costs(fg)
+    plain = simulate(fg, None, costs, allocator=BFC, timeline=False).peak_B
+    peak = simulate(fg, build_schedule(fg, sel.checkpoints), costs, allocator=BFC,
+                    timeline=False).peak_B
+    assert peak < 0.71 * plain  # 0.708
+
+
+def _inception(blocks: int):
+    """Inception-like: per block three branches from its input, concatenated."""
+    b = Builder()
+    h = b.op("stem", "Conv2D", [b.source("x")])
+    for k in range(blocks):
+        b1 = b.op(f"b{k}_1x1", "Conv2D", [h])
+        b2 = b.op(f"b{k}_3x3", "Conv2D", [b.op(f"b{k}_3x3r", "Conv2D", [h])])
+        b3 = b.op(f"b{k}_5x5", "Conv2D", [b.op(f"b{k}_5x5r", "Conv2D", [h])])
+        h = b.op(f"b{k}_cat", "ConcatV2", [b1, b2, b3], size_B=3 * MiB)
+    y = b.op("y", "Mean", [h], size_B=4)
+    return b.build(["x"], [y])
+
+
+def test_memory_on_inception_blocks_saves():
+    # The concatenations are articulation points; of the plans over them and
+    # over topological cuts, keeping two of six blocks' outputs wins.
+    fg = _inception(6)
+    costs = estimate_costs(fg)
+    sel = strategies.memory(fg)
+    assert names(fg, sel.checkpoints) == ["b1_cat:0", "b3_cat:0"]
+    plain = simulate(fg, None, costs, allocator=BFC, timeline=False).peak_B
+    peak = simulate(fg, build_schedule(fg, sel.checkpoints), costs, allocator=BFC,
+                    timeline=False).peak_B
+    assert peak < 0.65 * plain  # 0.643
+
+
 def _brute_force_cuts(fg, costs):
     """Every position's crossing activations by definition; keep the local minima."""
     keep = set(strategies._candidates(fg))
