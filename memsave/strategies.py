@@ -28,7 +28,7 @@ from memsave.costs import Costs, estimate_costs, is_activation
 from memsave.errors import UnknownStrategyError
 from memsave.graph import ForwardGraph
 from memsave.schedule import build_schedule
-from memsave.simulate import BFC, Allocator, MemoryTrace, simulate
+from memsave.simulate import BFC, Allocator, MemoryTrace, forward_program, simulate
 
 #: The allocator model plans are compared with: every byte counts. (oneDNN's
 #: CPU allocator leaves buffers under 256 KiB out of the peak it *reports*,
@@ -707,11 +707,12 @@ def memory(
         plans.update(dict.fromkeys(_articulation_plans(fg, cands, cum, total, fracs)))
     plans.update(dict.fromkeys(_cut_plans(topological_cuts(fg, costs), costs, cum, total)))
     best, best_peak = (), None
+    forward = forward_program(fg, costs)  # shared by every plan's simulation
     for chosen in plans:
         if not chosen:
             continue
         peak = simulate(fg, build_schedule(fg, chosen), costs, timeline=False,
-                        allocator=JUDGE_ALLOCATOR).peak_B
+                        allocator=JUDGE_ALLOCATOR, forward=forward).peak_B
         if best_peak is None or peak < best_peak or (peak == best_peak and len(chosen) < len(best)):
             best, best_peak = chosen, peak
     if not best:
