@@ -741,7 +741,7 @@ def pareto_plot(out: Path, rows, models, subtitle: str) -> Path:
         ax.set_ylabel(f"peak / {BASELINE}'s peak")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle("Peak memory vs step time: " + subtitle, fontsize=8)
+    fig.suptitle("Peak memory vs step time, largest size of each sweep\n" + subtitle, fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "pareto.png", dpi=110)
     plt.close(fig)
