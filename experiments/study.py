@@ -715,7 +715,7 @@ def pareto_plot(out: Path, rows, models, subtitle: str) -> Path:
     the line joins the Pareto front of memsave's points."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(8 * len(models), 4.8), squeeze=False)
     for ax, model in zip(axes[0], models):
         pts = {m: r for m, r in _largest(rows, model).items() if not r.get("error")
                and "peak_MiB_ratio" in r}
@@ -740,7 +740,7 @@ def pareto_plot(out: Path, rows, models, subtitle: str) -> Path:
         ax.set_xlabel(f"median step time / {BASELINE}'s")
         ax.set_ylabel(f"peak / {BASELINE}'s peak")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # off the points
     fig.suptitle("Peak memory vs step time, largest size of each sweep\n" + subtitle, fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "pareto.png", dpi=110)
