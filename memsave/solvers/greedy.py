@@ -5,8 +5,9 @@ Algorithm
 1. *Base plans.* For a few checkpoint counts ``k`` (``0, sqrt(m),
    2 sqrt(m), 4 sqrt(m)`` of the ``m`` candidate cuts, and every ``k`` on small
    problems), keep ``k`` cuts spread so that the segments between them hold
-   about equal activation bytes (Chen et al.'s sqrt(n) plan). The cuts split
-   the segments into groups.
+   about equal activation bytes (Chen et al.'s sqrt(n) plan), and with
+   nothing stored also every cut one candidate later and one earlier. The
+   cuts split the segments into groups.
 2. *Storing groups.* Storing a group saves its FLOPs and holds its
    activations until its gradient runs, so groups are stored in decreasing
    order of FLOPs saved per activation byte held (the knapsack ratio); for
@@ -88,25 +89,34 @@ def _thin(n: int, steps: int) -> list[int]:
 MAX_FRONT = 256
 
 
-def _held_bytes(problem: Problem) -> list[int]:
-    """Per segment: counted bytes its gradients read (held when it is stored)."""
+def _held_bytes(problem: Problem, *, io: bool = True) -> list[int]:
+    """Per segment: counted bytes held when it is stored: what its gradients
+    read, and its ops' inputs and outputs (``build_schedule`` keeps them, and
+    the neighbouring steps read them); an over-estimate where a tensor dies
+    early, which steers the knapsack away from stored ops that split
+    recomputed segments (a stored BiasAdd alone reads nothing for its
+    gradient but keeps its input and output). ``io=False``: the gradients'
+    reads only (an under-estimate)."""
     fg, costs, counted = problem.fg, problem.costs, problem.allocator.counted
     out = []
     for seg in problem.segments:
         reads = set()
         for o in seg:
             op, use = fg.ops[o], costs.gradient[o]
-            reads.update(op.inputs[i] for i in use.reads_inputs if i < len(op.inputs))
-            reads.update(op.outputs[i] for i in use.reads_outputs if i < len(op.outputs))
+            if io:
+                reads.update(op.inputs)
+                reads.update(op.outputs)
+            else:
+                reads.update(op.inputs[i] for i in use.reads_inputs if i < len(op.inputs))
+                reads.update(op.outputs[i] for i in use.reads_outputs if i < len(op.outputs))
         out.append(sum(counted(costs.tensor_B[t]) for t in reads
                        if fg.tensors[t].kind == "internal" and costs.alias_of[t] is None))
     return out
 
 
-def _stored_sets(problem: Problem) -> list[frozenset[int]]:
-    """Pareto-optimal stored sets: most FLOPs saved for the bytes they hold
+def _stored_sets(problem: Problem, held: list[int]) -> list[frozenset[int]]:
+    """Pareto-optimal stored sets: most FLOPs saved for the ``held`` bytes
     (a 0/1 knapsack solved for every capacity at once, by DP over segments)."""
-    held = _held_bytes(problem)
     # Points (bytes, -flops, segment added, parent point): sets are rebuilt
     # from the parent links at the end, so a step costs O(front), not O(m).
     front: list[tuple] = [(0, 0, -1, None)]
@@ -123,6 +133,8 @@ def _stored_sets(problem: Problem) -> list[frozenset[int]]:
                 front.append(pt)
         if len(front) > MAX_FRONT:
             front = [front[i] for i in _thin(len(front) - 1, MAX_FRONT)]
+    if front[0][2] >= 0:  # the empty set (nothing stored) is always in the family
+        front.insert(0, (0, 0, -1, None))
     out = []
     for pt in front:
         st = set()
@@ -140,8 +152,10 @@ def family(problem: Problem) -> list[Decision]:
     seg_bytes = [sum(costs.tensor_B[t] for o in seg for t in fg.ops[o].outputs
                      if fg.tensors[t].trainable) for seg in problem.segments]
     small = m <= EXHAUSTIVE_CUTS
-    sets = _stored_sets(problem)
-    if not small:
+    sets = _stored_sets(problem, _held_bytes(problem))
+    if small:  # both estimates of the bytes a stored segment holds
+        sets = list(dict.fromkeys(sets + _stored_sets(problem, _held_bytes(problem, io=False))))
+    else:
         sets = [sets[i] for i in _thin(len(sets) - 1, MAX_STORE_STEPS)]
     plans: dict[Decision, None] = {Decision.of(stored=range(m + 1)): None}
     for stored in sets:
@@ -161,8 +175,15 @@ def family(problem: Problem) -> list[Decision]:
             root = max(1, math.isqrt(len(free)))
             ks = sorted({k for k in (0, root, 2 * root, 4 * root) if k <= len(free)})
         for k in ks:
-            kept = [free[i] for i in _spread(pos, total, k)] if k else []
-            plans[Decision.of(kept, stored)] = None
+            idx = _spread(pos, total, k) if k else []
+            plans[Decision.of([free[i] for i in idx], stored)] = None
+            if not stored and not small:
+                # Cuts one candidate later or earlier: which tensor of a
+                # layer is kept (a matmul's output or its activation's)
+                # changes the peak by a layer's worth.
+                for shift in (1, -1):
+                    moved = sorted({min(max(i + shift, 0), len(free) - 1) for i in idx})
+                    plans[Decision.of([free[i] for i in moved], stored)] = None
     if small:
         # Local moves: every plan with one candidate or segment toggled.
         for d in list(plans):
