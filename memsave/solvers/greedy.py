@@ -56,8 +56,8 @@ __all__ = ["greedy", "family", "MAX_STORE_STEPS", "EXHAUSTIVE_CUTS"]
 MAX_STORE_STEPS = 8
 
 #: Up to this many candidate cuts, every checkpoint count ``k`` is tried for
-#: every stored set, and every plan's neighbours (one candidate or segment
-#: toggled) join the family: a richer family where it stays small.
+#: every stored set, and a Pareto local search (:func:`_pareto_search`)
+#: enriches the family: a richer family where it stays small.
 EXHAUSTIVE_CUTS = 16
 
 
@@ -153,8 +153,11 @@ def family(problem: Problem) -> list[Decision]:
                      if fg.tensors[t].trainable) for seg in problem.segments]
     small = m <= EXHAUSTIVE_CUTS
     sets = _stored_sets(problem, _held_bytes(problem))
+    cap = max(400, PARETO_SEARCH_OPS // max(1, len(fg.ops)))  # plans, on small problems
     if small:  # both estimates of the bytes a stored segment holds
         sets = list(dict.fromkeys(sets + _stored_sets(problem, _held_bytes(problem, io=False))))
+        if len(sets) * (m + 1) > cap // 3:
+            sets = [sets[i] for i in _thin(len(sets) - 1, max(2, cap // (3 * (m + 1))))]
     else:
         sets = [sets[i] for i in _thin(len(sets) - 1, MAX_STORE_STEPS)]
     plans: dict[Decision, None] = {Decision.of(stored=range(m + 1)): None}
@@ -185,13 +188,72 @@ def family(problem: Problem) -> list[Decision]:
                     moved = sorted({min(max(i + shift, 0), len(free) - 1) for i in idx})
                     plans[Decision.of([free[i] for i in moved], stored)] = None
     if small:
-        # Local moves: every plan with one candidate or segment toggled.
+        # Local moves: every base plan with one candidate or segment toggled,
+        # then the Pareto local search from the front of them all.
         for d in list(plans):
-            for k in range(m):
-                plans.setdefault(Decision(d.kept ^ {k}, d.stored), None)
-            for j in range(m + 1):
-                plans.setdefault(Decision(d.kept, d.stored ^ {j}), None)
+            for nb in _neighbours(d, m):
+                if len(plans) < 2 * cap // 3:
+                    plans.setdefault(problem.canonical(nb), None)
+        _pareto_search(problem, plans, cap)
     return list(plans)
+
+
+#: Rounds of the Pareto local search on small problems (each evaluates the
+#: neighbours of the plans on the (recompute cost, peak) front found so
+#: far); it usually stops earlier, when a round adds no front plan.
+PARETO_ROUNDS = 8
+
+#: Work allowed to greedy's family on small problems, in simulated ops
+#: (plans times the graph's ops; at least 400 plans): a third for the base
+#: plans, a third for their one-toggle neighbours, the rest for the Pareto
+#: local search; about 1 s of simulation here. It
+#: depends on the graph only, so the family stays budget-independent.
+PARETO_SEARCH_OPS = 100_000
+
+
+def _neighbours(d: Decision, m: int, *, pairs: bool = False):
+    """``d`` with one candidate or one segment toggled (``pairs``: or two segments)."""
+    for k in range(m):
+        yield Decision(d.kept ^ {k}, d.stored)
+    for j in range(m + 1):
+        yield Decision(d.kept, d.stored ^ {j})
+        if pairs:
+            for i in range(j):
+                yield Decision(d.kept, d.stored ^ {i, j})
+
+
+def _front(evs) -> list[Evaluation]:
+    """The (recompute cost, peak) Pareto front of ``evs``."""
+    out: list[Evaluation] = []
+    for e in sorted(evs, key=lambda e: (e.recompute_cost, e.peak_B)):
+        if not out or e.peak_B < out[-1].peak_B:
+            out.append(e)
+    return out
+
+
+def _pareto_search(problem: Problem, plans: dict, cap: int) -> None:
+    """Add to ``plans`` the neighbours of the (cost, peak) front, round by round
+    (one candidate toggled, or one or two segments: moving a stored segment
+    along the chain takes two toggles whose midpoint is off the front).
+
+    The front does not depend on the budget, so neither does the family
+    (greedy stays monotone); it approaches the true trade-off curve that
+    the exact solvers find, one toggle at a time.
+    """
+    m = len(problem.candidates)
+    cap = max(cap, len(plans) + 200)
+    expanded: set[Decision] = set()
+    for _ in range(PARETO_ROUNDS):
+        front = _front([problem.evaluate(d) for d in plans])
+        todo = [e.decision for e in front if e.decision not in expanded]
+        if not todo:
+            return
+        for d in todo:  # cheapest first: the budget's cut falls in the same place every time
+            expanded.add(d)
+            for nb in _neighbours(d, m, pairs=True):
+                if len(plans) >= cap:
+                    return
+                plans.setdefault(problem.canonical(nb), None)
 
 
 def _pick(evs: list[Evaluation], budget_B: int) -> tuple[Evaluation, bool]:
