@@ -8,12 +8,17 @@ Algorithm
    about equal activation bytes (Chen et al.'s sqrt(n) plan), and with
    nothing stored also every cut one candidate later and one earlier. The
    cuts split the segments into groups.
-2. *Storing groups.* Storing a group saves its FLOPs and holds its
-   activations until its gradient runs, so groups are stored in decreasing
-   order of FLOPs saved per activation byte held (the knapsack ratio); for
-   base plan ``k`` the family holds the plans storing the first ``j`` groups,
-   ``j = 0 .. G``, thinned to :data:`MAX_STORE_STEPS` values of ``j`` on
-   large graphs. Plain ``tf.gradients`` (everything stored) is in the family.
+2. *Stored sets.* Storing a segment saves its FLOPs and holds bytes until
+   its gradient runs (estimated as its ops' inputs, outputs and gradient
+   reads); a 0/1 knapsack over the segments gives the Pareto sets (most
+   FLOPs saved for the bytes held), thinned to :data:`MAX_STORE_STEPS` on
+   large graphs; the empty set is always one. Each set is combined with the
+   base plans of step 1 over the segments it leaves recomputed. Plain
+   ``tf.gradients`` (everything stored) is in the family.
+   On small problems (at most :data:`EXHAUSTIVE_CUTS` cuts) every plan's
+   one-toggle neighbours join, then a Pareto local search on the
+   (recompute cost, peak) front (:func:`_pareto_search`), within
+   :data:`PARETO_SEARCH_OPS` of simulation.
 3. *Choice.* The answer is the least ``(recompute cost, peak)`` among the
    plans whose forecast peak fits the budget, else the smallest-peak plan
    (``feasible=False``). Costs are known without simulating, so plans are
@@ -47,7 +52,8 @@ import time
 
 from memsave.solvers.problem import Decision, Evaluation, Problem, SolveResult
 
-__all__ = ["greedy", "family", "MAX_STORE_STEPS", "EXHAUSTIVE_CUTS"]
+__all__ = ["greedy", "family", "MAX_STORE_STEPS", "EXHAUSTIVE_CUTS", "PARETO_ROUNDS",
+           "PARETO_SEARCH_OPS"]
 
 #: Stored sets tried on large graphs (thinned from the knapsack's Pareto
 #: front), each with about four checkpoint counts: every plan is one
