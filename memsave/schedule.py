@@ -123,10 +123,10 @@ def build_schedule(
     def differentiable(t: int) -> bool:
         return t in kept and tensors[t].trainable and tensors[t].kind != "external"
 
-    def segment(head: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Ops recomputing ``head`` back to kept tensors, and that boundary."""
-        seen = {tensors[head].producer}
-        stack = [tensors[head].producer]
+    def segment(*heads: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Ops recomputing ``heads`` back to kept tensors, and that boundary."""
+        seen = {tensors[h].producer for h in heads}
+        stack = sorted(seen)
         boundary: set[int] = set()
         while stack:
             op = fg.ops[stack.pop()]
@@ -184,7 +184,8 @@ def build_schedule(
         )
     )
     if y_heads:
-        steps.append(_recompute_step(y_heads, [segment(y) for y in y_heads]))
+        # One walk from all of them: the ys share their step (and often their ops).
+        steps.append(_recompute_step(y_heads, [segment(*y_heads)]))
 
     def position(u: tuple[str, int]) -> int:
         return unit_ops(u)[-1] if u[0] == "o" else tensors[u[1]].producer

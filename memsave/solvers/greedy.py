@@ -5,14 +5,20 @@ Algorithm
 1. *Base plans.* For a few checkpoint counts ``k`` (``0, sqrt(m),
    2 sqrt(m), 4 sqrt(m)`` of the ``m`` candidate cuts, and every ``k`` on small
    problems), keep ``k`` cuts spread so that the segments between them hold
-   about equal activation bytes (Chen et al.'s sqrt(n) plan). The cuts split
-   the segments into groups.
-2. *Storing groups.* Storing a group saves its FLOPs and holds its
-   activations until its gradient runs, so groups are stored in decreasing
-   order of FLOPs saved per activation byte held (the knapsack ratio); for
-   base plan ``k`` the family holds the plans storing the first ``j`` groups,
-   ``j = 0 .. G``, thinned to :data:`MAX_STORE_STEPS` values of ``j`` on
-   large graphs. Plain ``tf.gradients`` (everything stored) is in the family.
+   about equal activation bytes (Chen et al.'s sqrt(n) plan), and with
+   nothing stored also every cut one candidate later and one earlier. The
+   cuts split the segments into groups.
+2. *Stored sets.* Storing a segment saves its FLOPs and holds bytes until
+   its gradient runs (estimated as its ops' inputs, outputs and gradient
+   reads); a 0/1 knapsack over the segments gives the Pareto sets (most
+   FLOPs saved for the bytes held), thinned to :data:`MAX_STORE_STEPS` on
+   large graphs; the empty set is always one. Each set is combined with the
+   base plans of step 1 over the segments it leaves recomputed. Plain
+   ``tf.gradients`` (everything stored) is in the family.
+   On small problems (at most :data:`EXHAUSTIVE_CUTS` cuts) every plan's
+   one-toggle neighbours join, then a Pareto local search on the
+   (recompute cost, peak) front (:func:`_pareto_search`), within
+   :data:`PARETO_SEARCH_OPS` of simulation.
 3. *Choice.* The answer is the least ``(recompute cost, peak)`` among the
    plans whose forecast peak fits the budget, else the smallest-peak plan
    (``feasible=False``). Costs are known without simulating, so plans are
@@ -46,7 +52,8 @@ import time
 
 from memsave.solvers.problem import Decision, Evaluation, Problem, SolveResult
 
-__all__ = ["greedy", "family", "MAX_STORE_STEPS", "EXHAUSTIVE_CUTS"]
+__all__ = ["greedy", "family", "MAX_STORE_STEPS", "EXHAUSTIVE_CUTS", "PARETO_ROUNDS",
+           "PARETO_SEARCH_OPS"]
 
 #: Stored sets tried on large graphs (thinned from the knapsack's Pareto
 #: front), each with about four checkpoint counts: every plan is one
@@ -55,8 +62,8 @@ __all__ = ["greedy", "family", "MAX_STORE_STEPS", "EXHAUSTIVE_CUTS"]
 MAX_STORE_STEPS = 8
 
 #: Up to this many candidate cuts, every checkpoint count ``k`` is tried for
-#: every stored set, and every plan's neighbours (one candidate or segment
-#: toggled) join the family: a richer family where it stays small.
+#: every stored set, and a Pareto local search (:func:`_pareto_search`)
+#: enriches the family: a richer family where it stays small.
 EXHAUSTIVE_CUTS = 16
 
 
@@ -88,25 +95,34 @@ def _thin(n: int, steps: int) -> list[int]:
 MAX_FRONT = 256
 
 
-def _held_bytes(problem: Problem) -> list[int]:
-    """Per segment: counted bytes its gradients read (held when it is stored)."""
+def _held_bytes(problem: Problem, *, io: bool = True) -> list[int]:
+    """Per segment: counted bytes held when it is stored: what its gradients
+    read, and its ops' inputs and outputs (``build_schedule`` keeps them, and
+    the neighbouring steps read them); an over-estimate where a tensor dies
+    early, which steers the knapsack away from stored ops that split
+    recomputed segments (a stored BiasAdd alone reads nothing for its
+    gradient but keeps its input and output). ``io=False``: the gradients'
+    reads only (an under-estimate)."""
     fg, costs, counted = problem.fg, problem.costs, problem.allocator.counted
     out = []
     for seg in problem.segments:
         reads = set()
         for o in seg:
             op, use = fg.ops[o], costs.gradient[o]
-            reads.update(op.inputs[i] for i in use.reads_inputs if i < len(op.inputs))
-            reads.update(op.outputs[i] for i in use.reads_outputs if i < len(op.outputs))
+            if io:
+                reads.update(op.inputs)
+                reads.update(op.outputs)
+            else:
+                reads.update(op.inputs[i] for i in use.reads_inputs if i < len(op.inputs))
+                reads.update(op.outputs[i] for i in use.reads_outputs if i < len(op.outputs))
         out.append(sum(counted(costs.tensor_B[t]) for t in reads
                        if fg.tensors[t].kind == "internal" and costs.alias_of[t] is None))
     return out
 
 
-def _stored_sets(problem: Problem) -> list[frozenset[int]]:
-    """Pareto-optimal stored sets: most FLOPs saved for the bytes they hold
+def _stored_sets(problem: Problem, held: list[int]) -> list[frozenset[int]]:
+    """Pareto-optimal stored sets: most FLOPs saved for the ``held`` bytes
     (a 0/1 knapsack solved for every capacity at once, by DP over segments)."""
-    held = _held_bytes(problem)
     # Points (bytes, -flops, segment added, parent point): sets are rebuilt
     # from the parent links at the end, so a step costs O(front), not O(m).
     front: list[tuple] = [(0, 0, -1, None)]
@@ -123,6 +139,8 @@ def _stored_sets(problem: Problem) -> list[frozenset[int]]:
                 front.append(pt)
         if len(front) > MAX_FRONT:
             front = [front[i] for i in _thin(len(front) - 1, MAX_FRONT)]
+    if front[0][2] >= 0:  # the empty set (nothing stored) is always in the family
+        front.insert(0, (0, 0, -1, None))
     out = []
     for pt in front:
         st = set()
@@ -140,8 +158,13 @@ def family(problem: Problem) -> list[Decision]:
     seg_bytes = [sum(costs.tensor_B[t] for o in seg for t in fg.ops[o].outputs
                      if fg.tensors[t].trainable) for seg in problem.segments]
     small = m <= EXHAUSTIVE_CUTS
-    sets = _stored_sets(problem)
-    if not small:
+    sets = _stored_sets(problem, _held_bytes(problem))
+    cap = max(400, PARETO_SEARCH_OPS // max(1, len(fg.ops)))  # plans, on small problems
+    if small:  # both estimates of the bytes a stored segment holds
+        sets = list(dict.fromkeys(sets + _stored_sets(problem, _held_bytes(problem, io=False))))
+        if len(sets) * (m + 1) > cap // 3:
+            sets = [sets[i] for i in _thin(len(sets) - 1, max(2, cap // (3 * (m + 1))))]
+    else:
         sets = [sets[i] for i in _thin(len(sets) - 1, MAX_STORE_STEPS)]
     plans: dict[Decision, None] = {Decision.of(stored=range(m + 1)): None}
     for stored in sets:
@@ -161,16 +184,82 @@ def family(problem: Problem) -> list[Decision]:
             root = max(1, math.isqrt(len(free)))
             ks = sorted({k for k in (0, root, 2 * root, 4 * root) if k <= len(free)})
         for k in ks:
-            kept = [free[i] for i in _spread(pos, total, k)] if k else []
-            plans[Decision.of(kept, stored)] = None
+            idx = _spread(pos, total, k) if k else []
+            plans[Decision.of([free[i] for i in idx], stored)] = None
+            if not stored and not small:
+                # Cuts one candidate later or earlier: which tensor of a
+                # layer is kept (a matmul's output or its activation's)
+                # changes the peak by a layer's worth.
+                for shift in (1, -1):
+                    moved = sorted({min(max(i + shift, 0), len(free) - 1) for i in idx})
+                    plans[Decision.of([free[i] for i in moved], stored)] = None
     if small:
-        # Local moves: every plan with one candidate or segment toggled.
+        # Local moves: every base plan with one candidate or segment toggled,
+        # then the Pareto local search from the front of them all.
         for d in list(plans):
-            for k in range(m):
-                plans.setdefault(Decision(d.kept ^ {k}, d.stored), None)
-            for j in range(m + 1):
-                plans.setdefault(Decision(d.kept, d.stored ^ {j}), None)
+            for nb in _neighbours(d, m):
+                if len(plans) < 2 * cap // 3:
+                    plans.setdefault(problem.canonical(nb), None)
+        _pareto_search(problem, plans, cap)
     return list(plans)
+
+
+#: Rounds of the Pareto local search on small problems (each evaluates the
+#: neighbours of the plans on the (recompute cost, peak) front found so
+#: far); it usually stops earlier, when a round adds no front plan.
+PARETO_ROUNDS = 8
+
+#: Work allowed to greedy's family on small problems, in simulated ops
+#: (plans times the graph's ops; at least 400 plans): a third for the base
+#: plans, a third for their one-toggle neighbours, the rest for the Pareto
+#: local search; about 1 s of simulation here. It
+#: depends on the graph only, so the family stays budget-independent.
+PARETO_SEARCH_OPS = 100_000
+
+
+def _neighbours(d: Decision, m: int, *, pairs: bool = False):
+    """``d`` with one candidate or one segment toggled (``pairs``: or two segments)."""
+    for k in range(m):
+        yield Decision(d.kept ^ {k}, d.stored)
+    for j in range(m + 1):
+        yield Decision(d.kept, d.stored ^ {j})
+        if pairs:
+            for i in range(j):
+                yield Decision(d.kept, d.stored ^ {i, j})
+
+
+def _front(evs) -> list[Evaluation]:
+    """The (recompute cost, peak) Pareto front of ``evs``."""
+    out: list[Evaluation] = []
+    for e in sorted(evs, key=lambda e: (e.recompute_cost, e.peak_B)):
+        if not out or e.peak_B < out[-1].peak_B:
+            out.append(e)
+    return out
+
+
+def _pareto_search(problem: Problem, plans: dict, cap: int) -> None:
+    """Add to ``plans`` the neighbours of the (cost, peak) front, round by round
+    (one candidate toggled, or one or two segments: moving a stored segment
+    along the chain takes two toggles whose midpoint is off the front).
+
+    The front does not depend on the budget, so neither does the family
+    (greedy stays monotone); it approaches the true trade-off curve that
+    the exact solvers find, one toggle at a time.
+    """
+    m = len(problem.candidates)
+    cap = max(cap, len(plans) + 200)
+    expanded: set[Decision] = set()
+    for _ in range(PARETO_ROUNDS):
+        front = _front([problem.evaluate(d) for d in plans])
+        todo = [e.decision for e in front if e.decision not in expanded]
+        if not todo:
+            return
+        for d in todo:  # cheapest first: the budget's cut falls in the same place every time
+            expanded.add(d)
+            for nb in _neighbours(d, m, pairs=True):
+                if len(plans) >= cap:
+                    return
+                plans.setdefault(problem.canonical(nb), None)
 
 
 def _pick(evs: list[Evaluation], budget_B: int) -> tuple[Evaluation, bool]:
