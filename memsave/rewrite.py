@@ -142,7 +142,7 @@ def rewrite(
     fg = ex.fg
     received: dict[int, list] = collections.defaultdict(list)
     for y, gy in zip(fg.ys, grad_ys):
-        received[y].append(gy)
+        received[y].append(_after_forward(gy, [ex.tensors[y].op for y in fg.ys]))
     stock = dict(
         gate_gradients=gate_gradients,
         aggregation_method=aggregation_method,
@@ -173,6 +173,25 @@ def rewrite(
                 received[b].append(g)
                 previous.append((g.values if isinstance(g, tf.IndexedSlices) else g).op)
     return [received.get(x, []) for x in fg.xs]
+
+
+def _after_forward(gy, y_ops: Sequence):
+    """``gy``, available only once the ys (and so every original forward op) are computed.
+
+    tf.gradients gets this order for free: its first gradient ops read the
+    outputs of the last forward ops. memsave's copies need no original op
+    past the last kept tensor, so without this the original forward ops of a
+    recomputed segment could still be pending when an optimizer updates the
+    variables: with TF1 reference variables (read when an op runs, not
+    snapshotted) a fetched loss would then read the updated weights. Every
+    gradient memsave builds descends from the seeds, so it all waits for the
+    forward pass. The Identity passes its buffer through (no copy); XLA,
+    which ignores control dependencies, has resource variables only.
+    """
+    with tf.control_dependencies(y_ops):
+        if isinstance(gy, tf.IndexedSlices):
+            return tf.IndexedSlices(tf.identity(gy.values), gy.indices, gy.dense_shape)
+        return tf.identity(gy)
 
 
 def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, *, xla: bool) -> list:
