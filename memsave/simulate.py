@@ -185,6 +185,7 @@ class _Builder:
         self.orig: list[int] = [-1] * len(fg.tensors)
         self.resident_B = 0
         self.constant: set[int] = set()  # gradient values Grappler folds into constants
+        self.xs = set(fg.xs)
         for node in fg.tensors:
             if node.kind != "internal":
                 self.orig[node.id] = self.p.value(costs.tensor_B[node.id], resident=True)
@@ -226,9 +227,14 @@ class _Builder:
             any_grad = False
             for t in op.outputs:
                 got = local.pop(t, [])
-                if t in heads:
+                if t in heads or t in self.xs:
                     got += self.grads.pop(t, [])
-                out_grads.append(self.accumulate(t, got, phase))
+                g = self.accumulate(t, got, phase)
+                if g is not None and t in self.xs:
+                    # An x produced in the graph (an activation given as x):
+                    # its gradient is a result of the step and flows on.
+                    self.grads[t] = [g]
+                out_grads.append(g)
                 any_grad = any_grad or bool(got)
             if not any_grad or not use.has_gradient:
                 continue
