@@ -456,3 +456,79 @@ def _learn_gradient_use(op: tf.Operation, node_def):
         "aliases": tuple(aliases[: len(inputs)]),
         "has_gradient": True,
     }
+
+
+# -- bodies of calls and loops ------------------------------------------------
+
+#: Ops that call a tf.function (its FunctionDef in the ``f`` attr).
+CALL_OP_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+#: Functional loops (while_v2): inputs and outputs are the loop variables,
+#: input 1 is ``maximum_iterations`` (-1 when not given).
+WHILE_OP_TYPES = frozenset({"While", "StatelessWhile"})
+
+
+def body_graph(op: tf.Operation):
+    """A FuncGraph of the function a call op or a While runs, or None.
+
+    The graph the function was traced into when TensorFlow still holds it
+    (``While._body_graph``, which while_v2 sets; the ``AtomicFunction`` of a
+    call): its resource inputs carry the variables' shapes. Otherwise one
+    built from the op's FunctionDef by ``control_flow_util_v2.get_func_graph``
+    (as while_v2's and cond_v2's gradients do). Its inputs and outputs line
+    up with the op's. Only read, never changed.
+    """
+    if op.type in WHILE_OP_TYPES and getattr(op, "_body_graph", None) is not None:
+        return op._body_graph  # pylint: disable=protected-access  # while_v2's own, with handle data
+    if op.type in CALL_OP_TYPES:
+        original = _traced_graph(op)
+        if original is not None:
+            return original
+    try:
+        if op.type in CALL_OP_TYPES:
+            shapes = [t.shape for t in op.inputs]
+            name = op.get_attr("f").name
+        elif op.type in WHILE_OP_TYPES:
+            shapes = [tf.TensorShape(s) for s in op.get_attr("output_shapes")]
+            name = op.get_attr("body").name
+        else:
+            return None
+        return control_flow_util_v2.get_func_graph(op, shapes, name)
+    except Exception:  # noqa: BLE001 - a body that cannot be read is modelled as one op
+        return None
+
+
+def _traced_graph(op: tf.Operation):
+    """The FuncGraph a called function was traced into, if it is still held."""
+    try:
+        name = op.get_attr("f").name
+    except Exception:  # noqa: BLE001
+        return None
+    g = op.graph
+    while g is not None:
+        func = g._get_function(name)  # pylint: disable=protected-access
+        if func is not None:
+            return getattr(func, "_cached_graph", None)
+        g = getattr(g, "outer_graph", None)
+    return None
+
+
+def cond_graph(op: tf.Operation):
+    """The FuncGraph of a While's condition, or None."""
+    if getattr(op, "_cond_graph", None) is not None:
+        return op._cond_graph  # pylint: disable=protected-access
+    try:
+        shapes = [tf.TensorShape(s) for s in op.get_attr("output_shapes")]
+        return control_flow_util_v2.get_func_graph(op, shapes, op.get_attr("cond").name)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def function_key(op: tf.Operation):
+    """(function name, input shapes) of a call or While: ops with equal keys run equal bodies."""
+    attr = "f" if op.type in CALL_OP_TYPES else "body"
+    try:
+        name = op.get_attr(attr).name
+    except Exception:  # noqa: BLE001
+        return None
+    shapes = tuple(None if t.shape.rank is None else tuple(t.shape.as_list()) for t in op.inputs)
+    return (op.type, name, shapes)

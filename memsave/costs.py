@@ -30,13 +30,15 @@ What the numbers mean
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
-from memsave.graph import ForwardGraph, GradientUse
+from memsave.graph import Body, ForwardGraph, GradientUse
 
 __all__ = [
     "Costs",
     "estimate_costs",
     "is_activation",
+    "body_costs",
     "ALIAS_OP_TYPES",
     "INPLACE_OP_TYPES",
 ]
@@ -216,7 +218,9 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
             ))
         else:
             gradient.append(op.gradient)
-        if op.flops is not None:
+        if op.body is not None:
+            op_flops.append(op.body.trips * body_costs(op.body).forward_flops)
+        elif op.flops is not None:
             op_flops.append(op.flops)
         else:
             op_flops.append(sum(
@@ -229,6 +233,16 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
             f"what the gradient reads was not learned for {kinds}; assumed it reads every "
             "input and output"
         )
+    loops = [op for op in fg.ops if op.body is not None and not op.body.trips_known]
+    if loops:
+        assumptions.append(
+            f"{len(loops)} while loops with a trip count not known statically (no constant "
+            f"maximum_iterations or counter bound), assumed to run {loops[0].body.trips} time(s) "
+            f"(e.g. {loops[0].name!r})"
+        )
+    for op in fg.ops:
+        if op.body is not None:
+            assumptions.extend(f"in {op.name!r}: {a}" for a in body_costs(op.body).assumptions)
     resident = 0
     for node in fg.tensors:
         if node.kind != "internal":
@@ -243,3 +257,14 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
         assumptions=tuple(assumptions),
         batch_size=batch_size,
     )
+
+
+_body_costs: "weakref.WeakKeyDictionary[Body, Costs]" = weakref.WeakKeyDictionary()
+
+
+def body_costs(body: Body) -> Costs:
+    """:func:`estimate_costs` of a call's or loop's body (cached per body)."""
+    found = _body_costs.get(body)
+    if found is None:
+        found = _body_costs[body] = estimate_costs(body.fg)
+    return found

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-__all__ = ["OpNode", "TensorNode", "ForwardGraph", "GradientUse"]
+__all__ = ["OpNode", "TensorNode", "ForwardGraph", "GradientUse", "Body"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +109,45 @@ class TensorNode:
     constant: bool = False
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Body:
+    """The function a call op (PartitionedCall, StatefulPartitionedCall) or a
+    loop (While) runs, read as a ForwardGraph of its own.
+
+    Attributes
+    ----------
+    fg : ForwardGraph
+        The body's ops between its inputs (xs: the function's arguments)
+        and its outputs (ys).
+    trips : int
+        How often the body runs in one call: 1 for a call; for a loop, its
+        ``maximum_iterations`` or the trip count read from its counter (see
+        ``trips_known``).
+    trips_known : bool
+        False when the trip count was not known statically and ``trips`` is
+        a guess.
+    saved : tuple of int
+        Body tensor ids whose buffers the op's gradient keeps, one buffer
+        each per trip: the intermediates TensorFlow adds as extra outputs of
+        the forward call (a tf.function's forward/backward split) or pushes to
+        accumulators (while_v2), deduplicated by buffer; loop invariants,
+        constants and resource handles are not saved.
+    stored : tuple of int
+        Body tensor ids written into a TensorList (TensorArray) that the
+        loop carries: each trip adds one buffer the list keeps alive.
+    loop : bool
+        A While: the gradient runs a loop of its own, with one gradient
+        buffer per loop-invariant input besides each trip's gradient.
+    """
+
+    fg: "ForwardGraph"
+    trips: int
+    trips_known: bool
+    saved: tuple[int, ...]
+    stored: tuple[int, ...] = ()
+    loop: bool = False
+
+
 @dataclasses.dataclass(frozen=True)
 class OpNode:
     """One op of the forward graph.
@@ -116,6 +155,7 @@ class OpNode:
     ``inputs`` and ``outputs`` are tensor ids. ``flops`` is TensorFlow's
     registered FLOP count (None where it has none); ``gradient`` what the
     op's gradient reads (None: not learned, assume it reads everything).
+    ``body``: for calls and loops, the function they run (None otherwise).
     """
 
     index: int
@@ -126,6 +166,7 @@ class OpNode:
     recomputable: bool
     flops: int | None = None
     gradient: GradientUse | None = None
+    body: Body | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,10 +48,11 @@ side by side.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Sequence
 
-from memsave.costs import Costs
-from memsave.graph import ForwardGraph
+from memsave.costs import Costs, body_costs
+from memsave.graph import Body, ForwardGraph
 from memsave.schedule import Schedule
 
 __all__ = [
@@ -177,9 +178,11 @@ def _gateable(node) -> bool:
 class _Builder:
     """Builds the program of one step (see module docstring)."""
 
-    def __init__(self, fg: ForwardGraph, costs: Costs) -> None:
+    def __init__(self, fg: ForwardGraph, costs: Costs, allocator: Allocator) -> None:
         self.fg = fg
         self.costs = costs
+        self.allocator = allocator
+        self.saved_of: dict[int, int] = {}  # op with a body -> what its gradient keeps
         self.p = _Program()
         self.grads: dict[int, list[int]] = {}  # tensor id -> gradient values received
         self.orig: list[int] = [-1] * len(fg.tensors)
@@ -198,8 +201,22 @@ class _Builder:
         op = fg.ops[i]
         reads = [vmap(t) for t in op.inputs]
         writes = []
+        lists = -1
+        if op.body is not None:
+            figures = _body_figures(op.body, self.allocator)
+            # What the gradient keeps (alive until it runs), what the loop's
+            # TensorLists hold (alive while the lists are), and the body's
+            # own transient peak (freed when the op ends).
+            saved = p.value(figures.saved_B)
+            self.saved_of[i] = saved
+            lists = p.value(figures.stored_B)
+            writes += [(saved, ()), (lists, ()), (p.value(figures.forward_B), ())]
         for t in op.outputs:
             src = costs.alias_of[t]
+            if lists >= 0 and self.fg.tensors[t].dtype == "variant":
+                writes.append((p.value(costs.tensor_B[t], alias=lists), ()))
+                self.bind(t, writes[-1][0])
+                continue
             if src is not None:
                 v = p.value(costs.tensor_B[t], alias=vmap(src))
                 writes.append((v, ()))
@@ -246,6 +263,10 @@ class _Builder:
             reads += [vmap(op.inputs[j]) for j in use.reads_inputs if j < len(op.inputs)]
             reads += [vmap(op.outputs[k]) for k in use.reads_outputs if k < len(op.outputs)]
             writes = []
+            if op.body is not None:
+                if i in self.saved_of:
+                    reads.append(self.saved_of[i])
+                writes.append((p.value(_body_figures(op.body, self.allocator).backward_B), ()))
             for j, t in enumerate(op.inputs):
                 node = fg.tensors[t]
                 if not node.trainable or node.kind == "external":
@@ -294,8 +315,9 @@ class _Builder:
         pass  # replaced per stage
 
 
-def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs) -> tuple[_Program, int, int]:
-    b = _Builder(fg, costs)
+def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs,
+           allocator: Allocator) -> tuple[_Program, int, int]:
+    b = _Builder(fg, costs, allocator)
     p = b.p
     orig = b.orig
 
@@ -379,11 +401,69 @@ def _needed_copies(fg: ForwardGraph, costs: Costs, ops: Sequence[int]) -> list[i
     live = []
     for i in reversed(ops):
         op = fg.ops[i]
-        if any(t in need for t in op.outputs):
+        if any(t in need for t in op.outputs) or (op.body is not None and op.body.saved):
             live.append(i)
             need.update(op.inputs)
     live.reverse()
     return live
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyFigures:
+    """Bytes a call or loop op holds beyond its inputs and outputs.
+
+    Attributes
+    ----------
+    saved_B : int
+        What its gradient keeps, for all trips (from the op until its gradient).
+    stored_B : int
+        The items the loop's TensorLists hold (as long as the lists live).
+    forward_B, backward_B : int
+        The body's transient peak above what it keeps, while the op runs and
+        while its gradient runs (a loop's gradient also holds one trip's
+        gradients beside the sums it carries).
+    """
+
+    saved_B: int
+    stored_B: int
+    forward_B: int
+    backward_B: int
+
+
+_figures: "weakref.WeakKeyDictionary[Body, dict]" = weakref.WeakKeyDictionary()
+
+
+def _body_figures(body: Body, allocator: Allocator) -> BodyFigures:
+    """Simulate the body once (plain backprop) and read its figures (cached)."""
+    per = _figures.setdefault(body, {})
+    if allocator in per:
+        return per[allocator]
+    bc = body_costs(body)
+    fg = body.fg
+    counted = allocator.counted
+
+    def root(t: int) -> int:
+        while bc.alias_of[t] is not None:
+            t = bc.alias_of[t]
+        return t
+
+    saved = sum(counted(bc.tensor_B[t]) for t in body.saved)
+    stored = sum(counted(bc.tensor_B[t]) for t in body.stored)
+    outs = {root(t) for t in fg.ys if fg.tensors[root(t)].kind == "internal"}
+    out_B = sum(counted(bc.tensor_B[t]) for t in outs if t not in set(body.saved))
+    trace = simulate(fg, None, bc, allocator=allocator)
+    alive = [b for b, _ in trace.timeline]
+    start = trace.backward_start
+    forward_peak = max(alive[:start], default=trace.resident_B)
+    backward_peak = max(alive[start:], default=trace.resident_B)
+    forward = max(0, forward_peak - trace.resident_B - saved - stored - out_B)
+    base = trace.resident_B if body.loop else trace.end_B
+    backward = max(0, backward_peak - base - saved)
+    found = per[allocator] = BodyFigures(
+        saved_B=body.trips * saved, stored_B=body.trips * stored,
+        forward_B=forward, backward_B=backward,
+    )
+    return found
 
 
 def simulate(
@@ -419,7 +499,7 @@ def simulate(
     >>> trace = simulate(fg, None, estimate_costs(fg))  # doctest: +SKIP
     >>> trace.peak_B  # doctest: +SKIP
     """
-    p, resident_B, backward_start = _build(fg, schedule, costs)
+    p, resident_B, backward_start = _build(fg, schedule, costs, allocator)
     reads, writes, size, alias = p.reads, p.writes, p.size, p.alias
     n_instr = len(reads)
     n_val = len(size)
