@@ -415,6 +415,7 @@ def _learn_gradient_use(op: tf.Operation, node_def):
     grad_ops = {gr.op for gr in grads if gr is not None}
     dependent = set(grad_ops)
     reads: set = set()
+    op_reads: dict = {}  # gradient op -> what it reads of the scratch op
     for o in g.get_operations()[first_grad_op:]:
         if o is new or o.type == "Placeholder":
             continue
@@ -422,8 +423,11 @@ def _learn_gradient_use(op: tf.Operation, node_def):
         if dep:
             dependent.add(o)
             if o.type not in SHAPE_ONLY_TYPES:
+                mine = set()
                 for t in o.inputs:
-                    reads |= origin.get(t.ref(), set())
+                    mine |= origin.get(t.ref(), set())
+                reads |= mine
+                op_reads[o] = mine
         elif o.type not in SHAPE_ONLY_TYPES:
             derived = set()
             for t in o.inputs:
@@ -450,7 +454,32 @@ def _learn_gradient_use(op: tf.Operation, node_def):
         aliases.append(alias)
     while len(aliases) < len(inputs):
         aliases.append(None)
+    # Per input: the reads of the gradient ops its gradient depends on (the
+    # rest is pruned when that input needs no gradient).
+    by_input = []
+    for j in range(len(inputs)):
+        r = result[j] if j < len(result) else None
+        if isinstance(r, tf.IndexedSlices):
+            r = [r.values, r.indices]
+        elif r is None:
+            r = []
+        else:
+            r = [r]
+        mine: set = set()
+        stack = [t.op for t in r if isinstance(t, tf.Tensor)]
+        seen = set()
+        while stack:
+            o = stack.pop()
+            if o in seen or o is new:
+                continue
+            seen.add(o)
+            mine |= op_reads.get(o, set())
+            stack.extend(t.op for t in o.inputs)
+            stack.extend(o.control_inputs)
+        by_input.append((tuple(sorted(k for kind, k in mine if kind == "i")),
+                         tuple(sorted(k for kind, k in mine if kind == "o"))))
     return {
+        "by_input": tuple(by_input),
         "reads_inputs": tuple(sorted(j for kind, j in reads if kind == "i")),
         "reads_outputs": tuple(sorted(k for kind, k in reads if kind == "o")),
         "aliases": tuple(aliases[: len(inputs)]),

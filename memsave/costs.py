@@ -217,7 +217,9 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
                 aliases=(None,) * len(op.inputs),
             ))
         else:
-            gradient.append(op.gradient)
+            # Inputs from outside (data, constants) need no gradient: theirs is pruned.
+            gradient.append(op.gradient.needed(
+                [fg.tensors[t].kind != "external" and fg.tensors[t].trainable for t in op.inputs]))
         if op.body is not None:
             op_flops.append(op.body.trips * body_costs(op.body).forward_flops)
         elif op.flops is not None:

@@ -82,6 +82,7 @@ def _gradient_use(op: tf.Operation, node_def) -> GradientUse | None:
     return GradientUse(
         reads_inputs=learned["reads_inputs"], reads_outputs=learned["reads_outputs"],
         aliases=learned["aliases"], has_gradient=learned["has_gradient"],
+        by_input=learned.get("by_input"),
     )
 
 
@@ -246,10 +247,11 @@ def _read_body(op: tf.Operation, cache: dict) -> tuple[Body | None, GradientUse 
     read = cache[key]
     if read is None:
         return None, None
-    fg, saved, stored, reads_inputs, reads_outputs = read
+    fg, saved, stored, reads_inputs, reads_outputs, invariant = read
     loop = op.type in _tf_private.WHILE_OP_TYPES
     trips, known = (_while_trips(op) if loop else (1, True))
-    body = Body(fg=fg, trips=trips, trips_known=known, saved=saved, stored=stored, loop=loop)
+    body = Body(fg=fg, trips=trips, trips_known=known, saved=saved, stored=stored, loop=loop,
+                invariant=invariant)
     gradient = GradientUse(
         reads_inputs=reads_inputs, reads_outputs=() if loop else reads_outputs,
         aliases=(None,) * len(op.inputs),
@@ -300,6 +302,9 @@ def _read_function(op: tf.Operation, cache: dict):
     stored = {}
     for node in fg.ops:
         use = node.gradient
+        if use is not None:
+            use = use.needed([fg.tensors[t].kind != "external" and fg.tensors[t].trainable
+                              for t in node.inputs])
         read = (node.inputs if use is None else
                 [node.inputs[j] for j in use.reads_inputs if j < len(node.inputs)]
                 + [node.outputs[k] for k in use.reads_outputs if k < len(node.outputs)])
@@ -329,7 +334,8 @@ def _read_function(op: tf.Operation, cache: dict):
                 stored[r] = r
     saved_ids = tuple(sorted(dict.fromkeys(saved.values())))
     stored_ids = tuple(sorted(r for r in stored if r not in set(saved_ids)))
-    return fg, saved_ids, stored_ids, tuple(sorted(reads_inputs)), tuple(sorted(reads_outputs))
+    return (fg, saved_ids, stored_ids, tuple(sorted(reads_inputs)), tuple(sorted(reads_outputs)),
+            tuple(sorted(invariant)))
 
 
 def _while_trips(op: tf.Operation) -> tuple[int, bool]:

@@ -47,12 +47,34 @@ class GradientUse:
     has_gradient : bool
         False when the op has no gradient (``StopGradient``, registered
         not-differentiable): backprop stops there.
+    by_input : tuple of (tuple of int, tuple of int), or None
+        Per input: the (input positions, output positions) that computing
+        that input's gradient reads. TensorFlow prunes the gradient ops of
+        inputs that need no gradient (``x * mask`` keeps ``mask`` for
+        ``x``'s gradient, and ``x`` only when the mask needs one), so what
+        stays alive depends on which inputs need a gradient
+        (:meth:`needed`). None: not known, the union above for any input.
     """
 
     reads_inputs: tuple[int, ...]
     reads_outputs: tuple[int, ...]
     aliases: tuple[int | None, ...]
     has_gradient: bool = True
+    by_input: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None = None
+
+    def needed(self, inputs: Sequence[bool]) -> "GradientUse":
+        """What the gradient reads when only the inputs flagged in ``inputs``
+        need a gradient (the rest are pruned)."""
+        if self.by_input is None or all(inputs) or len(inputs) != len(self.by_input):
+            return self
+        ins: set[int] = set()
+        outs: set[int] = set()
+        for need, (i, o) in zip(inputs, self.by_input):
+            if need:
+                ins.update(i)
+                outs.update(o)
+        return dataclasses.replace(
+            self, reads_inputs=tuple(sorted(ins)), reads_outputs=tuple(sorted(outs)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +160,10 @@ class Body:
     loop : bool
         A While: the gradient runs a loop of its own, with one gradient
         buffer per loop-invariant input besides each trip's gradient.
+    invariant : tuple of int
+        A While's input positions that the body passes through unchanged
+        (captured tensors, weights): the gradient loop sums their gradients
+        from ``zeros_like`` of them.
     """
 
     fg: "ForwardGraph"
@@ -146,6 +172,7 @@ class Body:
     saved: tuple[int, ...]
     stored: tuple[int, ...] = ()
     loop: bool = False
+    invariant: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -266,6 +266,16 @@ class _Builder:
             if op.body is not None:
                 if i in self.saved_of:
                     reads.append(self.saved_of[i])
+                if op.body.loop:
+                    # The gradient loop sums a loop invariant's gradient from
+                    # zeros_like(it): a constant Grappler folds when the shape is static.
+                    # while_v2 differentiates every floating loop input, used or not.
+                    for j in op.body.invariant:
+                        t = op.inputs[j] if j < len(op.inputs) else None
+                        if (t is not None and fg.tensors[t].trainable
+                                and fg.tensors[t].dtype not in ("resource", "variant")
+                                and self.foldable(t)):
+                            self.constant_value(t)
                 writes.append((p.value(_body_figures(op.body, self.allocator).backward_B), ()))
             for j, t in enumerate(op.inputs):
                 node = fg.tensors[t]
