@@ -19,6 +19,7 @@ from tensorflow.python.framework import indexed_slices, op_def_registry
 from tensorflow.python.ops import control_flow_util, control_flow_util_v2, gradients_impl, gradients_util
 from tensorflow.python.ops import handle_data_util
 from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.util import deprecation
 
 #: The stock tf.gradients (v1 signature, with colocate_gradients_with_ops),
 #: saved when memsave is imported so that memsave.patch can replace every
@@ -267,12 +268,16 @@ def op_flops(op: tf.Operation, node_def=None) -> int | None:
             return _flops_cache[key]
     except Exception:  # noqa: BLE001 - unhashable attrs: do not cache
         key = None
-    try:
-        stats = _ops.get_stats_for_node_def(op.graph, node_def, "flops")
-        value = getattr(stats, "value", None)
-        value = int(value) if value is not None else None
-    except Exception:  # noqa: BLE001 - a statistics function failing means "unknown"
-        value = None
+    # The registry's functions call tensor_shape_from_node_def_name, which
+    # prints a deprecation warning once per process: silenced for this call
+    # only (deprecation.silence restores the setting; nothing raises through it).
+    with deprecation.silence():
+        try:
+            stats = _ops.get_stats_for_node_def(op.graph, node_def, "flops")
+            value = getattr(stats, "value", None)
+            value = int(value) if value is not None else None
+        except Exception:  # noqa: BLE001 - a statistics function failing means "unknown"
+            value = None
     if key is not None:
         _flops_cache[key] = value
     return value
@@ -561,3 +566,52 @@ def function_key(op: tf.Operation):
         return None
     shapes = tuple(None if t.shape.rank is None else tuple(t.shape.as_list()) for t in op.inputs)
     return (op.type, name, shapes)
+
+
+#: Largest subgraph :func:`static_value` evaluates (ops).
+STATIC_VALUE_MAX_OPS = 32
+
+
+def static_value(t: tf.Tensor):
+    """The value of ``t`` when it follows from constants alone, else None.
+
+    ``tf.get_static_value`` first (it knows Shape, Range, Cast, ...); else,
+    when every op ``t`` depends on is stateless, has no function attr and
+    its sources are Const ops (at most :data:`STATIC_VALUE_MAX_OPS`), the
+    subgraph is copied into a scratch graph and run there, as Grappler's
+    constant folding would (Keras' RNN loops take ``maximum_iterations``
+    from a ``reduce_max`` of a constant).
+    """
+    value = tf.get_static_value(t)
+    if value is not None:
+        return value
+    ops, stack, seen = [], [t.op], set()
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if (op._is_stateful or op.type in ("Placeholder", "VarHandleOp")  # pylint: disable=protected-access
+                or any(a.HasField("func") for a in op.node_def.attr.values())
+                or op.control_inputs or len(seen) > STATIC_VALUE_MAX_OPS):
+            return None
+        ops.append(op)
+        stack.extend(i.op for i in op.inputs)
+    ops.sort(key=op_creation_index)
+    try:
+        g = tf.Graph()
+        copied: dict = {}
+        with g.as_default():
+            for op in ops:
+                new = g._create_op_internal(  # pylint: disable=protected-access
+                    op.type, [copied[i.ref()] for i in op.inputs],
+                    dtypes=[o.dtype for o in op.outputs],
+                    attrs={k: v for k, v in op.node_def.attr.items() if not k.startswith("_")},
+                    op_def=op.op_def, compute_device=False,
+                )
+                for src, dst in zip(op.outputs, new.outputs):
+                    copied[src.ref()] = dst
+        with tf.compat.v1.Session(graph=g) as sess:
+            return sess.run(copied[t.ref()])
+    except Exception:  # noqa: BLE001 - not evaluable: unknown
+        return None

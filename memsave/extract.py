@@ -342,7 +342,7 @@ def _while_trips(op: tf.Operation) -> tuple[int, bool]:
     """Trips of a While: ``maximum_iterations`` when given, else a counter
     compared with a constant bound (``i < n`` with ``i`` starting at a
     constant and stepping by one), else :data:`UNKNOWN_TRIPS` (unknown)."""
-    limit = tf.get_static_value(op.inputs[1]) if len(op.inputs) > 1 else None
+    limit = _tf_private.static_value(op.inputs[1]) if len(op.inputs) > 1 else None
     if limit is not None and int(limit) >= 0:
         return int(limit), True
     cond = _tf_private.cond_graph(op)
