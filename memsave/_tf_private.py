@@ -323,7 +323,18 @@ _PASS_THROUGH_TYPES = frozenset(
 _gradient_use_cache: dict = {}
 
 
+_last_key: list = [None, None, None]  # (op, node_def, key): op_flops follows learn_gradient_use
+
+
 def _gradient_cache_key(op: tf.Operation, node_def):
+    if _last_key[0] is op and _last_key[1] is node_def:
+        return _last_key[2]
+    key = _compute_cache_key(op, node_def)
+    _last_key[:] = [op, node_def, key]
+    return key
+
+
+def _compute_cache_key(op: tf.Operation, node_def):
     attrs = []
     for k in sorted(node_def.attr):
         if k.startswith("_"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import heapq
 from collections.abc import Sequence
 
@@ -46,6 +47,7 @@ class Extraction:
         return self.tensor_ids.get(t.ref())
 
 
+@functools.lru_cache(maxsize=None)
 def _itemsize(dtype: tf.DType) -> int:
     return dtype.size if dtype not in (tf.resource, tf.variant, tf.string) else 0
 
@@ -99,6 +101,13 @@ def extract(
     the function they run, read the same way (``_bodies`` caches it per
     function and input shapes).
     """
+    from memsave.simulate import paused_gc  # TF-free; a burst of small allocations here too
+
+    with paused_gc():
+        return _extract(ys, xs, stop_gradients, tagged, _bodies)
+
+
+def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
     stop_ops = {t.op for t in stop_gradients}
 
     # Forward: ops reached from the xs along differentiable tensors.
