@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import functools
 import heapq
+import logging
 from collections.abc import Sequence
 
 import tensorflow as tf
@@ -31,6 +32,8 @@ from memsave.costs import ALIAS_OP_TYPES
 from memsave.graph import Body, ForwardGraph, GradientUse, OpNode, TensorNode
 
 __all__ = ["Extraction", "extract"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -252,7 +255,11 @@ def _read_body(op: tf.Operation, cache: dict) -> tuple[Body | None, GradientUse 
     if key is None:
         return None, None
     if key not in cache:
-        cache[key] = _read_function(op, cache)
+        try:
+            cache[key] = _read_function(op, cache)
+        except Exception:  # noqa: BLE001 - modelling a body must never stop the rewrite
+            logger.debug("memsave: could not read the body of %s", op.name, exc_info=True)
+            cache[key] = None
     read = cache[key]
     if read is None:
         return None, None
