@@ -346,6 +346,12 @@ def _compute_cache_key(op: tf.Operation, node_def):
     return (op.type, tuple(attrs), tuple(t.dtype for t in op.inputs), shapes)
 
 
+def _static_bytes(t: tf.Tensor) -> int | None:
+    if not t.shape.is_fully_defined() or t.dtype in (tf.resource, tf.variant, tf.string):
+        return None
+    return t.shape.num_elements() * t.dtype.size
+
+
 def learn_gradient_use(op: tf.Operation, node_def=None):
     """Which inputs/outputs of ``op`` its registered gradient reads.
 
@@ -362,8 +368,13 @@ def learn_gradient_use(op: tf.Operation, node_def=None):
     -------
     dict or None
         ``{"reads_inputs": tuple, "reads_outputs": tuple, "aliases": tuple,
-        "has_gradient": bool}`` (``aliases[j]``: the output whose incoming
-        gradient is input ``j``'s gradient, buffer and all, or None), or None
+        "has_gradient": bool, "early_B": tuple, "by_input": tuple}``
+        (``aliases[j]``: the output whose incoming gradient is input ``j``'s
+        gradient, buffer and all, or None; ``early_B``: bytes of the values
+        gradient ops compute from the op's inputs/outputs alone, which the
+        executor computes in the forward pass and keeps for the gradient;
+        ``by_input[j]``: (inputs, outputs, early values) read for input
+        ``j``'s gradient), or None
         when the gradient could not be built this way (function calls,
         custom gradients, ops that need their original graph).
     """
@@ -429,13 +440,19 @@ def _learn_gradient_use(op: tf.Operation, node_def):
     for k, t in enumerate(new.outputs):
         origin.setdefault(t.ref(), set()).add(("o", k))
     grad_ops = {gr.op for gr in grads if gr is not None}
+    early_sizes: list[int] = []  # bytes of gradient values computed in the forward pass
     dependent = set(grad_ops)
     reads: set = set()
     op_reads: dict = {}  # gradient op -> what it reads of the scratch op
     for o in g.get_operations()[first_grad_op:]:
         if o is new or o.type == "Placeholder":
             continue
-        dep = any(t.op in dependent for t in o.inputs) or any(c in dependent for c in o.control_inputs)
+        # Only data edges order a gradient op after the incoming gradient:
+        # the control edges gradient functions add (``with
+        # control_dependencies([grad])``, e.g. Erfc's) do not hold it back in
+        # the step TensorFlow runs. Measured: Erfc's Square(x) and Softmax's
+        # products run in the forward pass, right after their op.
+        dep = any(t.op in dependent for t in o.inputs)
         if dep:
             dependent.add(o)
             if o.type not in SHAPE_ONLY_TYPES:
@@ -448,9 +465,20 @@ def _learn_gradient_use(op: tf.Operation, node_def):
             derived = set()
             for t in o.inputs:
                 derived |= origin.get(t.ref(), set())
-            if derived:
-                for t in o.outputs:
+            if not derived:
+                continue
+            sizes = [_static_bytes(t) for t in o.outputs]
+            if o.type in _PASS_THROUGH_TYPES or o.type == "Identity" or any(b is None for b in sizes):
+                for t in o.outputs:  # a view, or a size not known: keeps what it derives from
                     origin.setdefault(t.ref(), set()).update(derived)
+                continue
+            # Computed from the op's values alone, not from the incoming
+            # gradient: the executor runs it as soon as the op has run, in the
+            # forward pass, and its output (not what it was computed from)
+            # waits for the gradient.
+            for t, b in zip(o.outputs, sizes):
+                origin[t.ref()] = {("e", len(early_sizes))}
+                early_sizes.append(b)
     # Returned gradients that are neither placeholders nor ops after them
     # (a gradient equal to an op input, say) also read what they derive from.
     aliases = []
@@ -470,6 +498,9 @@ def _learn_gradient_use(op: tf.Operation, node_def):
         aliases.append(alias)
     while len(aliases) < len(inputs):
         aliases.append(None)
+    # Early values some gradient op reads (the others are transient).
+    kept_early = sorted(k for kind, k in reads if kind == "e")
+    renumber = {k: n for n, k in enumerate(kept_early)}
     # Per input: the reads of the gradient ops its gradient depends on (the
     # rest is pruned when that input needs no gradient).
     by_input = []
@@ -493,8 +524,10 @@ def _learn_gradient_use(op: tf.Operation, node_def):
             stack.extend(t.op for t in o.inputs)
             stack.extend(o.control_inputs)
         by_input.append((tuple(sorted(k for kind, k in mine if kind == "i")),
-                         tuple(sorted(k for kind, k in mine if kind == "o"))))
+                         tuple(sorted(k for kind, k in mine if kind == "o")),
+                         tuple(sorted(renumber[k] for kind, k in mine if kind == "e"))))
     return {
+        "early_B": tuple(early_sizes[k] for k in kept_early),
         "by_input": tuple(by_input),
         "reads_inputs": tuple(sorted(j for kind, j in reads if kind == "i")),
         "reads_outputs": tuple(sorted(k for kind, k in reads if kind == "o")),

@@ -87,7 +87,7 @@ def _gradient_use(op: tf.Operation, node_def) -> GradientUse | None:
     return GradientUse(
         reads_inputs=learned["reads_inputs"], reads_outputs=learned["reads_outputs"],
         aliases=learned["aliases"], has_gradient=learned["has_gradient"],
-        by_input=learned.get("by_input"),
+        by_input=learned.get("by_input"), early_B=learned.get("early_B", ()),
     )
 
 

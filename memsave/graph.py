@@ -54,13 +54,22 @@ class GradientUse:
         ``x``'s gradient, and ``x`` only when the mask needs one), so what
         stays alive depends on which inputs need a gradient
         (:meth:`needed`). None: not known, the union above for any input.
+        A third entry, when present, lists the ``early_B`` values read.
+    early_B : tuple of int
+        Bytes of values the gradient computes from the op's inputs and
+        outputs alone (``Square(x)`` in Erfc's gradient, ``x * y`` terms):
+        they do not wait for the incoming gradient, so the executor runs
+        them in the forward pass, right after the op, and keeps them until
+        the gradient runs (what they were computed from is not kept for
+        them).
     """
 
     reads_inputs: tuple[int, ...]
     reads_outputs: tuple[int, ...]
     aliases: tuple[int | None, ...]
     has_gradient: bool = True
-    by_input: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None = None
+    by_input: tuple[tuple[tuple[int, ...], ...], ...] | None = None
+    early_B: tuple[int, ...] = ()
 
     def needed(self, inputs: Sequence[bool]) -> "GradientUse":
         """What the gradient reads when only the inputs flagged in ``inputs``
@@ -69,12 +78,16 @@ class GradientUse:
             return self
         ins: set[int] = set()
         outs: set[int] = set()
-        for need, (i, o) in zip(inputs, self.by_input):
+        early: set[int] = set()
+        for need, reads in zip(inputs, self.by_input):
             if need:
-                ins.update(i)
-                outs.update(o)
+                ins.update(reads[0])
+                outs.update(reads[1])
+                if len(reads) > 2:
+                    early.update(reads[2])
         return dataclasses.replace(
-            self, reads_inputs=tuple(sorted(ins)), reads_outputs=tuple(sorted(outs)))
+            self, reads_inputs=tuple(sorted(ins)), reads_outputs=tuple(sorted(outs)),
+            early_B=tuple(b for k, b in enumerate(self.early_B) if k in early))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -185,6 +185,7 @@ class _Builder:
         self.costs = costs
         self.allocator = allocator
         self.saved_of: dict[int, int] = {}  # op with a body -> what its gradient keeps
+        self.early_of: dict[int, list[int]] = {}  # op -> gradient values run in the forward
         self.p = _Program()
         self.grads: dict[int, list[int]] = {}  # tensor id -> gradient values received
         self.orig: list[int] = [-1] * len(fg.tensors)
@@ -213,6 +214,16 @@ class _Builder:
             self.saved_of[i] = saved
             lists = p.value(figures.stored_B)
             writes += [(saved, ()), (lists, ()), (p.value(figures.forward_B), ())]
+        early = costs.gradient[i].early_B
+        if early and costs.gradient[i].has_gradient:
+            # Gradient values computed from this op's values alone: they run
+            # right after it and wait for its gradient.
+            values = [p.value(b) for b in early]
+            self.early_of[i] = values
+            writes += [(v, ()) for v in values]
+        if costs.scratch and costs.scratch[i]:
+            # The kernel's temporaries (freed when it ends): one per operand.
+            writes += [(p.value(costs.tensor_B[t]), ()) for t in op.inputs]
         for t in op.outputs:
             src = costs.alias_of[t]
             if lists >= 0 and self.fg.tensors[t].dtype == "variant":
@@ -264,7 +275,14 @@ class _Builder:
             reads = [g for g in out_grads if g is not None]
             reads += [vmap(op.inputs[j]) for j in use.reads_inputs if j < len(op.inputs)]
             reads += [vmap(op.outputs[k]) for k in use.reads_outputs if k < len(op.outputs)]
+            reads += self.early_of.get(i, [])
             writes = []
+            if costs.scratch and costs.scratch[i]:
+                # Each input's gradient is a kernel of the same type, run one
+                # after the other: temporaries of the incoming gradient and
+                # the other operand, the largest input at most.
+                writes.append((p.value(max(costs.tensor_B[t] for t in op.outputs)), ()))
+                writes.append((p.value(max((costs.tensor_B[t] for t in op.inputs), default=0)), ()))
             if op.body is not None:
                 if i in self.saved_of:
                     reads.append(self.saved_of[i])
@@ -337,6 +355,7 @@ class _ForwardSnapshot:
                         list(p.writes), list(p.labels))
         self.orig = list(b.orig)
         self.saved_of = dict(b.saved_of)
+        self.early_of = dict(b.early_of)
         self.resident_B = b.resident_B
         self.constant = set(b.constant)
 
@@ -345,6 +364,7 @@ class _ForwardSnapshot:
         p.size, p.alias, p.resident, p.reads, p.writes, p.labels = (list(x) for x in self.program)
         b.orig[:] = self.orig
         b.saved_of = dict(self.saved_of)
+        b.early_of = dict(self.early_of)
         b.resident_B = self.resident_B
         b.constant = set(self.constant)
 
@@ -471,7 +491,8 @@ def _needed_copies(fg: ForwardGraph, costs: Costs, ops: Sequence[int]) -> list[i
     live = []
     for i in reversed(ops):
         op = fg.ops[i]
-        if any(t in need for t in op.outputs) or (op.body is not None and op.body.saved):
+        if (any(t in need for t in op.outputs) or (op.body is not None and op.body.saved)
+                or costs.gradient[i].early_B):
             live.append(i)
             need.update(op.inputs)
     live.reverse()

@@ -187,3 +187,14 @@ def test_while_loop_trips_from_its_counter():
     assert _while_body({}, lambda i, h: i <= 7).body.trips == 8
     body = _while_body({}, lambda i, h: tf.reduce_sum(h) < 3.0).body
     assert body.trips_known is False
+
+
+def test_gradient_values_computed_from_forward_values_alone_are_early():
+    # Erfc's gradient is grad * c * exp(-square(x)): square(x) does not wait
+    # for grad (its control edge does not hold it back), so it runs in the
+    # forward pass and is what waits for the gradient, not x.
+    use = _use(lambda: tf.math.erfc(_ph([256, 1024])))
+    assert use["early_B"] == (256 * 1024 * 4,)
+    assert use["reads_inputs"] == () and use["reads_outputs"] == ()
+    # Tanh's gradient reads its output with the incoming gradient: nothing early.
+    assert _use(lambda: tf.tanh(_ph([256, 1024])))["early_B"] == ()
