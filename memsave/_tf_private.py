@@ -441,6 +441,7 @@ def _learn_gradient_use(op: tf.Operation, node_def):
         origin.setdefault(t.ref(), set()).add(("o", k))
     grad_ops = {gr.op for gr in grads if gr is not None}
     early_sizes: list[int] = []  # bytes of gradient values computed in the forward pass
+    early_from: list[set] = []  # the op's inputs/outputs each is computed from
     dependent = set(grad_ops)
     reads: set = set()
     op_reads: dict = {}  # gradient op -> what it reads of the scratch op
@@ -476,9 +477,13 @@ def _learn_gradient_use(op: tf.Operation, node_def):
             # gradient: the executor runs it as soon as the op has run, in the
             # forward pass, and its output (not what it was computed from)
             # waits for the gradient.
+            base = set()
+            for kind, k in derived:
+                base |= early_from[k] if kind == "e" else {(kind, k)}
             for t, b in zip(o.outputs, sizes):
                 origin[t.ref()] = {("e", len(early_sizes))}
                 early_sizes.append(b)
+                early_from.append(base)
     # Returned gradients that are neither placeholders nor ops after them
     # (a gradient equal to an op input, say) also read what they derive from.
     aliases = []
@@ -528,6 +533,10 @@ def _learn_gradient_use(op: tf.Operation, node_def):
                          tuple(sorted(renumber[k] for kind, k in mine if kind == "e"))))
     return {
         "early_B": tuple(early_sizes[k] for k in kept_early),
+        "early_from": tuple(
+            (tuple(sorted(j for kind, j in early_from[k] if kind == "i")),
+             tuple(sorted(j for kind, j in early_from[k] if kind == "o")))
+            for k in kept_early),
         "by_input": tuple(by_input),
         "reads_inputs": tuple(sorted(j for kind, j in reads if kind == "i")),
         "reads_outputs": tuple(sorted(k for kind, k in reads if kind == "o")),

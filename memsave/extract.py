@@ -88,6 +88,7 @@ def _gradient_use(op: tf.Operation, node_def) -> GradientUse | None:
         reads_inputs=learned["reads_inputs"], reads_outputs=learned["reads_outputs"],
         aliases=learned["aliases"], has_gradient=learned["has_gradient"],
         by_input=learned.get("by_input"), early_B=learned.get("early_B", ()),
+        early_from=learned.get("early_from", ()),
     )
 
 
@@ -321,9 +322,17 @@ def _read_function(op: tf.Operation, cache: dict):
         if use is not None:
             use = use.needed([fg.tensors[t].kind != "external" and fg.tensors[t].trainable
                               for t in node.inputs])
+        # A body's backward runs apart from its forward (a function's backward
+        # function, the gradient loop): what early gradient values are
+        # computed from is what it keeps.
+        ins = set() if use is None else set(use.reads_inputs)
+        outs = set() if use is None else set(use.reads_outputs)
+        for i_from, o_from in (() if use is None else use.early_from):
+            ins.update(i_from)
+            outs.update(o_from)
         read = (node.inputs if use is None else
-                [node.inputs[j] for j in use.reads_inputs if j < len(node.inputs)]
-                + [node.outputs[k] for k in use.reads_outputs if k < len(node.outputs)])
+                [node.inputs[j] for j in sorted(ins) if j < len(node.inputs)]
+                + [node.outputs[k] for k in sorted(outs) if k < len(node.outputs)])
         for t in read:
             r = root(t)
             tn = fg.tensors[r]

@@ -62,6 +62,10 @@ class GradientUse:
         them in the forward pass, right after the op, and keeps them until
         the gradient runs (what they were computed from is not kept for
         them).
+    early_from : tuple of (tuple of int, tuple of int)
+        Per early value, the (input, output) positions it is computed from:
+        inside a function or loop body, whose backward runs separately,
+        those are what the gradient keeps.
     """
 
     reads_inputs: tuple[int, ...]
@@ -70,6 +74,7 @@ class GradientUse:
     has_gradient: bool = True
     by_input: tuple[tuple[tuple[int, ...], ...], ...] | None = None
     early_B: tuple[int, ...] = ()
+    early_from: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
 
     def needed(self, inputs: Sequence[bool]) -> "GradientUse":
         """What the gradient reads when only the inputs flagged in ``inputs``
@@ -87,7 +92,8 @@ class GradientUse:
                     early.update(reads[2])
         return dataclasses.replace(
             self, reads_inputs=tuple(sorted(ins)), reads_outputs=tuple(sorted(outs)),
-            early_B=tuple(b for k, b in enumerate(self.early_B) if k in early))
+            early_B=tuple(b for k, b in enumerate(self.early_B) if k in early),
+            early_from=tuple(f for k, f in enumerate(self.early_from) if k in early))
 
 
 @dataclasses.dataclass(frozen=True)
