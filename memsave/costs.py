@@ -21,6 +21,9 @@ What the numbers mean
   (learned from the gradient TensorFlow builds for the op type; when that
   failed, all of them, and ``assumptions`` says so), and which input
   gradients are the incoming gradient's own buffer (AddV2's ``(grad, grad)``).
+  Only the gradients of inputs that need one count: TensorFlow prunes the
+  others (``h * mask`` keeps ``mask``, not ``h``). Calls and loops read
+  what their bodies' gradients read (:class:`~memsave.graph.Body`).
 * Aliases and in-place: ops of :data:`ALIAS_OP_TYPES` return a view of their
   first input (no allocation); ops of :data:`INPLACE_OP_TYPES` reuse an
   input buffer of the same size when that input dies at the op, as the

@@ -28,7 +28,17 @@ The program
    gradients its outputs received (AddN, in place), reads what it saves
    and writes one gradient per differentiable input (the incoming buffer
    itself where the gradient is a pass-through, e.g. AddV2).
-4. The xs' gradients are outputs of the step: alive to the end.
+4. The xs' gradients are outputs of the step: alive to the end (an x
+   produced in the graph also passes its gradient on to its producer).
+5. Calls and loops (ops with a :class:`~memsave.graph.Body`): the op holds,
+   besides its outputs, what its gradient keeps (while_v2's accumulators:
+   one buffer per trip; a call's intermediates) until its gradient runs,
+   the items of the TensorLists a loop fills (as long as its list outputs
+   live), and the body's transient peak while it runs; its gradient adds
+   the body's backward transient, and a loop's gradient starts its sums
+   from ``zeros_like`` of the loop invariants (constants Grappler folds).
+   The body's figures come from simulating the body itself
+   (:func:`_body_figures`).
 
 The allocator decides what a byte costs (:class:`Allocator`): oneDNN's
 CPU allocator (``MklCPUAllocator``) sends allocations under 256 KiB to a
