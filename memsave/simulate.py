@@ -427,6 +427,15 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs,
     else:
         cached.restore(b)
         orig = b.orig
+    if schedule is not None:
+        # TensorFlow adds what a call's or loop's gradient keeps (the forward
+        # function's extra outputs, while_v2's accumulators) only to the op
+        # it differentiates: an original whose copy is differentiated keeps
+        # nothing.
+        differentiated = {i for step in schedule.steps if step.kind == "backprop" for i in step.ops}
+        for i, v in b.saved_of.items():
+            if i not in differentiated:
+                p.size[v] = 0
     backward_start = len(p.reads)
 
     # Seeds: grad_ys = ones_like(y), a folded constant when y's shape is static.
