@@ -19,6 +19,7 @@ from tensorflow.python.framework import indexed_slices, op_def_registry
 from tensorflow.python.ops import control_flow_util, control_flow_util_v2, gradients_impl, gradients_util
 from tensorflow.python.ops import handle_data_util
 from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.util import deprecation
 
 #: The stock tf.gradients (v1 signature, with colocate_gradients_with_ops),
 #: saved when memsave is imported so that memsave.patch can replace every
@@ -267,12 +268,16 @@ def op_flops(op: tf.Operation, node_def=None) -> int | None:
             return _flops_cache[key]
     except Exception:  # noqa: BLE001 - unhashable attrs: do not cache
         key = None
-    try:
-        stats = _ops.get_stats_for_node_def(op.graph, node_def, "flops")
-        value = getattr(stats, "value", None)
-        value = int(value) if value is not None else None
-    except Exception:  # noqa: BLE001 - a statistics function failing means "unknown"
-        value = None
+    # The registry's functions call tensor_shape_from_node_def_name, which
+    # prints a deprecation warning once per process: silenced for this call
+    # only (deprecation.silence restores the setting; nothing raises through it).
+    with deprecation.silence():
+        try:
+            stats = _ops.get_stats_for_node_def(op.graph, node_def, "flops")
+            value = getattr(stats, "value", None)
+            value = int(value) if value is not None else None
+        except Exception:  # noqa: BLE001 - a statistics function failing means "unknown"
+            value = None
     if key is not None:
         _flops_cache[key] = value
     return value
@@ -318,7 +323,18 @@ _PASS_THROUGH_TYPES = frozenset(
 _gradient_use_cache: dict = {}
 
 
+_last_key: list = [None, None, None]  # (op, node_def, key): op_flops follows learn_gradient_use
+
+
 def _gradient_cache_key(op: tf.Operation, node_def):
+    if _last_key[0] is op and _last_key[1] is node_def:
+        return _last_key[2]
+    key = _compute_cache_key(op, node_def)
+    _last_key[:] = [op, node_def, key]
+    return key
+
+
+def _compute_cache_key(op: tf.Operation, node_def):
     attrs = []
     for k in sorted(node_def.attr):
         if k.startswith("_"):
@@ -328,6 +344,12 @@ def _gradient_cache_key(op: tf.Operation, node_def):
         None if t.shape.rank is None else tuple(t.shape.as_list()) for t in op.inputs
     )
     return (op.type, tuple(attrs), tuple(t.dtype for t in op.inputs), shapes)
+
+
+def _static_bytes(t: tf.Tensor) -> int | None:
+    if not t.shape.is_fully_defined() or t.dtype in (tf.resource, tf.variant, tf.string):
+        return None
+    return t.shape.num_elements() * t.dtype.size
 
 
 def learn_gradient_use(op: tf.Operation, node_def=None):
@@ -346,8 +368,13 @@ def learn_gradient_use(op: tf.Operation, node_def=None):
     -------
     dict or None
         ``{"reads_inputs": tuple, "reads_outputs": tuple, "aliases": tuple,
-        "has_gradient": bool}`` (``aliases[j]``: the output whose incoming
-        gradient is input ``j``'s gradient, buffer and all, or None), or None
+        "has_gradient": bool, "early_B": tuple, "by_input": tuple}``
+        (``aliases[j]``: the output whose incoming gradient is input ``j``'s
+        gradient, buffer and all, or None; ``early_B``: bytes of the values
+        gradient ops compute from the op's inputs/outputs alone, which the
+        executor computes in the forward pass and keeps for the gradient;
+        ``by_input[j]``: (inputs, outputs, early values) read for input
+        ``j``'s gradient), or None
         when the gradient could not be built this way (function calls,
         custom gradients, ops that need their original graph).
     """
@@ -413,24 +440,50 @@ def _learn_gradient_use(op: tf.Operation, node_def):
     for k, t in enumerate(new.outputs):
         origin.setdefault(t.ref(), set()).add(("o", k))
     grad_ops = {gr.op for gr in grads if gr is not None}
+    early_sizes: list[int] = []  # bytes of gradient values computed in the forward pass
+    early_from: list[set] = []  # the op's inputs/outputs each is computed from
     dependent = set(grad_ops)
     reads: set = set()
+    op_reads: dict = {}  # gradient op -> what it reads of the scratch op
     for o in g.get_operations()[first_grad_op:]:
         if o is new or o.type == "Placeholder":
             continue
-        dep = any(t.op in dependent for t in o.inputs) or any(c in dependent for c in o.control_inputs)
+        # Only data edges order a gradient op after the incoming gradient:
+        # the control edges gradient functions add (``with
+        # control_dependencies([grad])``, e.g. Erfc's) do not hold it back in
+        # the step TensorFlow runs. Measured: Erfc's Square(x) and Softmax's
+        # products run in the forward pass, right after their op.
+        dep = any(t.op in dependent for t in o.inputs)
         if dep:
             dependent.add(o)
             if o.type not in SHAPE_ONLY_TYPES:
+                mine = set()
                 for t in o.inputs:
-                    reads |= origin.get(t.ref(), set())
+                    mine |= origin.get(t.ref(), set())
+                reads |= mine
+                op_reads[o] = mine
         elif o.type not in SHAPE_ONLY_TYPES:
             derived = set()
             for t in o.inputs:
                 derived |= origin.get(t.ref(), set())
-            if derived:
-                for t in o.outputs:
+            if not derived:
+                continue
+            sizes = [_static_bytes(t) for t in o.outputs]
+            if o.type in _PASS_THROUGH_TYPES or o.type == "Identity" or any(b is None for b in sizes):
+                for t in o.outputs:  # a view, or a size not known: keeps what it derives from
                     origin.setdefault(t.ref(), set()).update(derived)
+                continue
+            # Computed from the op's values alone, not from the incoming
+            # gradient: the executor runs it as soon as the op has run, in the
+            # forward pass, and its output (not what it was computed from)
+            # waits for the gradient.
+            base = set()
+            for kind, k in derived:
+                base |= early_from[k] if kind == "e" else {(kind, k)}
+            for t, b in zip(o.outputs, sizes):
+                origin[t.ref()] = {("e", len(early_sizes))}
+                early_sizes.append(b)
+                early_from.append(base)
     # Returned gradients that are neither placeholders nor ops after them
     # (a gradient equal to an op input, say) also read what they derive from.
     aliases = []
@@ -450,9 +503,168 @@ def _learn_gradient_use(op: tf.Operation, node_def):
         aliases.append(alias)
     while len(aliases) < len(inputs):
         aliases.append(None)
+    # Early values some gradient op reads (the others are transient).
+    kept_early = sorted(k for kind, k in reads if kind == "e")
+    renumber = {k: n for n, k in enumerate(kept_early)}
+    # Per input: the reads of the gradient ops its gradient depends on (the
+    # rest is pruned when that input needs no gradient).
+    by_input = []
+    for j in range(len(inputs)):
+        r = result[j] if j < len(result) else None
+        if isinstance(r, tf.IndexedSlices):
+            r = [r.values, r.indices]
+        elif r is None:
+            r = []
+        else:
+            r = [r]
+        mine: set = set()
+        stack = [t.op for t in r if isinstance(t, tf.Tensor)]
+        seen = set()
+        while stack:
+            o = stack.pop()
+            if o in seen or o is new:
+                continue
+            seen.add(o)
+            mine |= op_reads.get(o, set())
+            stack.extend(t.op for t in o.inputs)
+            stack.extend(o.control_inputs)
+        by_input.append((tuple(sorted(k for kind, k in mine if kind == "i")),
+                         tuple(sorted(k for kind, k in mine if kind == "o")),
+                         tuple(sorted(renumber[k] for kind, k in mine if kind == "e"))))
     return {
+        "early_B": tuple(early_sizes[k] for k in kept_early),
+        "early_from": tuple(
+            (tuple(sorted(j for kind, j in early_from[k] if kind == "i")),
+             tuple(sorted(j for kind, j in early_from[k] if kind == "o")))
+            for k in kept_early),
+        "by_input": tuple(by_input),
         "reads_inputs": tuple(sorted(j for kind, j in reads if kind == "i")),
         "reads_outputs": tuple(sorted(k for kind, k in reads if kind == "o")),
         "aliases": tuple(aliases[: len(inputs)]),
         "has_gradient": True,
     }
+
+
+# -- bodies of calls and loops ------------------------------------------------
+
+#: Ops that call a tf.function (its FunctionDef in the ``f`` attr).
+CALL_OP_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+#: Functional loops (while_v2): inputs and outputs are the loop variables,
+#: input 1 is ``maximum_iterations`` (-1 when not given).
+WHILE_OP_TYPES = frozenset({"While", "StatelessWhile"})
+
+
+def body_graph(op: tf.Operation):
+    """A FuncGraph of the function a call op or a While runs, or None.
+
+    The graph the function was traced into when TensorFlow still holds it
+    (``While._body_graph``, which while_v2 sets; the ``AtomicFunction`` of a
+    call): its resource inputs carry the variables' shapes. Otherwise one
+    built from the op's FunctionDef by ``control_flow_util_v2.get_func_graph``
+    (as while_v2's and cond_v2's gradients do). Its inputs and outputs line
+    up with the op's. Only read, never changed.
+    """
+    if op.type in WHILE_OP_TYPES and getattr(op, "_body_graph", None) is not None:
+        return op._body_graph  # pylint: disable=protected-access  # while_v2's own, with handle data
+    if op.type in CALL_OP_TYPES:
+        original = _traced_graph(op)
+        if original is not None:
+            return original
+    try:
+        if op.type in CALL_OP_TYPES:
+            shapes = [t.shape for t in op.inputs]
+            name = op.get_attr("f").name
+        elif op.type in WHILE_OP_TYPES:
+            shapes = [tf.TensorShape(s) for s in op.get_attr("output_shapes")]
+            name = op.get_attr("body").name
+        else:
+            return None
+        return control_flow_util_v2.get_func_graph(op, shapes, name)
+    except Exception:  # noqa: BLE001 - a body that cannot be read is modelled as one op
+        return None
+
+
+def _traced_graph(op: tf.Operation):
+    """The FuncGraph a called function was traced into, if it is still held."""
+    try:
+        name = op.get_attr("f").name
+    except Exception:  # noqa: BLE001
+        return None
+    g = op.graph
+    while g is not None:
+        func = g._get_function(name)  # pylint: disable=protected-access
+        if func is not None:
+            return getattr(func, "_cached_graph", None)
+        g = getattr(g, "outer_graph", None)
+    return None
+
+
+def cond_graph(op: tf.Operation):
+    """The FuncGraph of a While's condition, or None."""
+    if getattr(op, "_cond_graph", None) is not None:
+        return op._cond_graph  # pylint: disable=protected-access
+    try:
+        shapes = [tf.TensorShape(s) for s in op.get_attr("output_shapes")]
+        return control_flow_util_v2.get_func_graph(op, shapes, op.get_attr("cond").name)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def function_key(op: tf.Operation):
+    """(function name, input shapes) of a call or While: ops with equal keys run equal bodies."""
+    attr = "f" if op.type in CALL_OP_TYPES else "body"
+    try:
+        name = op.get_attr(attr).name
+    except Exception:  # noqa: BLE001
+        return None
+    shapes = tuple(None if t.shape.rank is None else tuple(t.shape.as_list()) for t in op.inputs)
+    return (op.type, name, shapes)
+
+
+#: Largest subgraph :func:`static_value` evaluates (ops).
+STATIC_VALUE_MAX_OPS = 32
+
+
+def static_value(t: tf.Tensor):
+    """The value of ``t`` when it follows from constants alone, else None.
+
+    ``tf.get_static_value`` first (it knows Shape, Range, Cast, ...); else,
+    when every op ``t`` depends on is stateless, has no function attr and
+    its sources are Const ops (at most :data:`STATIC_VALUE_MAX_OPS`), the
+    subgraph is copied into a scratch graph and run there, as Grappler's
+    constant folding would (Keras' RNN loops take ``maximum_iterations``
+    from a ``reduce_max`` of a constant).
+    """
+    value = tf.get_static_value(t)
+    if value is not None:
+        return value
+    ops, stack, seen = [], [t.op], set()
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if (op._is_stateful or op.type in ("Placeholder", "VarHandleOp")  # pylint: disable=protected-access
+                or any(a.HasField("func") for a in op.node_def.attr.values())
+                or op.control_inputs or len(seen) > STATIC_VALUE_MAX_OPS):
+            return None
+        ops.append(op)
+        stack.extend(i.op for i in op.inputs)
+    ops.sort(key=op_creation_index)
+    try:
+        g = tf.Graph()
+        copied: dict = {}
+        with g.as_default():
+            for op in ops:
+                new = g._create_op_internal(  # pylint: disable=protected-access
+                    op.type, [copied[i.ref()] for i in op.inputs],
+                    dtypes=[o.dtype for o in op.outputs],
+                    attrs={k: v for k, v in op.node_def.attr.items() if not k.startswith("_")},
+                    op_def=op.op_def, compute_device=False,
+                )
+                for src, dst in zip(op.outputs, new.outputs):
+                    copied[src.ref()] = dst
+        with tf.compat.v1.Session(graph=g) as sess:
+            return sess.run(copied[t.ref()])
+    except Exception:  # noqa: BLE001 - not evaluable: unknown
+        return None

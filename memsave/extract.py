@@ -20,15 +20,20 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import heapq
+import logging
 from collections.abc import Sequence
 
 import tensorflow as tf
 
 from memsave import _tf_private
-from memsave.graph import ForwardGraph, GradientUse, OpNode, TensorNode
+from memsave.costs import ALIAS_OP_TYPES
+from memsave.graph import Body, ForwardGraph, GradientUse, OpNode, TensorNode
 
 __all__ = ["Extraction", "extract"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -45,6 +50,7 @@ class Extraction:
         return self.tensor_ids.get(t.ref())
 
 
+@functools.lru_cache(maxsize=None)
 def _itemsize(dtype: tf.DType) -> int:
     return dtype.size if dtype not in (tf.resource, tf.variant, tf.string) else 0
 
@@ -81,6 +87,8 @@ def _gradient_use(op: tf.Operation, node_def) -> GradientUse | None:
     return GradientUse(
         reads_inputs=learned["reads_inputs"], reads_outputs=learned["reads_outputs"],
         aliases=learned["aliases"], has_gradient=learned["has_gradient"],
+        by_input=learned.get("by_input"), early_B=learned.get("early_B", ()),
+        early_from=learned.get("early_from", ()),
     )
 
 
@@ -89,8 +97,21 @@ def extract(
     xs: Sequence[tf.Tensor],
     stop_gradients: Sequence[tf.Tensor] = (),
     tagged: Sequence[tf.Tensor] = (),
+    _bodies: dict | None = None,
 ) -> Extraction:
-    """Build the ForwardGraph of the ops on differentiable paths from xs to ys."""
+    """Build the ForwardGraph of the ops on differentiable paths from xs to ys.
+
+    Calls of tf.functions and While loops get a :class:`~memsave.graph.Body`:
+    the function they run, read the same way (``_bodies`` caches it per
+    function and input shapes).
+    """
+    from memsave.simulate import paused_gc  # TF-free; a burst of small allocations here too
+
+    with paused_gc():
+        return _extract(ys, xs, stop_gradients, tagged, _bodies)
+
+
+def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
     stop_ops = {t.op for t in stop_gradients}
 
     # Forward: ops reached from the xs along differentiable tensors.
@@ -154,14 +175,20 @@ def extract(
         return i
 
     op_nodes = []
+    bodies: dict = {} if _bodies is None else _bodies
     for i, op in enumerate(ops):
         node_def = op.node_def  # parsed once: both cost readers need it
         inputs = tuple(tensor_id(t) for t in op.inputs)
         outputs = tuple(tensor_id(t) for t in op.outputs)
+        body, gradient = None, None
+        if op.type in _tf_private.CALL_OP_TYPES or op.type in _tf_private.WHILE_OP_TYPES:
+            body, gradient = _read_body(op, bodies)
+        if gradient is None:
+            gradient = _gradient_use(op, node_def)
         op_nodes.append(OpNode(
             index=i, name=op.name, type=op.type, inputs=inputs, outputs=outputs,
             recomputable=_tf_private.is_recomputable(op),
-            flops=_tf_private.op_flops(op, node_def), gradient=_gradient_use(op, node_def),
+            flops=_tf_private.op_flops(op, node_def), gradient=gradient, body=body,
         ))
     x_ids = tuple(tensor_id(x) for x in xs)
     y_ids = tuple(tensor_id(y) for y in ys)
@@ -196,3 +223,176 @@ def _toposort(ops: set[tf.Operation]) -> list[tf.Operation]:
     if len(out) != len(ops):
         raise AssertionError("this is a bug in memsave: the forward graph has a cycle")
     return out
+
+
+# -- bodies of calls and loops -------------------------------------------------
+
+#: Op types that write an item into a TensorList (a TensorArray in graph
+#: mode), and the position of the item among their inputs: inside a loop,
+#: the list the loop carries keeps every trip's item alive.
+LIST_WRITE_ITEM = {"TensorListSetItem": 2, "TensorListPushBack": 1}
+
+#: Comparison of a loop counter with a bound (cond ``i < n``, ``i <= n``):
+#: how many trips a counter from ``start`` by ``step`` makes.
+_COUNTER_COMPARISONS = {"Less": 0, "LessEqual": 1}
+
+#: Trips assumed for a loop whose trip count is not known statically
+#: (the Plan lists such loops among its assumptions).
+UNKNOWN_TRIPS = 1
+
+
+def _read_body(op: tf.Operation, cache: dict) -> tuple[Body | None, GradientUse | None]:
+    """The Body of a call or While, and what the op's gradient reads.
+
+    What the gradient keeps is read from the body's own ops, by the rules
+    TensorFlow follows when it differentiates a function call (the forward
+    function outputs every intermediate its backward function reads) and a
+    while_v2 loop (``_WhileBodyGradFuncGraph._capture_helper``: it captures
+    loop invariants and constants directly, re-reads resources, looks
+    through Identity, and pushes every other tensor the gradient reads to an
+    accumulator, one entry per trip).
+    """
+    key = _tf_private.function_key(op)
+    if key is None:
+        return None, None
+    if key not in cache:
+        try:
+            cache[key] = _read_function(op, cache)
+        except Exception:  # noqa: BLE001 - modelling a body must never stop the rewrite
+            logger.debug("memsave: could not read the body of %s", op.name, exc_info=True)
+            cache[key] = None
+    read = cache[key]
+    if read is None:
+        return None, None
+    fg, saved, stored, reads_inputs, reads_outputs, invariant = read
+    loop = op.type in _tf_private.WHILE_OP_TYPES
+    trips, known = (_while_trips(op) if loop else (1, True))
+    body = Body(fg=fg, trips=trips, trips_known=known, saved=saved, stored=stored, loop=loop,
+                invariant=invariant)
+    gradient = GradientUse(
+        reads_inputs=reads_inputs, reads_outputs=() if loop else reads_outputs,
+        aliases=(None,) * len(op.inputs),
+    )
+    return body, gradient
+
+
+def _read_function(op: tf.Operation, cache: dict):
+    func = _tf_private.body_graph(op)
+    if func is None:
+        return None
+    inputs, outputs = list(func.inputs), list(func.outputs)
+    if len(inputs) != len(op.inputs) or len(outputs) != len(op.outputs):
+        return None  # captures not lined up with the op's inputs: not read
+    xs = [t for t in inputs if _tf_private.is_trainable(t)]
+    ys = [t for t in outputs if _tf_private.is_trainable(t)]
+    if not xs or not ys:
+        return None
+    sub = extract(ys, xs, _bodies=cache)
+    fg = sub.fg
+    loop = op.type in _tf_private.WHILE_OP_TYPES
+
+    def root(t: int) -> int:
+        node = fg.tensors[t]
+        while node.producer is not None and fg.ops[node.producer].type in ALIAS_OP_TYPES \
+                and fg.ops[node.producer].inputs:
+            t = fg.ops[node.producer].inputs[0]
+            node = fg.tensors[t]
+        return t
+
+    position = {}  # body tensor id -> input position
+    for j, t in enumerate(inputs):
+        i = sub.id_of(t)
+        if i is not None:
+            position[i] = j
+    out_root = {}  # root tensor id -> output position
+    invariant = set()
+    for k, t in enumerate(outputs):
+        i = sub.id_of(t)
+        if i is None:
+            continue
+        r = root(i)
+        if loop and position.get(r) == k:
+            invariant.add(k)
+        else:
+            out_root.setdefault(r, k)
+    saved, reads_inputs, reads_outputs = {}, set(), set()
+    stored = {}
+    for node in fg.ops:
+        use = node.gradient
+        if use is not None:
+            use = use.needed([fg.tensors[t].kind != "external" and fg.tensors[t].trainable
+                              for t in node.inputs])
+        # A body's backward runs apart from its forward (a function's backward
+        # function, the gradient loop): what early gradient values are
+        # computed from is what it keeps.
+        ins = set() if use is None else set(use.reads_inputs)
+        outs = set() if use is None else set(use.reads_outputs)
+        for i_from, o_from in (() if use is None else use.early_from):
+            ins.update(i_from)
+            outs.update(o_from)
+        read = (node.inputs if use is None else
+                [node.inputs[j] for j in sorted(ins) if j < len(node.inputs)]
+                + [node.outputs[k] for k in sorted(outs) if k < len(node.outputs)])
+        for t in read:
+            r = root(t)
+            tn = fg.tensors[r]
+            if tn.dtype in ("resource", "variant") or tn.constant:
+                continue
+            if tn.kind != "internal":
+                j = position.get(r)
+                if j is None:
+                    continue
+                if not loop or j in invariant:
+                    reads_inputs.add(j)
+                else:
+                    saved[("var", j)] = r  # a loop variable: accumulated every trip
+            elif r in out_root and not loop:
+                reads_outputs.add(out_root[r])
+            elif r in out_root:
+                saved[("var", out_root[r])] = r  # next trip's loop variable
+            else:
+                saved[r] = r
+        j = LIST_WRITE_ITEM.get(node.type)
+        if loop and j is not None and j < len(node.inputs):
+            r = root(node.inputs[j])
+            if fg.tensors[r].kind == "internal":
+                stored[r] = r
+    saved_ids = tuple(sorted(dict.fromkeys(saved.values())))
+    stored_ids = tuple(sorted(r for r in stored if r not in set(saved_ids)))
+    return (fg, saved_ids, stored_ids, tuple(sorted(reads_inputs)), tuple(sorted(reads_outputs)),
+            tuple(sorted(invariant)))
+
+
+def _while_trips(op: tf.Operation) -> tuple[int, bool]:
+    """Trips of a While: ``maximum_iterations`` when given, else a counter
+    compared with a constant bound (``i < n`` with ``i`` starting at a
+    constant and stepping by one), else :data:`UNKNOWN_TRIPS` (unknown)."""
+    limit = _tf_private.static_value(op.inputs[1]) if len(op.inputs) > 1 else None
+    if limit is not None and int(limit) >= 0:
+        return int(limit), True
+    cond = _tf_private.cond_graph(op)
+    body = _tf_private.body_graph(op)
+    if cond is None or body is None or not cond.outputs:
+        return UNKNOWN_TRIPS, False
+    cmp = cond.outputs[0].op
+    while cmp.type == "Identity" and cmp.inputs:
+        cmp = cmp.inputs[0].op
+    if cmp.type not in _COUNTER_COMPARISONS or len(cmp.inputs) != 2:
+        return UNKNOWN_TRIPS, False
+    counter, bound = cmp.inputs
+    bound_value = tf.get_static_value(bound)
+    pos = next((j for j, t in enumerate(cond.inputs) if t is counter), None)
+    if bound_value is None or pos is None or pos >= len(op.inputs):
+        return UNKNOWN_TRIPS, False
+    start = tf.get_static_value(op.inputs[pos])
+    step_op = body.outputs[pos].op if pos < len(body.outputs) else None
+    while step_op is not None and step_op.type == "Identity":
+        step_op = step_op.inputs[0].op
+    if start is None or step_op is None or step_op.type not in ("AddV2", "Add"):
+        return UNKNOWN_TRIPS, False
+    a, b = step_op.inputs
+    step = tf.get_static_value(b if a is body.inputs[pos] else a)
+    if step is None or int(step) <= 0 or not (a is body.inputs[pos] or b is body.inputs[pos]):
+        return UNKNOWN_TRIPS, False
+    span = int(bound_value) - int(start) + _COUNTER_COMPARISONS[cmp.type]
+    return max(0, -(-span // int(step))), True

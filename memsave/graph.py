@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-__all__ = ["OpNode", "TensorNode", "ForwardGraph", "GradientUse"]
+__all__ = ["OpNode", "TensorNode", "ForwardGraph", "GradientUse", "Body"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +47,53 @@ class GradientUse:
     has_gradient : bool
         False when the op has no gradient (``StopGradient``, registered
         not-differentiable): backprop stops there.
+    by_input : tuple of (tuple of int, tuple of int), or None
+        Per input: the (input positions, output positions) that computing
+        that input's gradient reads. TensorFlow prunes the gradient ops of
+        inputs that need no gradient (``x * mask`` keeps ``mask`` for
+        ``x``'s gradient, and ``x`` only when the mask needs one), so what
+        stays alive depends on which inputs need a gradient
+        (:meth:`needed`). None: not known, the union above for any input.
+        A third entry, when present, lists the ``early_B`` values read.
+    early_B : tuple of int
+        Bytes of values the gradient computes from the op's inputs and
+        outputs alone (``Square(x)`` in Erfc's gradient, ``x * y`` terms):
+        they do not wait for the incoming gradient, so the executor runs
+        them in the forward pass, right after the op, and keeps them until
+        the gradient runs (what they were computed from is not kept for
+        them).
+    early_from : tuple of (tuple of int, tuple of int)
+        Per early value, the (input, output) positions it is computed from:
+        inside a function or loop body, whose backward runs separately,
+        those are what the gradient keeps.
     """
 
     reads_inputs: tuple[int, ...]
     reads_outputs: tuple[int, ...]
     aliases: tuple[int | None, ...]
     has_gradient: bool = True
+    by_input: tuple[tuple[tuple[int, ...], ...], ...] | None = None
+    early_B: tuple[int, ...] = ()
+    early_from: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+
+    def needed(self, inputs: Sequence[bool]) -> "GradientUse":
+        """What the gradient reads when only the inputs flagged in ``inputs``
+        need a gradient (the rest are pruned)."""
+        if self.by_input is None or all(inputs) or len(inputs) != len(self.by_input):
+            return self
+        ins: set[int] = set()
+        outs: set[int] = set()
+        early: set[int] = set()
+        for need, reads in zip(inputs, self.by_input):
+            if need:
+                ins.update(reads[0])
+                outs.update(reads[1])
+                if len(reads) > 2:
+                    early.update(reads[2])
+        return dataclasses.replace(
+            self, reads_inputs=tuple(sorted(ins)), reads_outputs=tuple(sorted(outs)),
+            early_B=tuple(b for k, b in enumerate(self.early_B) if k in early),
+            early_from=tuple(f for k, f in enumerate(self.early_from) if k in early))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +150,50 @@ class TensorNode:
     constant: bool = False
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Body:
+    """The function a call op (PartitionedCall, StatefulPartitionedCall) or a
+    loop (While) runs, read as a ForwardGraph of its own.
+
+    Attributes
+    ----------
+    fg : ForwardGraph
+        The body's ops between its inputs (xs: the function's arguments)
+        and its outputs (ys).
+    trips : int
+        How often the body runs in one call: 1 for a call; for a loop, its
+        ``maximum_iterations`` or the trip count read from its counter (see
+        ``trips_known``).
+    trips_known : bool
+        False when the trip count was not known statically and ``trips`` is
+        a guess.
+    saved : tuple of int
+        Body tensor ids whose buffers the op's gradient keeps, one buffer
+        each per trip: the intermediates TensorFlow adds as extra outputs of
+        the forward call (a tf.function's forward/backward split) or pushes to
+        accumulators (while_v2), deduplicated by buffer; loop invariants,
+        constants and resource handles are not saved.
+    stored : tuple of int
+        Body tensor ids written into a TensorList (TensorArray) that the
+        loop carries: each trip adds one buffer the list keeps alive.
+    loop : bool
+        A While: the gradient runs a loop of its own, with one gradient
+        buffer per loop-invariant input besides each trip's gradient.
+    invariant : tuple of int
+        A While's input positions that the body passes through unchanged
+        (captured tensors, weights): the gradient loop sums their gradients
+        from ``zeros_like`` of them.
+    """
+
+    fg: "ForwardGraph"
+    trips: int
+    trips_known: bool
+    saved: tuple[int, ...]
+    stored: tuple[int, ...] = ()
+    loop: bool = False
+    invariant: tuple[int, ...] = ()
+
+
 @dataclasses.dataclass(frozen=True)
 class OpNode:
     """One op of the forward graph.
@@ -116,6 +201,7 @@ class OpNode:
     ``inputs`` and ``outputs`` are tensor ids. ``flops`` is TensorFlow's
     registered FLOP count (None where it has none); ``gradient`` what the
     op's gradient reads (None: not learned, assume it reads everything).
+    ``body``: for calls and loops, the function they run (None otherwise).
     """
 
     index: int
@@ -126,6 +212,7 @@ class OpNode:
     recomputable: bool
     flops: int | None = None
     gradient: GradientUse | None = None
+    body: Body | None = None
 
 
 @dataclasses.dataclass(frozen=True)

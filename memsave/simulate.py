@@ -28,7 +28,17 @@ The program
    gradients its outputs received (AddN, in place), reads what it saves
    and writes one gradient per differentiable input (the incoming buffer
    itself where the gradient is a pass-through, e.g. AddV2).
-4. The xs' gradients are outputs of the step: alive to the end.
+4. The xs' gradients are outputs of the step: alive to the end (an x
+   produced in the graph also passes its gradient on to its producer).
+5. Calls and loops (ops with a :class:`~memsave.graph.Body`): the op holds,
+   besides its outputs, what its gradient keeps (while_v2's accumulators:
+   one buffer per trip; a call's intermediates) until its gradient runs,
+   the items of the TensorLists a loop fills (as long as its list outputs
+   live), and the body's transient peak while it runs; its gradient adds
+   the body's backward transient, and a loop's gradient starts its sums
+   from ``zeros_like`` of the loop invariants (constants Grappler folds).
+   The body's figures come from simulating the body itself
+   (:func:`_body_figures`).
 
 The allocator decides what a byte costs (:class:`Allocator`): oneDNN's
 CPU allocator (``MklCPUAllocator``) sends allocations under 256 KiB to a
@@ -47,11 +57,14 @@ side by side.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
+import weakref
 from collections.abc import Sequence
 
-from memsave.costs import Costs
-from memsave.graph import ForwardGraph
+from memsave.costs import Costs, body_costs
+from memsave.graph import Body, ForwardGraph
 from memsave.schedule import Schedule
 
 __all__ = [
@@ -179,14 +192,18 @@ def _gateable(node) -> bool:
 class _Builder:
     """Builds the program of one step (see module docstring)."""
 
-    def __init__(self, fg: ForwardGraph, costs: Costs) -> None:
+    def __init__(self, fg: ForwardGraph, costs: Costs, allocator: Allocator) -> None:
         self.fg = fg
         self.costs = costs
+        self.allocator = allocator
+        self.saved_of: dict[int, int] = {}  # op with a body -> what its gradient keeps
+        self.early_of: dict[int, list[int]] = {}  # op -> gradient values run in the forward
         self.p = _Program()
         self.grads: dict[int, list[int]] = {}  # tensor id -> gradient values received
         self.orig: list[int] = [-1] * len(fg.tensors)
         self.resident_B = 0
         self.constant: set[int] = set()  # gradient values Grappler folds into constants
+        self.xs = set(fg.xs)
         for node in fg.tensors:
             if node.kind != "internal":
                 self.orig[node.id] = self.p.value(costs.tensor_B[node.id], resident=True)
@@ -199,8 +216,32 @@ class _Builder:
         op = fg.ops[i]
         reads = [vmap(t) for t in op.inputs]
         writes = []
+        lists = -1
+        if op.body is not None:
+            figures = _body_figures(op.body, self.allocator)
+            # What the gradient keeps (alive until it runs), what the loop's
+            # TensorLists hold (alive while the lists are), and the body's
+            # own transient peak (freed when the op ends).
+            saved = p.value(figures.saved_B)
+            self.saved_of[i] = saved
+            lists = p.value(figures.stored_B)
+            writes += [(saved, ()), (lists, ()), (p.value(figures.forward_B), ())]
+        early = costs.gradient[i].early_B
+        if early and costs.gradient[i].has_gradient:
+            # Gradient values computed from this op's values alone: they run
+            # right after it and wait for its gradient.
+            values = [p.value(b) for b in early]
+            self.early_of[i] = values
+            writes += [(v, ()) for v in values]
+        if costs.scratch and costs.scratch[i]:
+            # The kernel's temporaries (freed when it ends): one per operand.
+            writes += [(p.value(costs.tensor_B[t]), ()) for t in op.inputs]
         for t in op.outputs:
             src = costs.alias_of[t]
+            if lists >= 0 and self.fg.tensors[t].dtype == "variant":
+                writes.append((p.value(costs.tensor_B[t], alias=lists), ()))
+                self.bind(t, writes[-1][0])
+                continue
             if src is not None:
                 v = p.value(costs.tensor_B[t], alias=vmap(src))
                 writes.append((v, ()))
@@ -228,9 +269,14 @@ class _Builder:
             any_grad = False
             for t in op.outputs:
                 got = local.pop(t, [])
-                if t in heads:
+                if t in heads or t in self.xs:
                     got += self.grads.pop(t, [])
-                out_grads.append(self.accumulate(t, got, phase))
+                g = self.accumulate(t, got, phase)
+                if g is not None and t in self.xs:
+                    # An x produced in the graph (an activation given as x):
+                    # its gradient is a result of the step and flows on.
+                    self.grads[t] = [g]
+                out_grads.append(g)
                 any_grad = any_grad or bool(got)
             if not any_grad or not use.has_gradient:
                 continue
@@ -241,7 +287,28 @@ class _Builder:
             reads = [g for g in out_grads if g is not None]
             reads += [vmap(op.inputs[j]) for j in use.reads_inputs if j < len(op.inputs)]
             reads += [vmap(op.outputs[k]) for k in use.reads_outputs if k < len(op.outputs)]
+            reads += self.early_of.get(i, [])
             writes = []
+            if costs.scratch and costs.scratch[i]:
+                # Each input's gradient is a kernel of the same type, run one
+                # after the other: temporaries of the incoming gradient and
+                # the other operand, the largest input at most.
+                writes.append((p.value(max(costs.tensor_B[t] for t in op.outputs)), ()))
+                writes.append((p.value(max((costs.tensor_B[t] for t in op.inputs), default=0)), ()))
+            if op.body is not None:
+                if i in self.saved_of:
+                    reads.append(self.saved_of[i])
+                if op.body.loop:
+                    # The gradient loop sums a loop invariant's gradient from
+                    # zeros_like(it): a constant Grappler folds when the shape is static.
+                    # while_v2 differentiates every floating loop input, used or not.
+                    for j in op.body.invariant:
+                        t = op.inputs[j] if j < len(op.inputs) else None
+                        if (t is not None and fg.tensors[t].trainable
+                                and fg.tensors[t].dtype not in ("resource", "variant")
+                                and self.foldable(t)):
+                            self.constant_value(t)
+                writes.append((p.value(_body_figures(op.body, self.allocator).backward_B), ()))
             for j, t in enumerate(op.inputs):
                 node = fg.tensors[t]
                 if not node.trainable or node.kind == "external":
@@ -291,17 +358,17 @@ class _Builder:
 
 
 class ForwardProgram:
-    """The forward part of every step's program: the same whatever the schedule.
+    """The builder's state after the forward pass, which every schedule of one graph shares.
 
-    Build it once per graph (:func:`forward_program`) and pass it to
-    :func:`simulate` to simulate many schedules of one graph (the budget
-    solvers do) without rebuilding it each time.
+    Build it once (:func:`forward_program`) and pass it to :func:`simulate`
+    as ``forward=`` to simulate many schedules of one graph (strategies'
+    candidate plans, the budget solvers) without rebuilding it. Without
+    ``forward=``, :func:`simulate` reuses the last one it built for the same
+    graph, costs and allocator.
     """
 
-    __slots__ = ("fg", "costs", "lists", "orig", "resident_B")
-
-    def __init__(self, fg: ForwardGraph, costs: Costs) -> None:
-        b = _Builder(fg, costs)
+    def __init__(self, fg: ForwardGraph, costs: Costs, allocator: Allocator) -> None:
+        b = _Builder(fg, costs, allocator)
         orig = b.orig
 
         def bind_orig(t: int, v: int) -> None:
@@ -310,40 +377,88 @@ class ForwardProgram:
         b.bind = bind_orig
         for i in range(len(fg.ops)):
             b.run_op(i, orig.__getitem__, "forward")
-        assert not b.constant and not b.p.pinned, "this is a bug in memsave: forward constants"
-        self.fg, self.costs = fg, costs
-        self.lists = {k: getattr(b.p, k) for k in _Program.__slots__ if k != "pinned"}
-        self.orig = orig
+        self.fg, self.costs, self.allocator = fg, costs, allocator
+        p = b.p
+        # Instruction lists are never changed once made: shared, not copied.
+        self.program = (list(p.size), list(p.alias), list(p.resident), list(p.reads),
+                        list(p.writes), list(p.labels))
+        self.orig = list(b.orig)
+        self.saved_of = dict(b.saved_of)
+        self.early_of = dict(b.early_of)
         self.resident_B = b.resident_B
+        self.constant = set(b.constant)
 
-    def builder(self) -> _Builder:
-        """A builder whose program holds the forward pass (copies: extend freely)."""
-        b = _Builder.__new__(_Builder)
-        b.fg, b.costs = self.fg, self.costs
-        b.p = _Program()
-        for k, v in self.lists.items():
-            setattr(b.p, k, list(v))
-        b.grads = {}
-        b.orig = list(self.orig)
+    def restore(self, b: _Builder) -> None:
+        """Put ``b`` (fresh, for the same graph) in the state after the forward pass."""
+        p = b.p
+        p.size, p.alias, p.resident, p.reads, p.writes, p.labels = (list(x) for x in self.program)
+        b.orig[:] = self.orig
+        b.saved_of = dict(self.saved_of)
+        b.early_of = dict(self.early_of)
         b.resident_B = self.resident_B
-        b.constant = set()
-        return b
+        b.constant = set(self.constant)
 
 
-def forward_program(fg: ForwardGraph, costs: Costs) -> ForwardProgram:
+def forward_program(fg: ForwardGraph, costs: Costs,
+                    allocator: Allocator = CPU_ONEDNN) -> ForwardProgram:
     """The schedule-independent forward program of ``fg`` (for ``simulate(forward=)``)."""
-    return ForwardProgram(fg, costs)
+    with paused_gc():
+        return ForwardProgram(fg, costs, allocator)
 
 
-def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs,
+class _LastForward:
+    """The last forward program :func:`simulate` built itself, keyed by identity.
+
+    A plan simulates one graph many times (the baseline, each candidate of a
+    strategy, the chosen plan): the forward part is the same every time.
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple = ()
+        self.forward: ForwardProgram | None = None
+
+    def get(self, fg, costs, allocator) -> ForwardProgram:
+        key = self.key
+        if not (self.forward is not None and key[0]() is fg and key[1]() is costs
+                and key[2] == allocator):
+            forward = ForwardProgram(fg, costs, allocator)
+            try:
+                self.key = (weakref.ref(fg), weakref.ref(costs), allocator)
+                self.forward = forward
+            except TypeError:  # not weakly referable: do not keep it
+                self.key, self.forward = (), None
+            return forward
+        return self.forward
+
+
+_last_forward = _LastForward()
+
+
+def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator: Allocator,
            forward: ForwardProgram | None = None) -> tuple[_Program, int, int]:
     if forward is None:
-        forward = ForwardProgram(fg, costs)
-    elif forward.fg is not fg or forward.costs is not costs:
-        raise ValueError("memsave.simulate: forward= was built for another graph or costs")
-    b = forward.builder()
+        forward = _last_forward.get(fg, costs, allocator)
+    elif forward.fg is not fg or forward.costs is not costs or forward.allocator != allocator:
+        raise ValueError(
+            "memsave.simulate: forward= was built for another graph, costs or allocator")
+    b = _Builder(fg, costs, allocator)
     p = b.p
     orig = b.orig
+
+    def bind_orig(t: int, v: int) -> None:
+        orig[t] = v
+
+    b.bind = bind_orig
+    forward.restore(b)
+    if schedule is not None:
+        # TensorFlow adds what a call's or loop's gradient keeps (the forward
+        # function's extra outputs, while_v2's accumulators) only to the op
+        # it differentiates: an original whose copy is differentiated keeps
+        # nothing.
+        differentiated = {i for step in schedule.steps if step.kind == "backprop" for i in step.ops}
+        for i, v in b.saved_of.items():
+            if i not in differentiated:
+                p.size[v] = 0
     backward_start = len(p.reads)
 
     # Seeds: grad_ys = ones_like(y), a folded constant when y's shape is static.
@@ -418,11 +533,70 @@ def _needed_copies(fg: ForwardGraph, costs: Costs, ops: Sequence[int]) -> list[i
     live = []
     for i in reversed(ops):
         op = fg.ops[i]
-        if any(t in need for t in op.outputs):
+        if (any(t in need for t in op.outputs) or (op.body is not None and op.body.saved)
+                or costs.gradient[i].early_B):
             live.append(i)
             need.update(op.inputs)
     live.reverse()
     return live
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyFigures:
+    """Bytes a call or loop op holds beyond its inputs and outputs.
+
+    Attributes
+    ----------
+    saved_B : int
+        What its gradient keeps, for all trips (from the op until its gradient).
+    stored_B : int
+        The items the loop's TensorLists hold (as long as the lists live).
+    forward_B, backward_B : int
+        The body's transient peak above what it keeps, while the op runs and
+        while its gradient runs (a loop's gradient also holds one trip's
+        gradients beside the sums it carries).
+    """
+
+    saved_B: int
+    stored_B: int
+    forward_B: int
+    backward_B: int
+
+
+_figures: "weakref.WeakKeyDictionary[Body, dict]" = weakref.WeakKeyDictionary()
+
+
+def _body_figures(body: Body, allocator: Allocator) -> BodyFigures:
+    """Simulate the body once (plain backprop) and read its figures (cached)."""
+    per = _figures.setdefault(body, {})
+    if allocator in per:
+        return per[allocator]
+    bc = body_costs(body)
+    fg = body.fg
+    counted = allocator.counted
+
+    def root(t: int) -> int:
+        while bc.alias_of[t] is not None:
+            t = bc.alias_of[t]
+        return t
+
+    saved = sum(counted(bc.tensor_B[t]) for t in body.saved)
+    stored = sum(counted(bc.tensor_B[t]) for t in body.stored)
+    outs = {root(t) for t in fg.ys if fg.tensors[root(t)].kind == "internal"}
+    out_B = sum(counted(bc.tensor_B[t]) for t in outs if t not in set(body.saved))
+    trace = simulate(fg, None, bc, allocator=allocator)
+    alive = [b for b, _ in trace.timeline]
+    start = trace.backward_start
+    forward_peak = max(alive[:start], default=trace.resident_B)
+    backward_peak = max(alive[start:], default=trace.resident_B)
+    forward = max(0, forward_peak - trace.resident_B - saved - stored - out_B)
+    base = trace.resident_B if body.loop else trace.end_B
+    backward = max(0, backward_peak - base - saved)
+    found = per[allocator] = BodyFigures(
+        saved_B=body.trips * saved, stored_B=body.trips * stored,
+        forward_B=forward, backward_B=backward,
+    )
+    return found
 
 
 def simulate(
@@ -449,8 +623,8 @@ def simulate(
         Record the bytes alive after every event (off for solvers that only
         need the peak).
     forward : ForwardProgram, optional
-        :func:`forward_program` of ``fg`` and ``costs``, built once for many
-        simulations of one graph (the same result, less work).
+        :func:`forward_program` of ``fg``, ``costs`` and ``allocator``, built
+        once for many simulations of one graph (the same result, less work).
 
     Returns
     -------
@@ -462,7 +636,32 @@ def simulate(
     >>> trace = simulate(fg, None, estimate_costs(fg))  # doctest: +SKIP
     >>> trace.peak_B  # doctest: +SKIP
     """
-    p, resident_B, backward_start = _build(fg, schedule, costs, forward)
+    with paused_gc():
+        return _simulate(fg, schedule, costs, allocator, timeline, forward)
+
+
+@contextlib.contextmanager
+def paused_gc():
+    """Pause Python's cyclic garbage collector for a burst of allocations.
+
+    Building and replaying a program allocates tens of thousands of small
+    lists and tuples, which triggers full collections; in a process holding
+    a TensorFlow graph each one walks every Python object of that graph
+    (measured: a third of ``memsave.plan``'s time on a 1000-op chain). The
+    program holds no reference cycles, so nothing is left for the collector;
+    its previous state is restored on exit.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _simulate(fg, schedule, costs, allocator, timeline, forward) -> MemoryTrace:
+    p, resident_B, backward_start = _build(fg, schedule, costs, allocator, forward)
     reads, writes, size, alias = p.reads, p.writes, p.size, p.alias
     n_instr = len(reads)
     n_val = len(size)

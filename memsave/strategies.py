@@ -707,7 +707,7 @@ def memory(
         plans.update(dict.fromkeys(_articulation_plans(fg, cands, cum, total, fracs)))
     plans.update(dict.fromkeys(_cut_plans(topological_cuts(fg, costs), costs, cum, total)))
     best, best_peak = (), None
-    forward = forward_program(fg, costs)  # shared by every plan's simulation
+    forward = forward_program(fg, costs, JUDGE_ALLOCATOR)  # shared by every plan's simulation
     for chosen in plans:
         if not chosen:
             continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -34,7 +35,8 @@ def _ph(shape):
         ("MatMul", lambda: tf.matmul(_ph([4, 8]), _ph([8, 3])), (0, 1), ()),
         ("AddV2", lambda: _ph([4, 8]) + _ph([4, 8]), (), ()),
         ("Mul", lambda: _ph([4, 8]) * _ph([4, 8]), (0, 1), ()),
-        ("Square", lambda: tf.square(_ph([4, 8])), (0,), ()),
+        # Square's 2 * x runs early: it is what waits (see the early test below)
+        ("Square", lambda: tf.square(_ph([4, 8])), (), ()),
         ("Conv2D", lambda: tf.nn.conv2d(_ph([2, 8, 8, 3]), _ph([3, 3, 3, 4]), 1, "SAME"), (0, 1), ()),
         ("BiasAdd", lambda: tf.nn.bias_add(_ph([4, 8]), _ph([8])), (), ()),
         ("Reshape", lambda: tf.reshape(_ph([4, 8]), [32]), (), ()),
@@ -59,24 +61,44 @@ def test_stop_gradient_has_no_gradient():
     assert _use(lambda: tf.stop_gradient(_ph([4])))["has_gradient"] is False
 
 
+def test_a_call_is_read_through_its_body():
+    g = tf.Graph()
+    with g.as_default():
+        w = tf.compat.v1.placeholder(tf.float32, [256, 1024])
+
+        @tf.function
+        def f(a):
+            return tf.tanh(tf.sin(a))
+
+        y = f(w)  # a PartitionedCall: its gradient reads the function's insides
+        ex = extract([y], [w])
+    assert [op.type for op in ex.fg.ops] in (["StatefulPartitionedCall"], ["PartitionedCall"])
+    op = ex.fg.ops[0]
+    # Sin's gradient reads a (the call's input), Tanh's its output (the
+    # call's output): nothing else is kept for the gradient.
+    assert op.body is not None and op.body.trips == 1
+    assert op.gradient.reads_inputs == (0,) and op.gradient.reads_outputs == (0,)
+    assert op.body.saved == ()
+    costs = estimate_costs(ex.fg)
+    assert not any("not learned" in a for a in costs.assumptions)
+
+
 def test_unlearnable_gradient_is_assumed_to_read_everything_and_says_so():
     g = tf.Graph()
     with g.as_default():
         w = tf.compat.v1.placeholder(tf.float32, [4, 4])
 
-        @tf.function
+        @tf.custom_gradient
         def f(a):
-            return tf.tanh(a)
+            return tf.identity(a), lambda dy: dy * a
 
-        y = f(w)  # a PartitionedCall: its gradient reads the function's insides
+        y = f(w)  # IdentityN with a Python gradient: not learned from its type
         ex = extract([y], [w])
-    assert [op.type for op in ex.fg.ops] == ["StatefulPartitionedCall"] or [
-        op.type for op in ex.fg.ops] == ["PartitionedCall"]
-    assert ex.fg.ops[0].gradient is None
+    op = next(o for o in ex.fg.ops if o.type == "IdentityN")
+    assert op.gradient is None
     costs = estimate_costs(ex.fg)
-    assert costs.gradient[0].reads_inputs == (0,)
-    assert costs.gradient[0].reads_outputs == (0,)
-    assert any("not learned" in a and "PartitionedCall" in a for a in costs.assumptions)
+    assert costs.gradient[op.index].reads_inputs == tuple(range(len(op.inputs)))
+    assert any("not learned" in a and "IdentityN" in a for a in costs.assumptions)
 
 
 def _mlp_graph(batch):
@@ -119,3 +141,61 @@ def test_unknown_batch_is_an_assumption_or_the_hint():
     assert hinted.tensor_B[tanh.outputs[0]] == 32 * 16 * 4
     with pytest.raises(ValueError, match="batch_size"):
         estimate_costs(fg, batch_size=0)
+
+
+def test_gradient_of_an_input_that_needs_none_is_pruned():
+    # h * mask with mask from outside: TensorFlow prunes mask's gradient
+    # (which reads h), so only mask is kept for h's gradient.
+    g = tf.Graph()
+    with g.as_default():
+        w = tf.compat.v1.placeholder(tf.float32, [4, 4])
+        mask = tf.constant(np.ones((4, 4), np.float32))
+        y = tf.tanh(w) * mask
+        ex = extract([y], [w])
+    costs = estimate_costs(ex.fg)
+    mul = next(o for o in ex.fg.ops if o.type == "Mul")
+    assert mul.gradient.reads_inputs == (0, 1)
+    assert costs.gradient[mul.index].reads_inputs == (1,)
+
+
+def _while_body(limit_kw, cond):
+    g = tf.Graph()
+    with g.as_default():
+        w = tf.compat.v1.placeholder(tf.float32, [64, 64])
+        h0 = tf.tanh(w)
+
+        def body(i, h):
+            return i + 1, tf.tanh(tf.matmul(h, w))
+
+        _, h = tf.while_loop(cond, body, [tf.constant(0), h0], **limit_kw)
+        ex = extract([h], [w])
+    return next(o for o in ex.fg.ops if o.type in ("While", "StatelessWhile"))
+
+
+def test_while_loop_trips_and_what_its_gradient_accumulates():
+    op = _while_body(dict(maximum_iterations=5), lambda i, h: i < 100)
+    body = op.body
+    assert body.loop and (body.trips, body.trips_known) == (5, True)
+    # MatMul's gradient reads h (a loop variable) and w (loop invariant,
+    # captured: not accumulated); Tanh's its output, the next trip's h.
+    # One buffer per trip.
+    assert [body.fg.tensors[t].dtype for t in body.saved] == ["float32"]
+    assert len(body.invariant) >= 1
+
+
+def test_while_loop_trips_from_its_counter():
+    assert _while_body({}, lambda i, h: i < 7).body.trips == 7
+    assert _while_body({}, lambda i, h: i <= 7).body.trips == 8
+    body = _while_body({}, lambda i, h: tf.reduce_sum(h) < 3.0).body
+    assert body.trips_known is False
+
+
+def test_gradient_values_computed_from_forward_values_alone_are_early():
+    # Erfc's gradient is grad * c * exp(-square(x)): square(x) does not wait
+    # for grad (its control edge does not hold it back), so it runs in the
+    # forward pass and is what waits for the gradient, not x.
+    use = _use(lambda: tf.math.erfc(_ph([256, 1024])))
+    assert use["early_B"] == (256 * 1024 * 4,)
+    assert use["reads_inputs"] == () and use["reads_outputs"] == ()
+    # Tanh's gradient reads its output with the incoming gradient: nothing early.
+    assert _use(lambda: tf.tanh(_ph([256, 1024])))["early_B"] == ()

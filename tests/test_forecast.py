@@ -52,6 +52,10 @@ CASES = [
     ("zoo_mlp", forecast.SESSION),
     ("zoo_cnn", forecast.FUNCTION),  # conv/relu/pool, [64, 32, 32, 8] float32
     ("keras_mlp", forecast.FIT),  # Sequential, 6 x Dense(512), batch 1024, adam
+    # a tf.while_loop RNN: while_v2 accumulators, one buffer per trip (was -37%)
+    ("zoo_rnn_while", forecast.FUNCTION),
+    # a tf.function called 4 times: what its gradient keeps of its insides (was -26%)
+    ("zoo_nested_function", forecast.FUNCTION),
 ]
 METHODS = (forecast.PLAIN, "memory")
 

@@ -182,3 +182,19 @@ def test_a_recompute_step_runs_only_the_copies_a_gradient_reads():
     assert "recompute op2" in events
     assert "recompute mean" not in events
     assert "run mean" in events  # the forward computes the loss once
+
+
+def test_gradient_flows_through_an_activation_given_as_x():
+    # x -> a -> b -> c (MatMuls), with a also an x: tf.gradients returns
+    # a's gradient and still differentiates a's producer for x's.
+    b = Builder()
+    x = b.source("x")
+    a = b.op("a", "MatMul", [x])
+    h = b.op("b", "MatMul", [a])
+    y = b.op("c", "MatMul", [h])
+    fg = b.build(["x", "a:0"], [y])
+    trace = _peak(fg)
+    events = [e for _, e in trace.timeline]
+    assert "gradient of a" in events
+    # x, the seed, and both gradients (x's and a's) are alive at the end.
+    assert trace.end_B == 4 * MiB

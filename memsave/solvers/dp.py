@@ -115,7 +115,7 @@ class _Terms:
         ev = p.evaluate(self.decision(groups))
         trace = simulate(p.fg, ev.schedule, p.costs, allocator=p.allocator, timeline=True,
                          forward=p.forward)
-        prog, _, backward_start = _build(p.fg, ev.schedule, p.costs, p.forward)
+        prog, _, backward_start = _build(p.fg, ev.schedule, p.costs, p.allocator, p.forward)
         self.resident = trace.resident_B
         n_instr = len(prog.reads)
         seg_group = [0] * self.n_seg

@@ -211,7 +211,7 @@ class Problem:
             sum(costs.op_flops[o] for o in s) for s in self.segments)
         self._empty = frozenset(k for k, s in enumerate(self.segments) if not s)
         self._cache: dict[Decision, Evaluation] = {}
-        self.forward = forward_program(fg, costs)  # shared by every simulation
+        self.forward = forward_program(fg, costs, self.allocator)  # shared by every simulation
         self.plain = self.evaluate(Decision.of(stored=range(len(self.segments))))
 
     @staticmethod
