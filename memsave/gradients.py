@@ -222,6 +222,12 @@ def _accepts(fn, name: str) -> bool:
         return False
 
 
+#: The ``checkpoints`` values that ``memory_budget=`` may come with: the
+#: default, and 'memory' (the presets ``gradients_memory``, ``patch(checkpoints=
+#: 'memory')``). Any other choice of checkpoints contradicts the budget's.
+BUDGET_CHECKPOINTS = ("collection", "memory")
+
+
 def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options,
              batch_size: int | None = None, memory_budget=None,
              api: str = "memsave.gradients") -> _Prepared:
@@ -249,6 +255,13 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options,
         return _Prepared(ys, xs, grad_ys, stop_gradients, graph, ex, name, (), {}, unsupported,
                          None, costs)
     if memory_budget is not None:
+        if name not in BUDGET_CHECKPOINTS:
+            raise CheckpointError(
+                f"{api}: memory_budget= plans the checkpoints itself; it cannot be combined "
+                + (f"with checkpoints={checkpoints!r}" if strategy is not None
+                   else "with a list of checkpoints")
+                + ". Pass one or the other"
+            )
         return _prepare_budget(ys, xs, grad_ys, stop_gradients, graph, ex, costs,
                                memory_budget, strategy_options, api)
     if strategy is None:

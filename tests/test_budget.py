@@ -90,6 +90,21 @@ def test_invalid_budget_says_what_is_allowed(bad):
         _plan(bad)
 
 
+@pytest.mark.parametrize("checkpoints", ["speed", "list"])
+def test_a_budget_with_other_checkpoints_is_refused(checkpoints):
+    # The budget chooses the checkpoints: another choice must not be dropped silently.
+    ws, loss_fn = _model()
+
+    @tf.function(autograph=False)
+    def f():
+        loss = loss_fn()
+        chosen = [loss.op.inputs[0]] if checkpoints == "list" else checkpoints
+        return memsave.gradients(loss, ws, checkpoints=chosen, memory_budget=0.7)
+
+    with pytest.raises(memsave.CheckpointError, match="memory_budget"):
+        f.get_concrete_function()
+
+
 def test_gradients_under_a_budget_equal_tf_gradients():
     ws, loss_fn = _model()
 
