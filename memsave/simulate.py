@@ -28,7 +28,9 @@ The program
    gradients its outputs received (AddN, in place), reads what it saves
    and writes one gradient per differentiable input (the incoming buffer
    itself where the gradient is a pass-through, e.g. AddV2).
-4. The xs' gradients are outputs of the step: alive to the end.
+4. The xs' gradients are outputs of the step: alive to the end (or, with
+   ``gradients_kept=False``, not counted: consumed by an optimizer update
+   as they are written).
 
 The allocator decides what a byte costs (:class:`Allocator`): oneDNN's
 CPU allocator (``MklCPUAllocator``) sends allocations under 256 KiB to a
@@ -147,7 +149,7 @@ class MemoryTrace:
 class _Program:
     """Values (buffers or views of buffers) and instructions reading/writing them."""
 
-    __slots__ = ("size", "alias", "resident", "reads", "writes", "labels", "pinned")
+    __slots__ = ("size", "alias", "resident", "reads", "writes", "labels", "pinned", "xs_grads")
 
     def __init__(self) -> None:
         self.size: list[int] = []
@@ -157,6 +159,7 @@ class _Program:
         self.writes: list[list[tuple[int, tuple[int, ...]]]] = []
         self.labels: list[tuple] = []
         self.pinned: list[int] = []
+        self.xs_grads: list[int] = []  # gradients of the xs and of their reads
 
     def value(self, size: int, alias: int = -1, resident: bool = False) -> int:
         self.size.append(size)
@@ -185,6 +188,14 @@ class _Builder:
         self.orig: list[int] = [-1] * len(fg.tensors)
         self.resident_B = 0
         self.constant: set[int] = set()  # gradient values Grappler folds into constants
+        # An x, or the read of one (an op whose inputs are all xs, e.g.
+        # ReadVariableOp): its gradient is the x's, passed through.
+        xs = set(fg.xs)
+        self.feeds_x = [
+            node.id in xs or (node.producer is not None and bool(fg.ops[node.producer].inputs)
+                              and all(u in xs for u in fg.ops[node.producer].inputs))
+            for node in fg.tensors
+        ]
         for node in fg.tensors:
             if node.kind != "internal":
                 self.orig[node.id] = self.p.value(costs.tensor_B[node.id], resident=True)
@@ -261,6 +272,8 @@ class _Builder:
                         cands = tuple(r for r in reads if p.size[r] == costs.tensor_B[t])
                     writes.append((v, cands))
                 (self.grads if t in boundary else local).setdefault(t, []).append(v)
+                if self.feeds_x[t]:
+                    p.xs_grads.append(v)
             p.instr(("grad", i), reads, writes)
 
     def foldable(self, t: int) -> bool:
@@ -330,6 +343,10 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs) -> tuple[_
             if not gated:
                 floats = [t for t in step.boundary if _gateable(fg.tensors[t])]
                 gated = sorted(floats, key=lambda t: costs.tensor_B[t])[:1]
+            if fg.xla and gated:
+                # Under XLA the rewrite gates every floating boundary tensor,
+                # the weight reads too: a fresh copy of each for the step.
+                gated = [t for t in step.boundary if _gateable(fg.tensors[t])]
             gated_set = set(gated)
             for t in step.boundary:
                 src = orig[t]
@@ -387,6 +404,7 @@ def simulate(
     *,
     allocator: Allocator = CPU_ONEDNN,
     timeline: bool = True,
+    gradients_kept: bool = True,
 ) -> MemoryTrace:
     """Forecast the allocator peak of one step: forward and gradients.
 
@@ -402,6 +420,18 @@ def simulate(
     timeline : bool
         Record the bytes alive after every event (off for solvers that only
         need the peak).
+    gradients_kept : bool
+        True (default): the xs' gradients are the step's outputs, alive to
+        its end. False: the gradients of the xs (and of their reads, e.g.
+        ReadVariableOp outputs, which pass them through) cost nothing, as
+        when an optimizer update in the same step consumes each one as it
+        is written (the executor runs a variable's update as soon as its
+        gradient is ready; XLA reuses the buffer). The peak is then the
+        working memory that the choice of checkpoints controls: with the
+        gradients kept, the peak of a chain whose weights outweigh its
+        activations is at the end of the step and the same for every plan.
+        (A weight read by several segments has its parts summed; counting
+        them as free makes this an estimate for such weights.)
 
     Returns
     -------
@@ -424,8 +454,9 @@ def simulate(
             last[r] = k
         for v, _ in writes[k]:
             created[v] = k
-    for v in p.pinned:
-        last[v] = n_instr  # past the last instruction: the step's outputs
+    if gradients_kept:
+        for v in p.pinned:
+            last[v] = n_instr  # past the last instruction: the step's outputs
     dying: list[list[int]] = [[] for _ in range(n_instr)]
     resident = p.resident
     for v in range(n_val):
@@ -438,6 +469,9 @@ def simulate(
     # the last value on it (base or view) has had its last reader.
     counted_of = allocator.counted
     counted = [counted_of(n) for n in size]
+    if not gradients_kept:
+        for v in p.xs_grads:
+            counted[v] = 0  # consumed by the update as soon as written
     root = list(range(n_val))
     refs = [0] * n_val
     alive = 0
