@@ -5,6 +5,10 @@ inputs, 10 classes) and every gradient method of :data:`METHODS` (plain
 ``tf.gradients``, memsave ``'memory'``, ``'speed'``, ``'collection'``), with
 and without ``jit_compile``, one fresh process:
 
+0. allocates and frees ``--presplit-mib`` MiB, so the allocator's peak
+   counts requested bytes rather than the power-of-two regions its pool
+   grows by (see ``allocator.py``; without it every XLA step, whose
+   temporaries are one buffer, reads the same peak whatever the method);
 1. builds the model and a seeded random batch; sets every ``Dropout`` layer's
    rate to 0 (EfficientNet's drop-connect and MobileNetV3's head are Dropout
    layers: with a random mask per call no two gradient computations could be
@@ -56,6 +60,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from allocator import PRESPLIT_MIB, presplit_cpu_pool
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,6 +151,7 @@ def child(a) -> dict:
 
     import memsave
 
+    presplit_cpu_pool(a.presplit_mib)  # first: see allocator.py
     row = dict(model=a.model, method=a.method, jit=a.jit, size=a.size, batch=a.batch,
                builds=False, runs=False, rel_err=None, grads_equal=None,
                peak_MiB=None, resident_MiB=None, plan_steps=None, plan_recomputed_ops=None,
@@ -251,7 +258,8 @@ def _first_line(e: BaseException) -> str:
 def run_child(model: str, method: str, jit: bool, args) -> dict:
     cmd = ([sys.executable, str(Path(__file__).resolve()), "--child", "--model", model,
            "--method", method, "--size", str(max(args.size, MODELS[model])),
-           "--batch", str(args.batch), "--ref-dir", str(args.out.parent / "applications_ref")]
+           "--batch", str(args.batch), "--ref-dir", str(args.out.parent / "applications_ref"),
+           "--presplit-mib", str(args.presplit_mib)]
            + (["--jit-child"] if jit else []))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
     if args.threads:
@@ -326,6 +334,9 @@ def main(argv=None) -> int:
     p.add_argument("--size", type=int, default=64, help="input side (raised to a model's minimum)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--threads", type=int, default=0, help="TF intra/inter-op threads (0: TF default)")
+    p.add_argument("--presplit-mib", type=int, default=PRESPLIT_MIB,
+                   help="allocate and free this many MiB first in each process, so the allocator's "
+                        "peak counts requested bytes (see allocator.py; 0: as it comes)")
     p.add_argument("--timeout", type=int, default=CHILD_TIMEOUT_S, help="seconds per process")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "applications.csv")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -18,24 +18,16 @@ peak - resident. Ratios are memsave / plain of the same XLA setting.
     .venv/bin/python experiments/xla_cnn.py --batch 8 16 32 --repeats 2
     .venv/bin/python experiments/xla_cnn.py --one plain xla 32    # one process, JSON
 
-Why pre-split: with oneDNN on (the default), CPU tensors of 256 KiB and
-more come from a BFCAllocator whose stats count the whole *chunk* an
-allocation gets, and a chunk is split only if it is at least twice the
-request or wastes 128 MiB or more. A process that never held much memory
-grows its pool in regions of doubling size, so a single 150 MiB allocation
-lands in a fresh 256 MiB region and is counted as 256 MiB. XLA allocates
-its temporaries as one buffer (the "preallocated-temp" allocation of its
-buffer assignment, see XLA_FLAGS='--xla_dump_to=DIR --xla_dump_hlo_as_text'
-and DIR/*buffer-assignment.txt). For a step that returns the gradients,
-ResNet50 at batch 32 needs 249 MiB of it under tf.gradients and 184 MiB
-under memsave before commit 6843059 (141 MiB after): both of the first two
-were counted as 256 MiB, and the measured peaks were equal to the byte. At
-batch 16 (this step, default allocator) plain and memsave both read 256.4
-MiB above resident, the issue's "256.00 MiB for plain and memsave alike".
-Allocating and freeing one PRESPLIT_MIB block first gives
-the pool one large region, every later chunk is split off it, and the
-counted peak is the requested bytes (rounded to 256 bytes). Pass
-``--presplit-mib 0`` to see the quantised figures.
+Why pre-split: under XLA every method's step peak reads as the same power
+of two unless the CPU allocator's pool was split first; see
+``allocator.py`` (shared with ``applications.py``). For a step that returns
+the gradients, ResNet50 at batch 32 needs 249 MiB of XLA temporaries under
+tf.gradients and 184 MiB under memsave before commit 6843059 (141 MiB
+after): both of the first two were counted as 256 MiB, and the measured
+peaks were equal to the byte. At batch 16 (this step, default allocator)
+plain and memsave both read 256.4 MiB above resident, the issue's "256.00
+MiB for plain and memsave alike". Pass ``--presplit-mib 0`` to see the
+quantised figures.
 
 Measured (TF 2.21 CPU, oneDNN on, 64x64, batch 32, pre-split, commit
 6843059; "peak (each process)", MiB; 2 fresh processes, median of 2 steps):
@@ -44,10 +36,15 @@ Measured (TF 2.21 CPU, oneDNN on, 64x64, batch 32, pre-split, commit
     | xla   | plain  | 431.6 (431.6, 431.6)  | 340.3          | 1.00       | 1.00        |
     | xla   | memory | 305.9 (306.9, 304.9)  | 215.6          | 0.71       | 0.63        |
     | xla   | memory at bf35940 (before) | 364.6 (1 process) | 273.3 | 0.84 | 0.80 |
+    | xla   | memory at 552cc20  | 271.8 (271.8, 271.8) | 180.5 | 0.63 | 0.53 |
     | noxla | plain  | 367.0 (366.6, 367.3)  | 267.5          | 1.00       | 1.00        |
     | noxla | memory | 216.9 (220.0, 213.8)  | 121.7          | 0.59       | 0.45        |
     | xla   | blocks | 258.2 (1 process)     | 166.9          | 0.60       | 0.49        |
     | noxla | blocks | 204.4 (1 process)     | 103.3          | 0.56       | 0.40        |
+
+At 552cc20 the simulator counts the weight copies the rewrite gates under
+XLA when it picks 'memory''s plan (plain 431.6 in both processes, gradient
+digests equal to plain's: relative error 0).
 
 At batch 16 under XLA (1 process each): plain 314.7 (225.4 above
 resident), memory 244.8 (154.5 above, 0.69); with ``--presplit-mib 0``
@@ -71,6 +68,8 @@ import statistics
 import subprocess
 import sys
 
+from allocator import PRESPLIT_MIB, presplit_cpu_pool
+
 MiB = 1 << 20
 SEED = 0
 LEARNING_RATE = 0.01
@@ -78,9 +77,6 @@ LEARNING_RATE = 0.01
 #: Names of the Relu ops that end ResNet50's bottleneck blocks (method "blocks").
 BLOCK_OUTPUT = re.compile(r"_block\d+_out(_\d+)?/Relu$")
 
-#: Size of the block allocated (uninitialised, so never touched) and freed
-#: before anything else; see "Why pre-split". Larger than any step's peak.
-PRESPLIT_MIB = 2048
 CLASSES = 10
 
 
@@ -92,9 +88,7 @@ def _one(method: str, xla: bool, batch: int, size: int, runs: int, dump: str | N
 
     import memsave
 
-    if presplit_mib:
-        # See "Why pre-split" in the module docstring.
-        tf.raw_ops.Empty(shape=[presplit_mib * MiB // 4], dtype=tf.float32, init=False)
+    presplit_cpu_pool(presplit_mib)  # first: see "Why pre-split"
 
     keras.utils.set_random_seed(SEED)
     model = keras.applications.ResNet50(

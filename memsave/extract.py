@@ -192,7 +192,8 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
         ))
     x_ids = tuple(tensor_id(x) for x in xs)
     y_ids = tuple(tensor_id(y) for y in ys)
-    fg = ForwardGraph(ops=tuple(op_nodes), tensors=tuple(nodes), xs=x_ids, ys=y_ids)
+    xla = bool(ops) and _tf_private.in_xla_context(ops[0].graph)
+    fg = ForwardGraph(ops=tuple(op_nodes), tensors=tuple(nodes), xs=x_ids, ys=y_ids, xla=xla)
     return Extraction(fg=fg, ops=ops, tensors=tensors, tensor_ids=ids, op_index=index)
 
 

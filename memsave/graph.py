@@ -228,12 +228,18 @@ class ForwardGraph:
     xs, ys : tuple of int
         Tensor ids of the xs and ys, in the caller's order (an entry may
         repeat if the caller repeated a tensor).
+    xla : bool
+        The graph is traced to be compiled by XLA (``jit_compile=True``):
+        the rewrite then gates every floating boundary tensor of a
+        recomputed segment, weights included (see :mod:`memsave.rewrite`),
+        and the simulator counts those gated copies.
     """
 
     ops: tuple[OpNode, ...]
     tensors: tuple[TensorNode, ...]
     xs: tuple[int, ...]
     ys: tuple[int, ...]
+    xla: bool = False
 
     def __post_init__(self) -> None:
         for i, op in enumerate(self.ops):

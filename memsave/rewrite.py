@@ -149,7 +149,7 @@ def rewrite(
         colocate_gradients_with_ops=colocate_gradients_with_ops,
     )
 
-    xla = bool(ex.ops) and _tf_private.in_xla_context(ex.ops[0].graph)
+    xla = ex.fg.xla
     previous: list = []
     for k, step in enumerate(schedule.steps):
         heads = [h for h in step.heads if received.get(h)]

@@ -28,8 +28,10 @@ The program
    gradients its outputs received (AddN, in place), reads what it saves
    and writes one gradient per differentiable input (the incoming buffer
    itself where the gradient is a pass-through, e.g. AddV2).
-4. The xs' gradients are outputs of the step: alive to the end (an x
-   produced in the graph also passes its gradient on to its producer).
+4. The xs' gradients are outputs of the step: alive to the end (or, with
+   ``gradients_kept=False``, not counted: consumed by an optimizer update
+   as they are written); an x produced in the graph also passes its
+   gradient on to its producer.
 5. Calls and loops (ops with a :class:`~memsave.graph.Body`): the op holds,
    besides its outputs, what its gradient keeps (while_v2's accumulators:
    one buffer per trip; a call's intermediates) until its gradient runs,
@@ -162,7 +164,7 @@ class MemoryTrace:
 class _Program:
     """Values (buffers or views of buffers) and instructions reading/writing them."""
 
-    __slots__ = ("size", "alias", "resident", "reads", "writes", "labels", "pinned")
+    __slots__ = ("size", "alias", "resident", "reads", "writes", "labels", "pinned", "xs_grads")
 
     def __init__(self) -> None:
         self.size: list[int] = []
@@ -172,6 +174,7 @@ class _Program:
         self.writes: list[list[tuple[int, tuple[int, ...]]]] = []
         self.labels: list[tuple] = []
         self.pinned: list[int] = []
+        self.xs_grads: list[int] = []  # gradients of the xs and of their reads
 
     def value(self, size: int, alias: int = -1, resident: bool = False) -> int:
         self.size.append(size)
@@ -204,6 +207,13 @@ class _Builder:
         self.resident_B = 0
         self.constant: set[int] = set()  # gradient values Grappler folds into constants
         self.xs = set(fg.xs)
+        # An x, or the read of one (an op whose inputs are all xs, e.g.
+        # ReadVariableOp): its gradient is the x's, passed through.
+        self.feeds_x = [
+            node.id in self.xs or (node.producer is not None and bool(fg.ops[node.producer].inputs)
+                              and all(u in self.xs for u in fg.ops[node.producer].inputs))
+            for node in fg.tensors
+        ]
         for node in fg.tensors:
             if node.kind != "internal":
                 self.orig[node.id] = self.p.value(costs.tensor_B[node.id], resident=True)
@@ -330,6 +340,8 @@ class _Builder:
                         cands = tuple(r for r in reads if p.size[r] == costs.tensor_B[t])
                     writes.append((v, cands))
                 (self.grads if t in boundary else local).setdefault(t, []).append(v)
+                if self.feeds_x[t]:
+                    p.xs_grads.append(v)
             p.instr(("grad", i), reads, writes)
 
     def foldable(self, t: int) -> bool:
@@ -490,6 +502,10 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator:
             if not gated:
                 floats = [t for t in step.boundary if _gateable(fg.tensors[t])]
                 gated = sorted(floats, key=lambda t: costs.tensor_B[t])[:1]
+            if fg.xla and gated:
+                # Under XLA the rewrite gates every floating boundary tensor,
+                # the weight reads too: a fresh copy of each for the step.
+                gated = [t for t in step.boundary if _gateable(fg.tensors[t])]
             gated_set = set(gated)
             for t in step.boundary:
                 src = orig[t]
@@ -607,6 +623,7 @@ def simulate(
     allocator: Allocator = CPU_ONEDNN,
     timeline: bool = True,
     forward: ForwardProgram | None = None,
+    gradients_kept: bool = True,
 ) -> MemoryTrace:
     """Forecast the allocator peak of one step: forward and gradients.
 
@@ -625,6 +642,18 @@ def simulate(
     forward : ForwardProgram, optional
         :func:`forward_program` of ``fg``, ``costs`` and ``allocator``, built
         once for many simulations of one graph (the same result, less work).
+    gradients_kept : bool
+        True (default): the xs' gradients are the step's outputs, alive to
+        its end. False: the gradients of the xs (and of their reads, e.g.
+        ReadVariableOp outputs, which pass them through) cost nothing, as
+        when an optimizer update in the same step consumes each one as it
+        is written (the executor runs a variable's update as soon as its
+        gradient is ready; XLA reuses the buffer). The peak is then the
+        working memory that the choice of checkpoints controls: with the
+        gradients kept, the peak of a chain whose weights outweigh its
+        activations is at the end of the step and the same for every plan.
+        (A weight read by several segments has its parts summed; counting
+        them as free makes this an estimate for such weights.)
 
     Returns
     -------
@@ -637,7 +666,7 @@ def simulate(
     >>> trace.peak_B  # doctest: +SKIP
     """
     with paused_gc():
-        return _simulate(fg, schedule, costs, allocator, timeline, forward)
+        return _simulate(fg, schedule, costs, allocator, timeline, forward, gradients_kept)
 
 
 @contextlib.contextmanager
@@ -660,7 +689,7 @@ def paused_gc():
             gc.enable()
 
 
-def _simulate(fg, schedule, costs, allocator, timeline, forward) -> MemoryTrace:
+def _simulate(fg, schedule, costs, allocator, timeline, forward, gradients_kept) -> MemoryTrace:
     p, resident_B, backward_start = _build(fg, schedule, costs, allocator, forward)
     reads, writes, size, alias = p.reads, p.writes, p.size, p.alias
     n_instr = len(reads)
@@ -672,8 +701,9 @@ def _simulate(fg, schedule, costs, allocator, timeline, forward) -> MemoryTrace:
             last[r] = k
         for v, _ in writes[k]:
             created[v] = k
-    for v in p.pinned:
-        last[v] = n_instr  # past the last instruction: the step's outputs
+    if gradients_kept:
+        for v in p.pinned:
+            last[v] = n_instr  # past the last instruction: the step's outputs
     dying: list[list[int]] = [[] for _ in range(n_instr)]
     resident = p.resident
     for v in range(n_val):
@@ -686,6 +716,9 @@ def _simulate(fg, schedule, costs, allocator, timeline, forward) -> MemoryTrace:
     # the last value on it (base or view) has had its last reader.
     counted_of = allocator.counted
     counted = [counted_of(n) for n in size]
+    if not gradients_kept:
+        for v in p.xs_grads:
+            counted[v] = 0  # consumed by the update as soon as written
     root = list(range(n_val))
     refs = [0] * n_val
     alive = 0

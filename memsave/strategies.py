@@ -661,8 +661,8 @@ def memory(
     allows, under the smallest budget found by bisection, for a few live
     fractions ``frac``) and from evenly spread sets of about ``sqrt(k)``
     candidates; the simulator (:func:`memsave.simulate.simulate`) forecasts
-    each distinct plan's peak and the lowest wins (ties: fewer
-    checkpoints). Segments shrink toward the end of the graph, as in
+    each distinct plan's peak and the lowest wins (ties: the lower peak with
+    each gradient freed when complete, then fewer checkpoints). Segments shrink toward the end of the graph, as in
     Griewank's schedules; a uniform chain of ``n`` equal tensors keeps about
     ``sqrt(n)``: the O(sqrt(n)) memory of Chen et al. (2016). ``O(k log n)``
     per generated plan plus one linear simulation per distinct plan (at most
@@ -706,15 +706,23 @@ def memory(
     if cands:
         plans.update(dict.fromkeys(_articulation_plans(fg, cands, cum, total, fracs)))
     plans.update(dict.fromkeys(_cut_plans(topological_cuts(fg, costs), costs, cum, total)))
-    best, best_peak = (), None
+    best, best_key = (), None
     forward = forward_program(fg, costs, JUDGE_ALLOCATOR)  # shared by every plan's simulation
     for chosen in plans:
         if not chosen:
             continue
-        peak = simulate(fg, build_schedule(fg, chosen), costs, timeline=False,
-                        allocator=JUDGE_ALLOCATOR, forward=forward).peak_B
-        if best_peak is None or peak < best_peak or (peak == best_peak and len(chosen) < len(best)):
-            best, best_peak = chosen, peak
+        schedule = build_schedule(fg, chosen)
+        # Lowest peak; among equal peaks (a peak set by the xs' gradients at
+        # the end of the step is the same for every plan), the lowest
+        # working memory, which is the step's peak when an optimizer update
+        # consumes each gradient (see simulate's gradients_kept); then the
+        # fewest checkpoints.
+        key = tuple(simulate(fg, schedule, costs, timeline=False, allocator=JUDGE_ALLOCATOR,
+                             forward=forward, gradients_kept=kept).peak_B
+                    for kept in (True, False)) + (len(chosen),)
+        if best_key is None or key < best_key:
+            best, best_key = chosen, key
+    best_peak = best_key[0] if best_key is not None else None
     if not best:
         return Selection((), {}, (
             "no tensor cuts the forward graph in two (every activation is bypassed by "

@@ -421,3 +421,67 @@ def test_graph_tensors_can_be_differentiated_outside_their_graph_context(checkpo
     with tf.compat.v1.Session(graph=g) as sess:
         feed = {x: DATA[0, :4]}
         assert_close(sess.run(got, feed), sess.run(want, feed))
+
+
+# -- loss scaling --------------------------------------------------------------
+#
+# Mixed precision with loss scaling calls tf.gradients on the *scaled* loss
+# of a float16 forward (casts in, casts out): tf.compat.v1's
+# MixedPrecisionLossScaleOptimizer through the optimizer's compute_gradients
+# (so through memsave.patch), Keras 3's LossScaleOptimizer through
+# scale_loss in a custom step. Grappler's remapper fuses float16 MatMul +
+# BiasAdd + tanh on CPUs with AVX512_FP16, but not where memsave keeps a
+# checkpoint, so the two graphs may round differently: F16_ATOL is a few
+# float16 ulps (eps 9.8e-4) of the largest gradient entry; a missing or
+# unscaled gradient part is off by O(1) or by the loss scale.
+F16_ATOL = 4e-3
+LOSS_SCALE = 1024.0
+
+
+def _f16_chain_loss(x, ws):
+    h = tf.cast(x, tf.float16)
+    for w in ws:
+        h = tf.tanh(tf.nn.bias_add(tf.matmul(h, tf.cast(w, tf.float16)),
+                                   tf.zeros([w.shape[1]], tf.float16)))
+    return tf.reduce_mean(tf.square(tf.cast(h, tf.float32)))
+
+
+@pytest.mark.parametrize("mode", ["session", "function"])
+def test_loss_scaled_float16_gradients_go_through_memsave(mode):
+    keep_any_plan = {"min_saving_fraction": 0.0}
+    if mode == "session":
+        g = tf.Graph()
+        with g.as_default():
+            ws = [tf.compat.v1.Variable(w) for w in W_INIT]
+            loss = _f16_chain_loss(tf.constant(DATA), ws)
+            opt = tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer(
+                tf.compat.v1.train.GradientDescentOptimizer(0.1), loss_scale=LOSS_SCALE)
+            want = [gr for gr, _ in opt.compute_gradients(loss, ws)]
+            with memsave.patch(checkpoints="memory", strategy_options=keep_any_plan):
+                got = [gr for gr, _ in opt.compute_gradients(loss, ws)]
+            copied = len(recompute_ops(g))
+            with tf.compat.v1.Session(graph=g) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                got, want = sess.run([got, want])
+    else:
+        import keras
+
+        ws = [tf.Variable(w) for w in W_INIT]
+        opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1),
+                                                  initial_scale=LOSS_SCALE)
+
+        @tf.function
+        def step():
+            scaled = opt.scale_loss(_f16_chain_loss(tf.constant(DATA), ws))
+            got = memsave.gradients(scaled, ws, checkpoints="memory",
+                                    strategy_options=keep_any_plan)
+            want = tf.gradients(scaled, ws)
+            copied = len(recompute_ops(tf.compat.v1.get_default_graph()))
+            return [gr / LOSS_SCALE for gr in got], [gr / LOSS_SCALE for gr in want], copied
+
+        got, want, copied = step()
+        got, want = [gr.numpy() for gr in got], [gr.numpy() for gr in want]
+    assert int(copied) > 0, "nothing was recomputed: the scaled loss did not go through memsave"
+    top = max(float(np.abs(w).max()) for w in want)
+    for gr, w in zip(got, want):
+        np.testing.assert_allclose(gr, w, rtol=0, atol=F16_ATOL * top)
