@@ -706,23 +706,26 @@ def memory(
     if cands:
         plans.update(dict.fromkeys(_articulation_plans(fg, cands, cum, total, fracs)))
     plans.update(dict.fromkeys(_cut_plans(topological_cuts(fg, costs), costs, cum, total)))
-    best, best_key = (), None
     forward = forward_program(fg, costs, JUDGE_ALLOCATOR)  # shared by every plan's simulation
-    for chosen in plans:
-        if not chosen:
-            continue
-        schedule = build_schedule(fg, chosen)
+
+    def peak(schedule, gradients_kept: bool = True) -> int:
+        return simulate(fg, schedule, costs, timeline=False, allocator=JUDGE_ALLOCATOR,
+                        forward=forward, gradients_kept=gradients_kept).peak_B
+
+    scored = [(peak(schedule), chosen, schedule)
+              for chosen in plans if chosen
+              for schedule in (build_schedule(fg, chosen),)]
+    best, best_peak = (), None
+    if scored:
         # Lowest peak; among equal peaks (a peak set by the xs' gradients at
         # the end of the step is the same for every plan), the lowest
         # working memory, which is the step's peak when an optimizer update
         # consumes each gradient (see simulate's gradients_kept); then the
         # fewest checkpoints.
-        key = tuple(simulate(fg, schedule, costs, timeline=False, allocator=JUDGE_ALLOCATOR,
-                             forward=forward, gradients_kept=kept).peak_B
-                    for kept in (True, False)) + (len(chosen),)
-        if best_key is None or key < best_key:
-            best, best_key = chosen, key
-    best_peak = best_key[0] if best_key is not None else None
+        best_peak = min(p for p, _, _ in scored)
+        tied = [(c, s) for p, c, s in scored if p == best_peak]
+        best = tied[0][0] if len(tied) == 1 else min(
+            tied, key=lambda cs: (peak(cs[1], gradients_kept=False), len(cs[0])))[0]
     if not best:
         return Selection((), {}, (
             "no tensor cuts the forward graph in two (every activation is bypassed by "
