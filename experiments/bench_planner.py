@@ -13,20 +13,22 @@ which reports the smallest peak). Then ``dp`` and ``milp`` on a few cuts
 
 Usage: .venv/bin/python experiments/bench_planner.py [--sizes 1000 10000]
 
-Measured (2026-12-01, 2 cores shared with three other engineers' jobs, so
-times are inflated and vary ~2x between runs; seconds per planning,
-costs to answer):
+Measured on main after the merges of 2026-12-01 (2 cores, the test suite
+running beside it, so times are inflated; seconds per planning, costs to
+answer; the DAG's candidates are now the tensors crossing the topological
+cuts 'memory' plans with, coarsened to MAX_CUTS):
 
     graph    ops    @0.9   @0.75   @0.6   min (every plan simulated)
-    chain   1000    0.18-0.34  0.60-1.07  0.45-0.75   1.3-2.5
-    dag     1000    2.1-4.1 (0.75, 0.6: infeasible, min 0.89 of plain, 1.9-4.0)
-    chain  10000    2.1-3.8  3.9-6.0  5.5-7.2   12.5-16.2
-    dag    10000    20.5 (0.75, 0.6: infeasible, 23-24)   32.8
+    chain   1000    0.12   0.38   0.31   1.25
+    dag     1000    0.95   (0.75, 0.6: infeasible, min 0.89 of plain, 0.95)
+    chain  10000    0.97   1.79   2.76   11.5
+    dag    10000    13.3   (0.75, 0.6: infeasible, 8.4-12.1)   8.7
 
-The chain meets the targets (1000 ops < 1 s at most budgets, 10,000 < 10 s);
-the random DAG (skips everywhere, so no plan saves more than 11%) does not:
-nearly every plan of greedy's family must be simulated before one fits, at
-0.05-0.1 s per plan per 1000 ops.
+The chain meets both targets on the fast path, the 1000-op DAG the 1 s
+one; the 10,000-op DAG does not (skips everywhere, so no plan saves more
+than 11% and nearly every plan of greedy's family is simulated before one
+fits: about 35 plans at 0.4-0.7 s each, half of it build_schedule and half
+the simulator's replay).
 """
 
 from __future__ import annotations
