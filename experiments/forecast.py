@@ -229,17 +229,23 @@ def _keras_mlp(batch=1024, width=512, depth=6):
     return KerasCase(model, x, y)
 
 
-def _keras_resnet50(batch=16, size=32):
+def keras_application(name: str, batch: int, size: int) -> KerasCase:
+    """``keras.applications.<name>`` (no weights, 10 classes), adam, a seeded batch."""
     import keras
     import numpy as np
 
     keras.utils.set_random_seed(0)
-    model = keras.applications.ResNet50(weights=None, input_shape=(size, size, 3), classes=10)
+    model = getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3),
+                                              classes=10)
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", jit_compile=False)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch, size, size, 3)).astype(np.float32)
     y = rng.integers(0, 10, size=(batch,)).astype(np.int32)
     return KerasCase(model, x, y)
+
+
+def _keras_resnet50(batch=16, size=32):
+    return keras_application("ResNet50", batch, size)
 
 
 def _keras_transformer(batch=16, seq=128, d_model=128, heads=4, blocks=2):

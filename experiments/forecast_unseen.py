@@ -49,16 +49,7 @@ def _keras_rnn(layer: str, batch=256, seq=32, features=64, units=256):
 
 
 def _mobilenet(batch=16, size=64):
-    import keras
-    import numpy as np
-
-    keras.utils.set_random_seed(0)
-    model = keras.applications.MobileNetV2(weights=None, input_shape=(size, size, 3), classes=10)
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", jit_compile=False)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(batch, size, size, 3)).astype(np.float32)
-    y = rng.integers(0, 10, size=(batch,)).astype(np.int32)
-    return F.KerasCase(model, x, y)
+    return F.keras_application("MobileNetV2", batch, size)
 
 
 def _while_matmuls(batch=512, width=512, steps=6):

@@ -50,6 +50,7 @@ __all__ = [
     "articulation_candidates",
     "topological_cuts",
     "Cut",
+    "spread",
     "EXPENSIVE_OP_TYPES",
     "MIN_SAVING_FRACTION",
 ]
@@ -524,7 +525,7 @@ def _greedy(pos: list[int], size: list[int], total: int, budget: float, frac: fl
     return chosen
 
 
-def _spread(pos: list[int], total: int, k: int) -> list[int]:
+def spread(pos: list[int], total: int, k: int) -> list[int]:
     """Indices of ``k`` increasing positions closest to ``j * total / (k + 1)``."""
     chosen: list[int] = []
     lo = 0
@@ -584,7 +585,7 @@ def _index_plans(pos: list[int], size: list[int], total: int, fracs: Iterable[fl
     """Candidate index sets: the greedy walk per live fraction, and spreads of ``f * sqrt(k)``."""
     plans = [_greedy_plan(pos, size, total, frac) for frac in fracs]
     root = math.isqrt(len(pos))
-    plans += [_spread(pos, total, k) for k in dict.fromkeys(int(f * root) for f in spreads)
+    plans += [spread(pos, total, k) for k in dict.fromkeys(int(f * root) for f in spreads)
               if 0 < k <= len(pos)]
     return plans
 
@@ -695,10 +696,10 @@ def memory(
     if num_checkpoints is not None:
         if cands:
             pos = [cum[fg.tensors[t].producer] for t in cands]
-            idx = _spread(pos, total, min(num_checkpoints, len(cands)))
+            idx = spread(pos, total, min(num_checkpoints, len(cands)))
             return _selection(fg, [cands[i] for i in idx], reason)
         cuts = topological_cuts(fg, costs)
-        idx = _spread([cum[c.position] for c in cuts], total, min(num_checkpoints, len(cuts)))
+        idx = spread([cum[c.position] for c in cuts], total, min(num_checkpoints, len(cuts)))
         return _selection(fg, [t for i in idx for t in cuts[i].crossing], reason)
 
     fracs = (segment_live_fraction, *CANDIDATE_LIVE_FRACTIONS)

@@ -46,11 +46,11 @@ Memory Cost. arXiv:1604.06174, 2016.
 
 from __future__ import annotations
 
-import bisect
 import math
 import time
 
 from memsave.solvers.problem import Decision, Evaluation, Problem, SolveResult
+from memsave.strategies import spread
 
 __all__ = ["greedy", "family", "MAX_STORE_STEPS", "EXHAUSTIVE_CUTS", "PARETO_ROUNDS",
            "PARETO_SEARCH_OPS"]
@@ -65,23 +65,6 @@ MAX_STORE_STEPS = 8
 #: every stored set, and a Pareto local search (:func:`_pareto_search`)
 #: enriches the family: a richer family where it stays small.
 EXHAUSTIVE_CUTS = 16
-
-
-def _spread(pos: list[int], total: int, k: int) -> list[int]:
-    """Indices of ``k`` increasing positions closest to ``j * total / (k + 1)``."""
-    chosen: list[int] = []
-    lo = 0
-    n = len(pos)
-    for j in range(1, k + 1):
-        target = total * j / (k + 1)
-        hi = n - (k - j)
-        i = bisect.bisect_left(pos, target, lo, hi)
-        if i >= hi or (i > lo and target - pos[i - 1] <= pos[i] - target):
-            i -= 1
-        i = max(i, lo)
-        chosen.append(i)
-        lo = i + 1
-    return chosen
 
 
 def _thin(n: int, steps: int) -> list[int]:
@@ -184,7 +167,7 @@ def family(problem: Problem) -> list[Decision]:
             root = max(1, math.isqrt(len(free)))
             ks = sorted({k for k in (0, root, 2 * root, 4 * root) if k <= len(free)})
         for k in ks:
-            idx = _spread(pos, total, k) if k else []
+            idx = spread(pos, total, k) if k else []
             plans[Decision.of([free[i] for i in idx], stored)] = None
             if not stored and not small:
                 # Cuts one candidate later or earlier: which tensor of a
