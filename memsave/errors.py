@@ -22,6 +22,13 @@ __all__ = [
 class MemsaveError(Exception):
     """Base class of every error memsave raises on purpose."""
 
+    # Raised while a tf.function traces, an error passes through autograph,
+    # which re-creates it from its message: a class with its own __init__
+    # (MemoryBudgetError) came out as a StagingError, without its
+    # attributes. TensorFlow's own errors opt out this way
+    # (op_selector.UnliftableError); ours reach the caller as raised.
+    ag_pass_through = True
+
 
 class EagerExecutionError(MemsaveError, RuntimeError):
     """memsave.gradients was called while executing eagerly."""

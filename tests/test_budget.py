@@ -84,6 +84,34 @@ def test_bytes_budget_and_infeasible_budget():
     assert _plan(int(e.value.min_peak_bytes)).feasible
 
 
+def test_an_infeasible_budget_raises_through_autograph_and_keras_fit():
+    # A user's step is an autograph tf.function (Keras fit's is too): the
+    # error must arrive as MemoryBudgetError with its smallest peak, not as
+    # autograph's StagingError.
+    ws, loss_fn = _model()
+
+    @tf.function
+    def step():
+        return memsave.gradients(loss_fn(), ws, memory_budget=0.01)
+
+    with pytest.raises(MemoryBudgetError, match="smallest forecast peak") as e:
+        step.get_concrete_function()
+    assert e.value.min_peak_bytes > 0
+
+    import keras
+
+    inputs = keras.Input((KERAS_WIDTH,))  # 1 MiB activations: above the allocator's floor
+    h = inputs
+    for _ in range(4):
+        h = keras.layers.Dense(KERAS_WIDTH, activation="tanh")(h)
+    model = memsave.keras.checkpointed(keras.Model(inputs, h), memory_budget=0.01)
+    model.compile(optimizer="sgd", loss="mse")
+    data = np.ones((KERAS_BATCH, KERAS_WIDTH), "float32")
+    with pytest.raises(MemoryBudgetError, match="smallest forecast peak") as e:
+        model.fit(data, data, batch_size=KERAS_BATCH, verbose=0)
+    assert e.value.min_peak_bytes > 0
+
+
 @pytest.mark.parametrize("bad", [0, -5, 1.5, 0.0, "half", True])
 def test_invalid_budget_says_what_is_allowed(bad):
     with pytest.raises(MemoryBudgetError, match="memory_budget"):
