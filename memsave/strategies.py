@@ -580,9 +580,16 @@ def _positions(fg: ForwardGraph, costs: Costs) -> tuple[list[int], int]:
     return cum, total
 
 
-def _index_plans(pos: list[int], size: list[int], total: int, fracs: Iterable[float],
-                 spreads: Iterable[float] = (0.5, 1.0, 2.0)) -> list[list[int]]:
-    """Candidate index sets: the greedy walk per live fraction, and spreads of ``f * sqrt(k)``."""
+def index_plans(pos: list[int], size: list[int], total: int,
+                fracs: Iterable[float] = (SEGMENT_LIVE_FRACTION, *CANDIDATE_LIVE_FRACTIONS),
+                spreads: Iterable[float] = (0.5, 1.0, 2.0)) -> list[list[int]]:
+    """Candidate index sets: the greedy walk per live fraction, and spreads of ``f * sqrt(k)``.
+
+    ``pos``: increasing positions of the candidates (bytes produced up to
+    each), ``size``: their bytes, ``total``: the bytes of the whole graph.
+    'memory' chooses among these; the ``greedy`` budget solver's family
+    holds them too.
+    """
     plans = [_greedy_plan(pos, size, total, frac) for frac in fracs]
     root = math.isqrt(len(pos))
     plans += [spread(pos, total, k) for k in dict.fromkeys(int(f * root) for f in spreads)
@@ -593,7 +600,7 @@ def _index_plans(pos: list[int], size: list[int], total: int, fracs: Iterable[fl
 def _articulation_plans(fg, cands, cum, total, fracs) -> list[tuple[int, ...]]:
     pos = [cum[fg.tensors[t].producer] for t in cands]
     size = [fg.tensors[t].size_B for t in cands]
-    return [tuple(sorted(cands[i] for i in idx)) for idx in _index_plans(pos, size, total, fracs)]
+    return [tuple(sorted(cands[i] for i in idx)) for idx in index_plans(pos, size, total, fracs)]
 
 
 def _cut_plans(cuts: list[Cut], costs: Costs, cum, total) -> list[tuple[int, ...]]:
@@ -613,7 +620,7 @@ def _cut_plans(cuts: list[Cut], costs: Costs, cum, total) -> list[tuple[int, ...
         prev = frozenset(c.crossing)
     plans = []
     for size in (full, new):
-        for idx in _index_plans(pos, size, total, CUT_LIVE_FRACTIONS, CUT_SPREADS):
+        for idx in index_plans(pos, size, total, CUT_LIVE_FRACTIONS, CUT_SPREADS):
             plans.append(tuple(sorted({t for i in idx for t in cuts[i].crossing})))
     return plans
 
