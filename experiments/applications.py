@@ -2,8 +2,10 @@
 
 For every model of the registry :data:`MODELS` (``weights=None``, small
 inputs, 10 classes) and every gradient method of :data:`METHODS` (plain
-``tf.gradients``, memsave ``'memory'``, ``'speed'``, ``'collection'``), with
-and without ``jit_compile``, one fresh process:
+``tf.gradients``, memsave ``'memory'``, ``'speed'``, ``'collection'``; on
+request ``budget0.5`` and ``budget0.75``, ``memory_budget=`` at that fraction
+of the forecast plain peak), with and without ``jit_compile``, one fresh
+process:
 
 0. allocates and frees ``--presplit-mib`` MiB, so the allocator's peak
    counts requested bytes rather than the power-of-two regions its pool
@@ -24,7 +26,8 @@ and without ``jit_compile``, one fresh process:
    gradients, so the first call (the warm-up) gives the method's gradients
    at the same initial weights: relative error ``max|g - g_tape| /
    max|g_tape|``, the largest over the variables;
-4. ``reset_memory_stats`` and calls the step once more: the allocator's
+4. ``reset_memory_stats`` and calls the step once more (with ``--returns
+   loss``, a second step that returns only the loss, warmed up first): the allocator's
    peak of that step (``peak_MiB``), and what was allocated before it
    (``resident_MiB``: weights, optimizer-free SGD so only the weights and
    the batch).
@@ -34,6 +37,13 @@ custom loop: the model is wrapped in a functional model that also returns
 the outputs of chosen layers (:func:`collection_layers`: about sqrt(n) of
 the block-ending ``Add`` / ``Concatenate`` layers, evenly spaced), and the
 step adds those tensors to the ``'checkpoints'`` collection of its graph.
+
+A budgeted method also reports its budget in bytes and, with ``--returns
+loss``, whether the measured peak is within ``BUDGET_SLACK`` of it (a failure
+if not; a step that returns its gradients keeps them all alive past the
+backward pass, which the budget does not cover); a budget below
+every plan's forecast is reported as infeasible with the smallest forecast
+peak (``MemoryBudgetError.min_peak_bytes``), which is not a failure.
 
 A method's peak ratio is its peak over plain ``tf.gradients``' peak with the
 same ``jit_compile`` (each from its own process: peaks vary by a few MiB
@@ -46,6 +56,8 @@ Usage::
     .venv/bin/python experiments/applications.py                   # everything (~1 h on 2 cores)
     .venv/bin/python experiments/applications.py --models ResNet50 MobileNetV2 --jit off
     .venv/bin/python experiments/applications.py --methods plain memory --size 32 --batch 2
+    .venv/bin/python experiments/applications.py --methods plain memory budget0.5 budget0.75 \
+        --jit off --batch 32 --returns loss
 """
 
 from __future__ import annotations
@@ -81,13 +93,21 @@ MODELS = {
     "NASNetMobile": 32,
 }
 
-# method name -> memsave checkpoints argument (None: plain tf.gradients).
+# method name -> memsave keyword arguments (None: plain tf.gradients).
 METHODS = {
     "plain": None,
-    "memory": "memory",
-    "speed": "speed",
-    "collection": "collection",
+    "memory": dict(checkpoints="memory"),
+    "speed": dict(checkpoints="speed"),
+    "collection": dict(checkpoints="collection"),
+    # memory_budget= as a fraction of the forecast tf.gradients peak: the
+    # measured peak must stay within BUDGET_SLACK of the budget in bytes.
+    "budget0.5": dict(checkpoints="memory", memory_budget=0.5),
+    "budget0.75": dict(checkpoints="memory", memory_budget=0.75),
 }
+DEFAULT_METHODS = ("plain", "memory", "speed", "collection")
+# A budgeted step "fits" when its measured peak is at most the budget times
+# this (issue 9's "budget + 10%").
+BUDGET_SLACK = 1.10
 
 NUM_CLASSES = 10
 # Gradients "equal" GradientTape's when, for every variable, the largest
@@ -153,6 +173,7 @@ def child(a) -> dict:
 
     presplit_cpu_pool(a.presplit_mib)  # first: see allocator.py
     row = dict(model=a.model, method=a.method, jit=a.jit, size=a.size, batch=a.batch,
+               returns=a.returns,
                builds=False, runs=False, rel_err=None, grads_equal=None,
                peak_MiB=None, resident_MiB=None, plan_steps=None, plan_recomputed_ops=None,
                checkpoints=None, error="")
@@ -191,36 +212,54 @@ def child(a) -> dict:
         ref_file.parent.mkdir(parents=True, exist_ok=True)
         np.savez(ref_file, **{f"g{i}": g for i, g in enumerate(ref)})
 
-    checkpoints = METHODS[a.method]
+    kwargs = METHODS[a.method]
     plan_box = {}
 
-    @tf.function(jit_compile=a.jit)
-    def step():
+    def train_step(return_gradients: bool):
         loss = forward()
-        if checkpoints is None:
+        if kwargs is None:
             grads = tf.gradients(loss, variables)
         else:
-            p = memsave.plan(loss, variables, checkpoints=checkpoints)
+            p = memsave.plan(loss, variables, **kwargs)
             plan_box.update(steps=len(p.steps), recomputed_ops=p.recomputed_ops,
-                            checkpoints=len(p.checkpoints))
-            grads = memsave.gradients(loss, variables, checkpoints=checkpoints)
+                            checkpoints=len(p.checkpoints), budget_B=p.budget_bytes,
+                            forecast_B=p.predicted_peak_bytes)
+            grads = memsave.gradients(loss, variables, **kwargs)
         for v, g in zip(variables, grads):
             v.assign_sub(1e-3 * g)
-        return grads
+        return grads if return_gradients else loss
 
+    step = tf.function(lambda: train_step(True), jit_compile=a.jit)
+    # The measured step: by default the same one; with --returns loss, one
+    # that returns only the loss, so each gradient is freed once its update
+    # has read it, as in a real training loop (what memory_budget bounds).
+    measured = step if a.returns == "gradients" else tf.function(
+        lambda: train_step(False), jit_compile=a.jit)
     try:
         step.get_concrete_function()
+        if measured is not step:
+            measured.get_concrete_function()
+    except memsave.MemoryBudgetError as e:
+        # Not a failure: the budget is below every plan's forecast, and the
+        # error says so before anything runs.
+        row.update(builds=True, runs=True, infeasible=True,
+                   min_peak_MiB=e.min_peak_bytes / MiB)
+        return row
     except Exception as e:  # noqa: BLE001 - reported, not handled
         row["error"] = f"build: {type(e).__name__}: {_first_line(e)}"
         return row
     row["builds"] = True
     row.update(plan_steps=plan_box.get("steps"), plan_recomputed_ops=plan_box.get("recomputed_ops"),
                checkpoints=plan_box.get("checkpoints"))
+    if plan_box.get("budget_B") is not None:
+        row.update(budget_MiB=plan_box["budget_B"] / MiB, forecast_MiB=plan_box["forecast_B"] / MiB)
     try:
         grads = [g.numpy() for g in step()]
+        if measured is not step:
+            measured()  # its warm-up
         tf.config.experimental.reset_memory_stats("CPU:0")
         resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
-        step()
+        measured()
         peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     except Exception as e:  # noqa: BLE001
         row["error"] = f"run: {type(e).__name__}: {_first_line(e)}"
@@ -229,6 +268,8 @@ def child(a) -> dict:
     err = relative_error(grads, ref)
     row.update(rel_err=err, grads_equal=err <= GRADIENT_RTOL,
                peak_MiB=peak / MiB, resident_MiB=resident / MiB)
+    if row.get("budget_MiB") is not None and a.returns == "loss":
+        row["within_budget"] = row["peak_MiB"] <= BUDGET_SLACK * row["budget_MiB"]
     return row
 
 
@@ -259,7 +300,7 @@ def run_child(model: str, method: str, jit: bool, args) -> dict:
     cmd = ([sys.executable, str(Path(__file__).resolve()), "--child", "--model", model,
            "--method", method, "--size", str(max(args.size, MODELS[model])),
            "--batch", str(args.batch), "--ref-dir", str(args.out.parent / "applications_ref"),
-           "--presplit-mib", str(args.presplit_mib)]
+           "--presplit-mib", str(args.presplit_mib), "--returns", args.returns]
            + (["--jit-child"] if jit else []))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
     if args.threads:
@@ -282,8 +323,9 @@ def run_child(model: str, method: str, jit: bool, args) -> dict:
 
 def table(rows: list[dict]) -> str:
     plain = {(r["model"], r["jit"]): r.get("peak_MiB") for r in rows if r["method"] == "plain"}
-    out = ["| model | jit | method | builds | runs | rel. err | peak MiB | ratio | steps/recomputed | error |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| model | jit | method | builds | runs | rel. err | peak MiB | ratio | budget MiB "
+           "| steps/recomputed | error |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = plain.get((r["model"], r["jit"]))
         ratio = (f"{r['peak_MiB'] / base:.2f}" if r.get("peak_MiB") and base else "")
@@ -291,15 +333,23 @@ def table(rows: list[dict]) -> str:
         peak = f"{r['peak_MiB']:.1f}" if r.get("peak_MiB") is not None else ""
         plan = (f"{r.get('plan_steps')}/{r.get('plan_recomputed_ops')}"
                 if r.get("plan_steps") is not None else "")
+        budget = ""
+        if r.get("budget_MiB") is not None:
+            fits = ({True: "fits", False: "OVER"}.get(r.get("within_budget"), "not checked: "
+                                                       "the step returns its gradients"))
+            budget = f"{r['budget_MiB']:.1f} ({fits})"
+        elif r.get("min_peak_MiB") is not None:
+            budget = f"infeasible, min {r['min_peak_MiB']:.1f}"
         out.append(f"| {r['model']} | {'on' if r['jit'] else 'off'} | {r['method']} | "
                    f"{'yes' if r['builds'] else 'NO'} | {'yes' if r['runs'] else 'NO'} | {err} | "
-                   f"{peak} | {ratio} | {plan} | {r.get('error', '')} |")
+                   f"{peak} | {ratio} | {budget} | {plan} | {r.get('error', '')} |")
     return "\n".join(out)
 
 
-FIELDS = ["model", "method", "jit", "size", "batch", "builds", "runs", "rel_err", "grads_equal",
+FIELDS = ["model", "method", "jit", "size", "batch", "returns", "builds", "runs", "rel_err", "grads_equal",
           "peak_MiB", "resident_MiB", "ratio", "plan_steps", "plan_recomputed_ops",
-          "checkpoints", "wall_s", "error"]
+          "checkpoints", "budget_MiB", "forecast_MiB", "within_budget", "min_peak_MiB",
+          "wall_s", "error"]
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
@@ -318,7 +368,9 @@ def _parse_row(r: dict) -> dict:
     out = dict(r)
     for k in ("builds", "runs", "jit", "grads_equal"):
         out[k] = r.get(k) == "True"
-    for k in ("rel_err", "peak_MiB", "resident_MiB", "wall_s"):
+    out["within_budget"] = {"True": True, "False": False}.get(r.get("within_budget"))
+    for k in ("rel_err", "peak_MiB", "resident_MiB", "wall_s", "budget_MiB", "forecast_MiB",
+              "min_peak_MiB"):
         out[k] = float(r[k]) if r.get(k) else None
     for k in ("plan_steps", "plan_recomputed_ops", "checkpoints"):
         out[k] = int(r[k]) if r.get(k) else None
@@ -329,7 +381,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
     p.add_argument("--jit", choices=["off", "on", "both"], default="both")
     p.add_argument("--size", type=int, default=64, help="input side (raised to a model's minimum)")
     p.add_argument("--batch", type=int, default=4)
@@ -337,6 +389,11 @@ def main(argv=None) -> int:
     p.add_argument("--presplit-mib", type=int, default=PRESPLIT_MIB,
                    help="allocate and free this many MiB first in each process, so the allocator's "
                         "peak counts requested bytes (see allocator.py; 0: as it comes)")
+    p.add_argument("--returns", choices=["gradients", "loss"], default="gradients",
+                   help="what the measured step returns: its gradients (kept alive to the end of "
+                        "the step, as in the tables of experiments/README.md) or only the loss "
+                        "(each gradient freed after its update: what memory_budget= bounds; "
+                        "budgeted methods are checked against their budget only then)")
     p.add_argument("--timeout", type=int, default=CHILD_TIMEOUT_S, help="seconds per process")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "applications.csv")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -373,7 +430,8 @@ def main(argv=None) -> int:
                       file=sys.stderr, flush=True)
                 write_csv(a.out, rows)
     print(table(rows))
-    failed = [r for r in rows if not r["runs"] or r.get("grads_equal") is False]
+    failed = [r for r in rows if not r["runs"] or r.get("grads_equal") is False
+              or r.get("within_budget") is False]
     return 1 if failed else 0
 
 

@@ -2,8 +2,9 @@
 
 The simulator must model TensorFlow's executor, not the registry's models:
 this checks it on models it was not tuned on (a Keras GRU and LSTM
-classifier, keras.applications MobileNetV2 at 64x64, a tf.while_loop of
-matmuls in a tf.function and in a Session). Each (model, method) is measured
+classifier, keras.applications MobileNetV2, DenseNet121, InceptionV3 and
+EfficientNetB0 at small inputs, a tf.while_loop of matmuls in a tf.function
+and in a Session). Each (model, method) is measured
 in a fresh process exactly as forecast.py measures (one warm-up call, then
 the median allocator peak of ``--repeats`` calls) and forecast by
 ``memsave.plan`` / ``memsave.keras.plan``.
@@ -83,6 +84,17 @@ UNSEEN = {
     "keras_gru": F.keras_entry("keras_gru", lambda: _keras_rnn("gru"), "GRU(256) seq 32, batch 256"),
     "keras_lstm": F.keras_entry("keras_lstm", lambda: _keras_rnn("lstm"), "LSTM(256) seq 32, batch 256"),
     "keras_mobilenetv2": F.keras_entry("keras_mobilenetv2", _mobilenet, "MobileNetV2 64x64, batch 16"),
+    # Dense and inception blocks: skips everywhere, no articulation points
+    # inside a block; EfficientNet: squeeze-excite multiplies and swish.
+    "keras_densenet121": F.keras_entry(
+        "keras_densenet121", lambda: F.keras_application("DenseNet121", 8, 64),
+        "DenseNet121 64x64, batch 8"),
+    "keras_inceptionv3": F.keras_entry(
+        "keras_inceptionv3", lambda: F.keras_application("InceptionV3", 8, 75),
+        "InceptionV3 75x75, batch 8"),
+    "keras_efficientnetb0": F.keras_entry(
+        "keras_efficientnetb0", lambda: F.keras_application("EfficientNetB0", 8, 64),
+        "EfficientNetB0 64x64, batch 8"),
     "while_matmuls": F.Entry("while_matmuls", _while_matmuls, "while of 6 matmuls 512x512, batch 512",
                              (F.FUNCTION, F.SESSION)),
 }
