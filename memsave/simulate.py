@@ -108,7 +108,9 @@ CONSTANT_FOLDING_MAX_B = 10 * 1024 * 1024
 #: at batch 32, 2 cores; plain and checkpointed): the concat's gradient (two
 #: Slices, 3 MiB) was allocated while Conv2DBackpropFilter still held the
 #: 3 MiB concat and the 1 MiB incoming gradient, and the allocator's peak
-#: was there. Not under XLA (one thunk at a time). 0 turns it off.
+#: was there. The overlap is one kernel: a next gradient that writes several
+#: new buffers (a concat's, one Slice per input) overlaps it with the first
+#: (the largest) only. Not under XLA (one thunk at a time). 0 turns it off.
 WEIGHT_GRADIENT_OVERLAP = 1
 
 
@@ -207,12 +209,25 @@ class _Program:
         return len(self.size) - 1
 
     def instr(self, label: tuple, reads: list[int], writes: list[tuple[int, tuple[int, ...]]]) -> None:
-        if self.lingering:
+        if self.lingering and any(self.alias[v] < 0 for v, _ in writes):
+            # A kernel that writes a buffer: the one run beside the lingering one.
+            ending = [v for left, values in self.lingering if left == 1 for v in values]
+            going = [v for left, values in self.lingering if left > 1 for v in values]
+            self.lingering = [(left - 1, values) for left, values in self.lingering if left > 1]
+            new = [w for w in writes if self.alias[w[0]] < 0 and not w[1]]
+            if ending and len(new) > 1:
+                # An op's gradient writing several new buffers is one kernel
+                # each (a concat's: one Slice per input); the lingering kernel
+                # runs beside the first (the largest, as the worst case).
+                first = max(new, key=lambda w: self.size[w[0]])
+                self.reads.append(reads + ending + going)
+                self.writes.append([first])
+                self.labels.append(label)
+                writes = [w for w in writes if w is not first]
+                ending = []
+            reads = reads + ending + going
+        elif self.lingering:
             reads = reads + [v for _, values in self.lingering for v in values]
-            if any(self.alias[v] < 0 for v, _ in writes):
-                # A kernel that writes a buffer: the one run beside the lingering one.
-                self.lingering = [(left - 1, values) for left, values in self.lingering
-                                  if left > 1]
         self.reads.append(reads)
         self.writes.append(writes)
         self.labels.append(label)

@@ -271,6 +271,31 @@ def test_a_weight_gradient_kernel_holds_its_reads_through_the_next_gradient(monk
         e: b for e, b in alone.items() if e != "gradient of t0"}
 
 
+def test_a_weight_gradient_kernel_runs_beside_one_kernel_of_the_next_gradient(monkeypatch):
+    # c = concat(a, b) (2 MiB), y = Tanh(MatMul(c, w)). The concat's
+    # gradient is one Slice per input (1 MiB each): MatMul's weight kernel,
+    # still holding c and its incoming gradient (3 MiB), runs beside the
+    # first Slice only; after it, the second Slice sees what it would alone.
+    import memsave.simulate as S
+
+    b = Builder()
+    d = b.external("d")
+    w = b.source("w", size_B=MiB // 4)
+    c = b.op("c", "ConcatV2", [b.op("a", "Tanh", [d]), b.op("b", "Tanh", [d])], size_B=2 * MiB)
+    fg = b.build(["w"], [b.op("y", "Tanh", [b.op("m", "MatMul", [c, w])])])
+
+    def concat_gradient(overlap):
+        monkeypatch.setattr(S, "WEIGHT_GRADIENT_OVERLAP", overlap)
+        trace = _peak(fg, allocator=BFC)
+        return [b for b, e in trace.timeline if e == "gradient of c"], trace.peak_B
+
+    (alone,), alone_peak = concat_gradient(0)
+    (first, second), peak = concat_gradient(1)
+    assert first == alone - MiB + 3 * MiB
+    assert second == alone
+    assert peak == max(alone_peak, first)
+
+
 def _skip(size_B):
     """x -> a -> b, c = a + b, y = Tanh(c): a is read by two segments."""
     b = Builder()
