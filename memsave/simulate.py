@@ -208,14 +208,17 @@ class _Program:
         self.resident.append(resident)
         return len(self.size) - 1
 
-    def instr(self, label: tuple, reads: list[int], writes: list[tuple[int, tuple[int, ...]]]) -> None:
+    def instr(self, label: tuple, reads: list[int], writes: list[tuple[int, tuple[int, ...]]],
+              kernels: bool = False) -> None:
+        """Append an instruction. ``kernels``: each new buffer it writes is
+        the output of a kernel of its own (an op's input gradients)."""
         if self.lingering and any(self.alias[v] < 0 for v, _ in writes):
             # A kernel that writes a buffer: the one run beside the lingering one.
             ending = [v for left, values in self.lingering if left == 1 for v in values]
             going = [v for left, values in self.lingering if left > 1 for v in values]
             self.lingering = [(left - 1, values) for left, values in self.lingering if left > 1]
             new = [w for w in writes if self.alias[w[0]] < 0 and not w[1]]
-            if ending and len(new) > 1:
+            if ending and kernels and len(new) > 1:
                 # An op's gradient writing several new buffers is one kernel
                 # each (a concat's: one Slice per input); the lingering kernel
                 # runs beside the first (the largest, as the worst case).
@@ -391,7 +394,10 @@ class _Builder:
                     to_weight = True
                 else:
                     flows_on = True
-            p.instr(("grad", i), reads, writes)
+            # A call's or loop's gradient, or a kernel's temporaries, are not
+            # one kernel per buffer.
+            p.instr(("grad", i), reads, writes,
+                    kernels=op.body is None and not (costs.scratch and costs.scratch[i]))
             if to_weight and flows_on and WEIGHT_GRADIENT_OVERLAP and not fg.xla:
                 # The weight's gradient kernel (Conv2DBackpropFilter, the
                 # MatMul of x^T and dy) is ready with the input's, but nothing
