@@ -22,7 +22,8 @@ The program
 3. Backward, one stage per step of the schedule (plain backprop is one
    ``backprop`` stage over every op): a ``recompute`` step makes fresh
    proxies of its boundary (``t + gate``, a new buffer unless the original
-   dies there; identities otherwise), re-runs those of its ops whose values
+   dies there; identities otherwise, and for every tensor when the heads'
+   gradients are constants: Grappler folds the gate), re-runs those of its ops whose values
    a gradient reads (TensorFlow prunes the rest), then
    differentiates them in reverse order. Each op's gradient sums the
    gradients its outputs received (AddN, in place), reads what it saves
@@ -52,9 +53,13 @@ Notes
 -----
 Building and replaying the program is linear in ops plus tensors: one pass
 to build, one to find each value's last reader, one to replay. Ops run in
-topological order (one at a time); the real executor may overlap
-independent ops, so a forecast can be off by the outputs of ops that ran
-side by side.
+topological order (one at a time), except that a weight's gradient kernel
+runs beside the next gradient (:data:`WEIGHT_GRADIENT_OVERLAP`); the real
+executor may overlap other independent ops, so a forecast can be off by
+the outputs of ops that ran side by side. The reported peak also counts
+whole BFC chunks (a free chunk under twice the request is not split), which
+this model does not: on small graphs with a few large tensors that adds up
+to a few MiB and varies from run to run with the order of the ops.
 """
 
 from __future__ import annotations
@@ -90,6 +95,23 @@ __all__ = [
 #: more in use after the first call, in a tf.function and in a Session; over
 #: [8192, 512] (16 MiB) nothing.
 CONSTANT_FOLDING_MAX_B = 10 * 1024 * 1024
+
+
+#: How many of the following instructions that write a buffer still see the
+#: reads of an op's gradient alive, when that gradient goes both to a weight
+#: (an x or its read) and on to another op (a convolution's or matmul's).
+#: Its kernels are independent and the executor runs them side by side
+#: (inter-op threads): the input's gradient is consumed at once by the next
+#: op's gradient, while the weight's kernel (Conv2DBackpropFilter, the
+#: MatMul of x^T and dy), which nothing waits for, still reads the layer's
+#: input and the incoming gradient. Measured with step stats (the zoo U-Net
+#: at batch 32, 2 cores; plain and checkpointed): the concat's gradient (two
+#: Slices, 3 MiB) was allocated while Conv2DBackpropFilter still held the
+#: 3 MiB concat and the 1 MiB incoming gradient, and the allocator's peak
+#: was there. The overlap is one kernel: a next gradient that writes several
+#: new buffers (a concat's, one Slice per input) overlaps it with the first
+#: (the largest) only. Not under XLA (one thunk at a time). 0 turns it off.
+WEIGHT_GRADIENT_OVERLAP = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +186,8 @@ class MemoryTrace:
 class _Program:
     """Values (buffers or views of buffers) and instructions reading/writing them."""
 
-    __slots__ = ("size", "alias", "resident", "reads", "writes", "labels", "pinned", "xs_grads")
+    __slots__ = ("size", "alias", "resident", "reads", "writes", "labels", "pinned", "xs_grads",
+                 "lingering")
 
     def __init__(self) -> None:
         self.size: list[int] = []
@@ -175,6 +198,9 @@ class _Program:
         self.labels: list[tuple] = []
         self.pinned: list[int] = []
         self.xs_grads: list[int] = []  # gradients of the xs and of their reads
+        # (allocating instructions left, values): values still read by a
+        # kernel that runs beside the next instructions (WEIGHT_GRADIENT_OVERLAP).
+        self.lingering: list[tuple[int, list[int]]] = []
 
     def value(self, size: int, alias: int = -1, resident: bool = False) -> int:
         self.size.append(size)
@@ -182,7 +208,29 @@ class _Program:
         self.resident.append(resident)
         return len(self.size) - 1
 
-    def instr(self, label: tuple, reads: list[int], writes: list[tuple[int, tuple[int, ...]]]) -> None:
+    def instr(self, label: tuple, reads: list[int], writes: list[tuple[int, tuple[int, ...]]],
+              kernels: bool = False) -> None:
+        """Append an instruction. ``kernels``: each new buffer it writes is
+        the output of a kernel of its own (an op's input gradients)."""
+        if self.lingering and any(self.alias[v] < 0 for v, _ in writes):
+            # A kernel that writes a buffer: the one run beside the lingering one.
+            ending = [v for left, values in self.lingering if left == 1 for v in values]
+            going = [v for left, values in self.lingering if left > 1 for v in values]
+            self.lingering = [(left - 1, values) for left, values in self.lingering if left > 1]
+            new = [w for w in writes if self.alias[w[0]] < 0 and not w[1]]
+            if ending and kernels and len(new) > 1:
+                # An op's gradient writing several new buffers is one kernel
+                # each (a concat's: one Slice per input); the lingering kernel
+                # runs beside the first (the largest, as the worst case).
+                first = max(new, key=lambda w: self.size[w[0]])
+                self.reads.append(reads + ending + going)
+                self.writes.append([first])
+                self.labels.append(label)
+                writes = [w for w in writes if w is not first]
+                ending = []
+            reads = reads + ending + going
+        elif self.lingering:
+            reads = reads + [v for _, values in self.lingering for v in values]
         self.reads.append(reads)
         self.writes.append(writes)
         self.labels.append(label)
@@ -319,6 +367,7 @@ class _Builder:
                                 and self.foldable(t)):
                             self.constant_value(t)
                 writes.append((p.value(_body_figures(op.body, self.allocator).backward_B), ()))
+            to_weight = flows_on = False
             for j, t in enumerate(op.inputs):
                 node = fg.tensors[t]
                 if not node.trainable or node.kind == "external":
@@ -342,7 +391,20 @@ class _Builder:
                 (self.grads if t in boundary else local).setdefault(t, []).append(v)
                 if self.feeds_x[t]:
                     p.xs_grads.append(v)
-            p.instr(("grad", i), reads, writes)
+                    to_weight = True
+                else:
+                    flows_on = True
+            # A call's or loop's gradient, or a kernel's temporaries, are not
+            # one kernel per buffer.
+            p.instr(("grad", i), reads, writes,
+                    kernels=op.body is None and not (costs.scratch and costs.scratch[i]))
+            if to_weight and flows_on and WEIGHT_GRADIENT_OVERLAP and not fg.xla:
+                # The weight's gradient kernel (Conv2DBackpropFilter, the
+                # MatMul of x^T and dy) is ready with the input's, but nothing
+                # downstream waits for it: the executor runs it beside the
+                # next gradient ops, which allocate while it still holds what
+                # it reads (the layer's input, the incoming gradient).
+                p.lingering.append((WEIGHT_GRADIENT_OVERLAP, reads))
 
     def foldable(self, t: int) -> bool:
         return self.fg.tensors[t].size_known and self.costs.tensor_B[t] <= CONSTANT_FOLDING_MAX_B
@@ -506,6 +568,12 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator:
                 # Under XLA the rewrite gates every floating boundary tensor,
                 # the weight reads too: a fresh copy of each for the step.
                 gated = [t for t in step.boundary if _gateable(fg.tensors[t])]
+            if not fg.xla and all(g in b.constant for h in step.heads for g in b.grads.get(h, ())):
+                # The heads' gradients are constants (the seeds ones_like(y)):
+                # Grappler folds the gate to 0 and ``t + 0`` into an Identity
+                # (step stats: the first step's gated proxy of a U-Net's 3 MiB
+                # concat ran as Identity, allocating nothing).
+                gated = []
             gated_set = set(gated)
             for t in step.boundary:
                 src = orig[t]

@@ -243,3 +243,76 @@ def test_under_xla_recomputed_steps_copy_their_weight_reads():
     assert plain_alive == 11 * MiB  # resident 10 and t1's proxy
     assert xla_alive == plain_alive + 2 * 2 * MiB
     assert xla_peak > plain_peak
+
+
+def test_a_weight_gradient_kernel_holds_its_reads_through_the_next_gradient(monkeypatch):
+    # t_i = Tanh(MatMul(h, w_i)), the w_i xs. mm1's gradient is two
+    # kernels: the input's, consumed at once by t0's gradient, and the
+    # weight's, which nothing waits for and which the executor runs beside
+    # t0's gradient: what it reads (mm1's incoming gradient, 1 MiB, beside
+    # t0 which stays anyway) is alive one allocating gradient longer.
+    import memsave.simulate as S
+
+    b = Builder()
+    h = b.external("d")
+    for i in range(2):
+        w = b.source(f"w{i}", size_B=MiB // 4)
+        h = b.op(f"t{i}", "Tanh", [b.op(f"mm{i}", "MatMul", [h, w])])
+    fg = b.build(["w0", "w1"], [h])
+
+    def backward(overlap):
+        monkeypatch.setattr(S, "WEIGHT_GRADIENT_OVERLAP", overlap)
+        trace = _peak(fg, allocator=BFC)
+        return {e: b for b, e in trace.timeline[trace.backward_start:]}
+
+    alone, beside = backward(0), backward(1)
+    assert beside["gradient of t0"] == alone["gradient of t0"] + MiB
+    assert {e: b for e, b in beside.items() if e != "gradient of t0"} == {
+        e: b for e, b in alone.items() if e != "gradient of t0"}
+
+
+def test_a_weight_gradient_kernel_runs_beside_one_kernel_of_the_next_gradient(monkeypatch):
+    # c = concat(a, b) (2 MiB), y = Tanh(MatMul(c, w)). The concat's
+    # gradient is one Slice per input (1 MiB each): MatMul's weight kernel,
+    # still holding c and its incoming gradient (3 MiB), runs beside the
+    # first Slice only; after it, the second Slice sees what it would alone.
+    import memsave.simulate as S
+
+    b = Builder()
+    d = b.external("d")
+    w = b.source("w", size_B=MiB // 4)
+    c = b.op("c", "ConcatV2", [b.op("a", "Tanh", [d]), b.op("b", "Tanh", [d])], size_B=2 * MiB)
+    fg = b.build(["w"], [b.op("y", "Tanh", [b.op("m", "MatMul", [c, w])])])
+
+    def concat_gradient(overlap):
+        monkeypatch.setattr(S, "WEIGHT_GRADIENT_OVERLAP", overlap)
+        trace = _peak(fg, allocator=BFC)
+        return [b for b, e in trace.timeline if e == "gradient of c"], trace.peak_B
+
+    (alone,), alone_peak = concat_gradient(0)
+    (first, second), peak = concat_gradient(1)
+    assert first == alone - MiB + 3 * MiB
+    assert second == alone
+    assert peak == max(alone_peak, first)
+
+
+def _skip(size_B):
+    """x -> a -> b, c = a + b, y = Tanh(c): a is read by two segments."""
+    b = Builder()
+    x = b.source("x", size_B=size_B)
+    a = b.op("a", "Tanh", [x], size_B=size_B)
+    t = b.op("b", "Tanh", [a], size_B=size_B)
+    y = b.op("y", "Tanh", [b.op("c", "AddV2", [a, t], size_B=size_B)], size_B=size_B)
+    return b.build(["x"], [y])
+
+
+@pytest.mark.parametrize("size_B, proxy_B", [(MiB, 0), (12 * MiB, 12 * MiB)])
+def test_the_gate_of_a_step_whose_gradients_are_constants_is_folded(size_B, proxy_B):
+    # Checkpoints a and b. y's step gates a's proxy; a stays alive (b's step
+    # reads it again), so ``a + gate`` is a new buffer, unless y's gradient
+    # is the folded constant ones_like(y) (static shape, at most
+    # CONSTANT_FOLDING_MAX_B): Grappler then folds the gate to 0 and the
+    # proxy to an Identity of a. Alive: x, the seed, a and b, and the proxy.
+    trace = _peak(_skip(size_B), ["a:0", "b:0"], allocator=BFC)
+    alive = next(b for b, e in trace.timeline if e == "proxy of a:0")
+    assert alive == 4 * size_B + proxy_B
