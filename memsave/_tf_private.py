@@ -189,6 +189,39 @@ def is_recomputable(op: tf.Operation) -> bool:
     return all(_fdef_read_only(f, op.graph) for f in fdefs)
 
 
+def custom_gradient_arguments(op: tf.Operation, node_def=None) -> tuple[int, ...] | None:
+    """Input positions of a ``tf.custom_gradient``'s arguments, or None for other ops.
+
+    In a graph, ``tf.custom_gradient`` ends in an ``IdentityN`` over
+    ``results + arguments (+ variables)`` whose ``_gradient_op_type`` names
+    the registered wrapper of the user's gradient function
+    (``custom_gradient._graph_mode_decorator``); the number of results is a
+    variable of that wrapper's closure (``flat_result_len``), read here.
+    The arguments' gradients come from the user's function, which reads the
+    argument tensors it closed over in the forward pass; the results get
+    none. None also when the closure does not have that shape (another
+    TensorFlow version, a hand-made gradient override).
+    """
+    if op.type != "IdentityN":
+        return None
+    node_def = op.node_def if node_def is None else node_def
+    if "_gradient_op_type" not in node_def.attr:
+        return None
+    try:
+        from tensorflow.python.framework import ops as _ops
+
+        def closure(fn) -> dict:
+            return {k: c.cell_contents for k, c in zip(fn.__code__.co_freevars, fn.__closure__ or ())}
+
+        wrapper = _ops.get_gradient_function(op)
+        n = closure(closure(wrapper)["tape_grad_fn"])["flat_result_len"]
+    except Exception:  # noqa: BLE001 - not the expected shape: not known
+        return None
+    if not isinstance(n, int) or not 0 <= n <= len(op.inputs):
+        return None
+    return tuple(range(n, len(op.inputs)))
+
+
 def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str) -> tf.Operation:
     """Copy ``op`` into its graph with new ``inputs``, on the same device.
 

@@ -81,6 +81,13 @@ def _held_bytes(t: tf.Tensor) -> int | None:
 
 
 def _gradient_use(op: tf.Operation, node_def) -> GradientUse | None:
+    args = _tf_private.custom_gradient_arguments(op, node_def)
+    if args is not None:
+        # tf.custom_gradient: its function reads the arguments it captured
+        # (assumed: what else it closed over cannot be seen) and gives them
+        # their gradients; the results it passes through get none.
+        return GradientUse(reads_inputs=args, reads_outputs=(), aliases=(None,) * len(op.inputs),
+                           gives=args, captured=True)
     learned = _tf_private.learn_gradient_use(op, node_def)
     if learned is None:
         return None

@@ -66,6 +66,16 @@ class GradientUse:
         Per early value, the (input, output) positions it is computed from:
         inside a function or loop body, whose backward runs separately,
         those are what the gradient keeps.
+    gives : tuple of int, or None
+        Input positions that receive a gradient; None: every differentiable
+        input. A ``tf.custom_gradient`` gives one to its arguments only, not
+        to the results it passes through, so the ops computing those results
+        are never differentiated.
+    captured : bool
+        The gradient reads the forward pass's own tensors (the inputs at
+        ``reads_inputs``), whichever copy of the op it differentiates: a
+        ``tf.custom_gradient``'s gradient function closes over its
+        arguments. :func:`memsave.schedule.build_schedule` keeps them.
     """
 
     reads_inputs: tuple[int, ...]
@@ -75,6 +85,8 @@ class GradientUse:
     by_input: tuple[tuple[tuple[int, ...], ...], ...] | None = None
     early_B: tuple[int, ...] = ()
     early_from: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+    gives: tuple[int, ...] | None = None
+    captured: bool = False
 
     def needed(self, inputs: Sequence[bool]) -> "GradientUse":
         """What the gradient reads when only the inputs flagged in ``inputs``

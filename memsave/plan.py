@@ -265,6 +265,11 @@ def make_plan(
                 why = "x (differentiated with respect to)"
             elif node.producer is not None and not fg.ops[node.producer].recomputable:
                 why = f"output of stateful {fg.ops[node.producer].type} (never recomputed)"
+            elif node.kind == "internal" and any(
+                    op.gradient is not None and op.gradient.captured
+                    and t in (op.inputs[j] for j in op.gradient.reads_inputs)
+                    for op in fg.ops):
+                why = "captured by a tf.custom_gradient's gradient function"
             elif node.kind == "internal":
                 why = "input of a stateful op, or shared by two segments"
             else:

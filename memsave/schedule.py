@@ -2,8 +2,10 @@
 
 Given the checkpoints a strategy chose, :func:`build_schedule` decides
 
-* which tensors stay in memory (*kept*): the checkpoints, the xs, and the
-  inputs and outputs of every op that must not be recomputed (stateful ops);
+* which tensors stay in memory (*kept*): the checkpoints, the xs, the
+  inputs and outputs of every op that must not be recomputed (stateful ops),
+  and the arguments a ``tf.custom_gradient``'s gradient function captured
+  (it reads those, not a copy's);
 * for every kept tensor produced in the forward graph (a *head*), the
   *segment* that recomputes it: the ops reached walking back from its
   producer up to kept tensors (the segment's *boundary*);
@@ -117,6 +119,12 @@ def build_schedule(
         if not recomputable(op.index):
             kept.update(op.outputs)
             kept.update(t for t in op.inputs if tensors[t].kind != "external")
+        elif op.gradient is not None and op.gradient.captured:
+            # A tf.custom_gradient's function reads the forward pass's own
+            # arguments, whichever copy it differentiates: they are alive
+            # until its gradient anyway, so they are kept, not recomputed.
+            kept.update(op.inputs[j] for j in op.gradient.reads_inputs
+                        if tensors[op.inputs[j]].kind == "internal")
 
     _keep_shared_frontier(fg, kept, recomputable)
 

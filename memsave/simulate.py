@@ -372,6 +372,8 @@ class _Builder:
                 node = fg.tensors[t]
                 if not node.trainable or node.kind == "external":
                     continue
+                if use.gives is not None and j not in use.gives:
+                    continue  # a tf.custom_gradient's result: no gradient flows back
                 if t not in boundary and node.kind != "internal":
                     continue
                 k = use.aliases[j] if j < len(use.aliases) else None

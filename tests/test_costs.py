@@ -9,6 +9,7 @@ import tensorflow as tf
 from memsave import _tf_private
 from memsave.costs import estimate_costs, is_activation
 from memsave.extract import extract
+from memsave.schedule import build_schedule
 
 
 def _graph_op(build):
@@ -83,16 +84,41 @@ def test_a_call_is_read_through_its_body():
     assert not any("not learned" in a for a in costs.assumptions)
 
 
-def test_unlearnable_gradient_is_assumed_to_read_everything_and_says_so():
+def test_a_custom_gradient_reads_its_captured_arguments_and_gives_the_results_nothing():
     g = tf.Graph()
     with g.as_default():
         w = tf.compat.v1.placeholder(tf.float32, [4, 4])
 
         @tf.custom_gradient
         def f(a):
-            return tf.identity(a), lambda dy: dy * a
+            s = tf.sigmoid(a)
+            return a * s, lambda dy: dy * a  # reads its argument only
 
-        y = f(w)  # IdentityN with a Python gradient: not learned from its type
+        y = f(2.0 * w)  # IdentityN over (result, argument); the argument is internal
+        ex = extract([y], [w])
+    op = next(o for o in ex.fg.ops if o.type == "IdentityN")
+    assert op.gradient.gives == (1,) and op.gradient.reads_inputs == (1,)
+    assert op.gradient.captured and op.gradient.reads_outputs == ()
+    costs = estimate_costs(ex.fg)
+    assert not any("not learned" in a for a in costs.assumptions)
+    # Its function reads the argument it captured, not a recomputed copy's:
+    # a schedule keeps it.
+    arg = op.inputs[1]
+    assert ex.fg.tensors[arg].kind == "internal"
+    assert arg in build_schedule(ex.fg, ()).kept
+
+
+def test_unlearnable_gradient_is_assumed_to_read_everything_and_says_so():
+    g = tf.Graph()
+    with g.as_default():
+        w = tf.compat.v1.placeholder(tf.float32, [4, 4])
+
+        @tf.RegisterGradient("MemsaveTestOverride")
+        def _override(op, *grads):
+            return [g * op.inputs[0] for g in grads]
+
+        with g.gradient_override_map({"IdentityN": "MemsaveTestOverride"}):
+            y = tf.identity_n([tf.identity(w)])[0]  # a Python gradient of unknown shape
         ex = extract([y], [w])
     op = next(o for o in ex.fg.ops if o.type == "IdentityN")
     assert op.gradient is None

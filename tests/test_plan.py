@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -113,11 +115,31 @@ def test_batch_size_hint_on_plan():
     assert hinted.baseline_peak_bytes > guessed.baseline_peak_bytes + 4 * MiB
 
 
-def test_plan_says_when_gradients_applied_as_written_would_peak_lower():
-    # Large weights, small activations: the step peaks at its end, with every
-    # weight's gradient written. The forecast holds them (a step that returns
-    # them); applied as they are written, the peak is lower, and the Plan
-    # gives the bound. Both measured in tf.functions.
+def _fresh(name: str) -> dict:
+    """``name()`` of this module run in a fresh process (this file as a script): the
+    allocator peak counts every tensor alive in the process, and other tests leave some."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, __file__, name], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _peak_of(step) -> int:
+    step()
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    step()
+    return tf.config.experimental.get_memory_info("CPU:0")["peak"]
+
+
+def _plan_dict(p: Plan) -> dict:
+    return {"predicted": p.predicted_peak_bytes, "assumptions": list(p.assumptions),
+            "kept": [[k.op_type, k.why] for k in p.kept]}
+
+
+def measure_gradients_held() -> dict:
+    """Large weights, small activations: the step peaks at its end, every weight's
+    gradient written. Measured returning the gradients, and applying each as written."""
     layers, width, batch = 12, 1024, 64  # 4 MiB weights, 256 KiB activations
     rng = np.random.default_rng(0)
     ws = [tf.Variable(rng.standard_normal((width, width), dtype=np.float32) * 0.03)
@@ -143,20 +165,73 @@ def test_plan_says_when_gradients_applied_as_written_would_peak_lower():
             w.assign_sub(1e-3 * g)
         return tf.constant(0.0)
 
-    peaks = []
-    for step in (returns, applies):
-        step()
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        step()
-        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
-    p = box["plan"]
-    notes = [a for a in p.assumptions if "as soon as it is written" in a]
+    returned, applied = _peak_of(returns), _peak_of(applies)
+    return {"plan": _plan_dict(box["plan"]), "returns": returned, "applies": applied}
+
+
+def test_plan_says_when_gradients_applied_as_written_would_peak_lower():
+    # The forecast holds the gradients (a step that returns them); applied as
+    # they are written, the peak is lower, and the Plan gives the bound.
+    res = _fresh("measure_gradients_held")
+    p = res["plan"]
+    notes = [a for a in p["assumptions"] if "as soon as it is written" in a]
     assert len(notes) == 1
     bound = int(re.search(r"between ([\d,]+) bytes", notes[0]).group(1).replace(",", ""))
-    assert abs(peaks[0] - p.predicted_peak_bytes) <= 0.1 * peaks[0]  # measured 93.3, forecast 96.8 MiB
-    assert bound <= peaks[1] < 0.8 * p.predicted_peak_bytes  # measured 63.5 MiB, bound 51.8 MiB
+    # Measured 93.3 MiB returning them (forecast 96.8), 63.5 applying them (bound 51.8).
+    assert abs(res["returns"] - p["predicted"]) <= 0.1 * res["returns"]
+    assert bound <= res["applies"] < 0.8 * p["predicted"]
 
 
 def test_plan_states_no_gradient_assumption_where_activations_set_the_peak():
     p = _chain_plan("collection")  # 4 MiB activations, 1 MiB weights: peak early in backprop
     assert not [a for a in p.assumptions if "as soon as it is written" in a]
+
+
+def measure_silu() -> dict:
+    """A dense chain with tf.nn.silu: forecast and measured peaks, plain and 'memory'."""
+    layers, width, batch = 12, 256, 4096  # 4 MiB activations
+    rng = np.random.default_rng(0)
+    ws = [tf.Variable(rng.standard_normal((width, width), dtype=np.float32) * 0.05)
+          for _ in range(layers)]
+    x = tf.constant(rng.standard_normal((batch, width), dtype=np.float32))
+    plans = {}
+
+    def loss_fn():
+        h = x
+        for w in ws:
+            h = tf.nn.silu(tf.matmul(h, w))
+        return tf.reduce_sum(h * h)
+
+    def step(checkpoints):
+        @tf.function
+        def f():
+            loss = loss_fn()
+            plans[checkpoints] = memsave.plan(loss, ws, checkpoints=checkpoints)
+            if checkpoints == "collection":  # nothing tagged: tf.gradients
+                return tf.gradients(loss, ws)
+            return memsave.gradients(loss, ws, checkpoints=checkpoints)
+        return f
+
+    out = {c: {"measured": _peak_of(step(c))} for c in ("collection", "memory")}
+    for c in out:
+        out[c].update(_plan_dict(plans[c]))
+    return out
+
+
+def test_custom_gradient_silu_forecast_and_its_captured_inputs():
+    # tf.nn.silu is a tf.custom_gradient whose function recomputes the
+    # sigmoid from the input it captured: the forward's Sigmoid and Mul are
+    # never differentiated, and that input stays alive (a recomputed copy's
+    # gradient reads the original). Measured in a fresh process: plain
+    # 115-120 MiB against 111 forecast (167 before the custom gradient was
+    # modelled); 'memory' near its forecast.
+    res = _fresh("measure_silu")
+    for c, r in res.items():
+        assert abs(r["predicted"] - r["measured"]) <= 0.2 * r["measured"], (
+            c, r["predicted"] / MiB, r["measured"] / MiB)
+    captured = [k for k in res["memory"]["kept"] if "tf.custom_gradient" in k[1]]
+    assert len(captured) >= 11 and all(op_type == "MatMul" for op_type, _ in captured)
+
+
+if __name__ == "__main__":
+    print(json.dumps(globals()[sys.argv[1]]()))
