@@ -195,7 +195,8 @@ def _gateable(node) -> bool:
 class _Builder:
     """Builds the program of one step (see module docstring)."""
 
-    def __init__(self, fg: ForwardGraph, costs: Costs, allocator: Allocator) -> None:
+    def __init__(self, fg: ForwardGraph, costs: Costs, allocator: Allocator,
+                 forward: ForwardProgram | None = None) -> None:
         self.fg = fg
         self.costs = costs
         self.allocator = allocator
@@ -207,6 +208,10 @@ class _Builder:
         self.resident_B = 0
         self.constant: set[int] = set()  # gradient values Grappler folds into constants
         self.xs = set(fg.xs)
+        if forward is not None:  # the state after its forward pass (which it built once)
+            self.feeds_x = forward.feeds_x
+            forward.restore(self)
+            return
         # An x, or the read of one (an op whose inputs are all xs, e.g.
         # ReadVariableOp): its gradient is the x's, passed through.
         self.feeds_x = [
@@ -395,6 +400,7 @@ class ForwardProgram:
         self.program = (list(p.size), list(p.alias), list(p.resident), list(p.reads),
                         list(p.writes), list(p.labels))
         self.orig = list(b.orig)
+        self.feeds_x = b.feeds_x
         self.saved_of = dict(b.saved_of)
         self.early_of = dict(b.early_of)
         self.resident_B = b.resident_B
@@ -453,7 +459,7 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator:
     elif forward.fg is not fg or forward.costs is not costs or forward.allocator != allocator:
         raise ValueError(
             "memsave.simulate: forward= was built for another graph, costs or allocator")
-    b = _Builder(fg, costs, allocator)
+    b = _Builder(fg, costs, allocator, forward)
     p = b.p
     orig = b.orig
 
@@ -461,7 +467,6 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator:
         orig[t] = v
 
     b.bind = bind_orig
-    forward.restore(b)
     if schedule is not None:
         # TensorFlow adds what a call's or loop's gradient keeps (the forward
         # function's extra outputs, while_v2's accumulators) only to the op
@@ -694,28 +699,26 @@ def _simulate(fg, schedule, costs, allocator, timeline, forward, gradients_kept)
     reads, writes, size, alias = p.reads, p.writes, p.size, p.alias
     n_instr = len(reads)
     n_val = len(size)
+    # Each value's last reader, or where it is made if nothing reads it.
     last = [-1] * n_val
-    created = [-1] * n_val
-    for k in range(n_instr):
-        for r in reads[k]:
+    for k, ws in enumerate(writes):
+        for v, _ in ws:
+            last[v] = k
+    for k, rs in enumerate(reads):
+        for r in rs:
             last[r] = k
-        for v, _ in writes[k]:
-            created[v] = k
     if gradients_kept:
         for v in p.pinned:
             last[v] = n_instr  # past the last instruction: the step's outputs
     dying: list[list[int]] = [[] for _ in range(n_instr)]
     resident = p.resident
-    for v in range(n_val):
-        if resident[v]:
-            continue
-        k = last[v] if last[v] >= 0 else created[v]
-        if 0 <= k < n_instr:
+    for v, k in enumerate(last):
+        if 0 <= k < n_instr and not resident[v]:
             dying[k].append(v)
     # A view holds a reference to its buffer's root; a buffer is freed when
     # the last value on it (base or view) has had its last reader.
-    counted_of = allocator.counted
-    counted = [counted_of(n) for n in size]
+    counted_of = {n: allocator.counted(n) for n in set(size)}  # few distinct sizes
+    counted = [counted_of[n] for n in size]
     if not gradients_kept:
         for v in p.xs_grads:
             counted[v] = 0  # consumed by the update as soon as written
