@@ -212,6 +212,7 @@ class _Builder:
         if forward is not None:  # the state after its forward pass (which it built once)
             self.feeds_x = forward.feeds_x
             self.gradient_reads = forward.gradient_reads
+            self.gradient_targets = forward.gradient_targets
             forward.restore(self)
             return
         # An x, or the read of one (an op whose inputs are all xs, e.g.
@@ -334,11 +335,8 @@ class _Builder:
                 writes.append((p.value(_body_figures(op.body, self.allocator).backward_B), ()))
             aliases = use.aliases
             folded = None  # whether Grappler folds this gradient (computed when first asked)
-            for j, t in enumerate(inputs):
-                node = tensors[t]
-                if not node.trainable or node.kind == "external":
-                    continue
-                if t not in boundary and node.kind != "internal":
+            for j, t, internal in self.gradient_targets[i]:
+                if not internal and t not in boundary:
                     continue
                 k = aliases[j] if j < len(aliases) else None
                 if k is not None and out_grads[k] is not None:
@@ -422,6 +420,12 @@ class ForwardProgram:
             (tuple(op.inputs[j] for j in use.reads_inputs if j < len(op.inputs)),
              tuple(op.outputs[k] for k in use.reads_outputs if k < len(op.outputs)))
             for op, use in zip(fg.ops, costs.gradient)
+        ]
+        # Per op, its inputs a gradient can flow to: (position, tensor, internal).
+        self.gradient_targets = [
+            tuple((j, t, fg.tensors[t].kind == "internal") for j, t in enumerate(op.inputs)
+                  if fg.tensors[t].trainable and fg.tensors[t].kind != "external")
+            for op in fg.ops
         ]
         self.saved_of = dict(b.saved_of)
         self.early_of = dict(b.early_of)
