@@ -58,36 +58,36 @@ def main() -> None:
     ap.add_argument("--exact-cuts", type=int, default=6)
     ap.add_argument("--milp-time-limit", type=float, default=10.0)
     args = ap.parse_args()
-    head = "".join(f"{f'@{f:g}':>24}" for f in args.fractions)
-    print(f"{'graph':<7}{'ops':>7}{head}{'min':>22}")
-    print(f"{'':<14}" + "".join(f"{'s  solver  peak  cost':>24}" for _ in args.fractions)
-          + f"{'s  evals  peak':>22}")
+    head = "".join(f"{f'@{f:g}':>30}" for f in args.fractions)
+    print(f"{'graph':<7}{'ops':>7}{head}{'min':>18}")
+    print(f"{'':<14}" + "".join(f"{'s  cpu  solver  peak  cost':>30}" for _ in args.fractions)
+          + f"{'s  cpu  peak':>18}")
     for n in args.sizes:
         for kind, build in (("chain", H.random_chain), ("dag", H.random_dag)):
             fg = build(random.Random(0), n)
             cells = []
             for frac in args.fractions:
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 costs = estimate_costs(fg)
                 try:
                     bp = plan_for_budget(fg, costs, frac, api="bench")
-                    dt = time.perf_counter() - t
+                    dt, dc = time.perf_counter() - t, time.process_time() - c
                     r = bp.result
-                    cells.append(f"{dt:7.2f} {r.solver:>6} {r.predicted_peak_B / r.budget_B * frac:5.2f}"
-                                 f" {r.recompute_cost:>8}")
+                    cells.append(f"{dt:6.2f} {dc:5.2f} {r.solver:>6} "
+                                 f"{r.predicted_peak_B / r.budget_B * frac:5.2f} {r.recompute_cost:>8}")
                 except MemoryBudgetError as e:
-                    dt = time.perf_counter() - t
-                    cells.append(f"{dt:7.2f}  infeasible (min {e.min_peak_bytes})")
-            t = time.perf_counter()
+                    dt, dc = time.perf_counter() - t, time.process_time() - c
+                    cells.append(f"{dt:6.2f} {dc:5.2f} infeasible (min {e.min_peak_bytes})")
+            t, c = time.perf_counter(), time.process_time()
             costs = estimate_costs(fg)
             try:
                 plan_for_budget(fg, costs, 1, api="bench")  # 1 byte: every plan simulated
             except MemoryBudgetError as e:
                 low = e.min_peak_bytes
-            dt = time.perf_counter() - t
+            dt, dc = time.perf_counter() - t, time.process_time() - c
             p = Problem(fg, costs, coarsen(fg, costs, Problem.default_candidates(fg), 96))
-            cells.append(f"{dt:8.2f} {'':>5} {low / p.plain.peak_B:5.2f}")
-            print(f"{kind:<7}{n:>7}" + "".join(f"{c:>24}" for c in cells[:-1]) + f"{cells[-1]:>22}",
+            cells.append(f"{dt:6.2f} {dc:5.2f} {low / p.plain.peak_B:5.2f}")
+            print(f"{kind:<7}{n:>7}" + "".join(f"{c:>30}" for c in cells[:-1]) + f"{cells[-1]:>18}",
                   flush=True)
     print("\nexact solvers on a few cuts of the 1000-op graphs (s, recompute cost):")
     for kind, build in (("chain", H.random_chain), ("dag", H.random_dag)):
