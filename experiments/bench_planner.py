@@ -13,22 +13,29 @@ which reports the smallest peak). Then ``dp`` and ``milp`` on a few cuts
 
 Usage: .venv/bin/python experiments/bench_planner.py [--sizes 1000 10000]
 
-Measured on main after the merges of 2026-12-01 (2 cores, the test suite
-running beside it, so times are inflated; seconds per planning, costs to
-answer; the DAG's candidates are now the tensors crossing the topological
-cuts 'memory' plans with, coarsened to MAX_CUTS):
+Measured on the perf branch (issue 9's planning time, 2026-12-01), on the
+2 shared cores with other sessions' jobs running beside it (load average
+3-4), seconds per planning, wall then CPU, costs to answer:
 
-    graph    ops    @0.9   @0.75   @0.6   min (every plan simulated)
-    chain   1000    0.12   0.38   0.31   1.25
-    dag     1000    0.95   (0.75, 0.6: infeasible, min 0.89 of plain, 0.95)
-    chain  10000    0.97   1.79   2.76   11.5
-    dag    10000    13.3   (0.75, 0.6: infeasible, 8.4-12.1)   8.7
+    graph    ops    @0.9         @0.75        @0.6         min (every plan simulated)
+    chain   1000    0.11 0.10    0.15 0.15    0.27 0.25    0.65 0.60
+    dag     1000    0.75 0.73    (0.75, 0.6: infeasible, min 0.89 of plain: 0.73-0.74 wall)   0.87
+    chain  10000    0.94 0.87    1.33 1.30    2.02 1.96    6.07 5.97
+    dag    10000    8.92 8.69    (0.75, 0.6: infeasible: 8.6-8.8 wall)                        9.12
 
-The chain meets both targets on the fast path, the 1000-op DAG the 1 s
-one; the 10,000-op DAG does not (skips everywhere, so no plan saves more
-than 11% and nearly every plan of greedy's family is simulated before one
-fits: about 35 plans at 0.4-0.7 s each, half of it build_schedule and half
-the simulator's replay).
+Every answer (plans, forecast peaks, recompute costs, MemoryBudgetError's
+min_peak_bytes) is the one main (7f01b0f) gives. Costs to answer, one
+process per planning, main and this code run alternately under the same
+load (CPU seconds, main -> now): dag 10000 @0.9 12.3 -> 9.4, @0.75 11.5 ->
+9.0; chain 10000 min 12.7 -> 5.7; dag 1000 @0.9 1.22 -> 0.80. The 1000-op graphs and the chains meet their targets; the 10,000-op
+DAG is under 10 s but not the 5 s aimed at. Its skips are everywhere, so
+no plan saves more than 11% and greedy simulates all 35 plans of its family
+before one fits (or, infeasible, to find the smallest peak). Each plan
+keeps about 5,000 tensors in about 1,700 backward steps (31,000
+simulator instructions); per plan, about 65 ms of CPU build the schedule,
+110 ms build the simulator's program and 40 ms replay it. Faster needs
+fewer simulations (an exact bound, or simulating only what differs between
+plans of one stored set), not a faster loop.
 """
 
 from __future__ import annotations
