@@ -270,13 +270,21 @@ class ForwardGraph:
 
     # -- queries -----------------------------------------------------------
 
-    def consumers(self) -> list[list[int]]:
-        """For each tensor id, the forward-graph ops that consume it, in order."""
-        out: list[list[int]] = [[] for _ in self.tensors]
-        for op in self.ops:
-            for t in dict.fromkeys(op.inputs):
-                out[t].append(op.index)
-        return out
+    def consumers(self) -> tuple[tuple[int, ...], ...]:
+        """For each tensor id, the forward-graph ops that consume it, in order.
+
+        Computed once per graph (the graph is immutable): planners ask for
+        it once per simulated plan.
+        """
+        found = self.__dict__.get("_consumers")
+        if found is None:
+            out: list[list[int]] = [[] for _ in self.tensors]
+            for op in self.ops:
+                for t in dict.fromkeys(op.inputs):
+                    out[t].append(op.index)
+            found = tuple(map(tuple, out))
+            object.__setattr__(self, "_consumers", found)  # a cache, not a field
+        return found
 
     def internal_tensors(self) -> Iterable[TensorNode]:
         """Tensors produced by forward-graph ops, in op order."""

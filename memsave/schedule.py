@@ -108,15 +108,16 @@ def build_schedule(
     """
     tensors = fg.tensors
     stored = frozenset(in_place)
-
-    def recomputable(i: int) -> bool:
-        return fg.ops[i].recomputable and i not in stored
+    copyable = [op.recomputable for op in fg.ops]  # by op index; stored ops are not
+    for i in stored:
+        copyable[i] = False
+    recomputable = copyable.__getitem__
 
     kept: set[int] = set(checkpoints)
     for x in fg.xs:
         kept.add(x)
     for op in fg.ops:
-        if not recomputable(op.index):
+        if not copyable[op.index]:
             kept.update(op.outputs)
             kept.update(t for t in op.inputs if tensors[t].kind != "external")
         elif op.gradient is not None and op.gradient.captured:
@@ -126,7 +127,7 @@ def build_schedule(
             kept.update(op.inputs[j] for j in op.gradient.reads_inputs
                         if tensors[op.inputs[j]].kind == "internal")
 
-    _keep_shared_frontier(fg, kept, recomputable)
+    _keep_shared_frontier(fg, kept, copyable)
 
     def differentiable(t: int) -> bool:
         return t in kept and tensors[t].trainable and tensors[t].kind != "external"
@@ -254,38 +255,47 @@ def _outer_inputs(fg: ForwardGraph, ops, differentiable) -> tuple[int, ...]:
     }))
 
 
-def _keep_shared_frontier(fg: ForwardGraph, kept: set[int], recomputable) -> None:
+def _keep_shared_frontier(fg: ForwardGraph, kept: set[int], recomputable: list[bool]) -> None:
     """Keep tensors so that no op is recomputed by two different heads.
 
     When the kept tensors do not cut the graph (checkpoints off the residual
     stream, say), the walk back from two heads reaches the same ops and
     each step would recompute them again: quadratic time on a deep
-    network. A reverse sweep finds, for each recomputable op, the heads it
-    feeds through unkept tensors (capped at two); where an op feeds two,
-    its outputs read by an op that feeds one are kept (the frontier), and
-    the sweep repeats until nothing is shared. Linear per sweep.
+    network. A reverse sweep finds, for each recomputable op (``recomputable``
+    by op index), the head it feeds through unkept tensors: none, one, or
+    several (:data:`_SHARED`); where an op feeds several, its outputs read by
+    an op that feeds one are kept (the frontier), and the sweep repeats
+    until nothing is shared. Linear per sweep.
     """
     consumers = fg.consumers()
     y_set = set(fg.ys)
+    ops = fg.ops
     while True:
-        reach: list[tuple] = [()] * len(fg.ops)
-        for op in reversed(fg.ops):
-            if not recomputable(op.index):
+        # reach[i]: _NO_HEAD, the head's id (the op whose kept outputs share
+        # one step, or _YS for the step of the unkept ys), or _SHARED.
+        reach = [_NO_HEAD] * len(ops)
+        for op in reversed(ops):
+            i = op.index
+            if not recomputable[i]:
                 continue
-            heads: set = set()
+            head = _NO_HEAD
             for t in op.outputs:
                 if t in kept:
-                    heads.add(("op", op.index))  # its kept outputs share one step
+                    heads = (i,)
+                elif t in y_set:
+                    heads = (_YS, *(reach[c] for c in consumers[t] if recomputable[c]))
                 else:
-                    if t in y_set:
-                        heads.add(("ys",))  # unkept ys are the heads of the first step
-                    for c in consumers[t]:
-                        if recomputable(c):
-                            heads.update(reach[c])
-                if len(heads) > 1:
+                    heads = [reach[c] for c in consumers[t] if recomputable[c]]
+                for h in heads:
+                    if h == _NO_HEAD or h == head:
+                        continue
+                    head = h if head == _NO_HEAD and h != _SHARED else _SHARED
+                    if head == _SHARED:
+                        break
+                if head == _SHARED:
                     break
-            reach[op.index] = tuple(sorted(heads)[:2])
-        shared = [op for op in fg.ops if len(reach[op.index]) > 1]
+            reach[i] = head
+        shared = [op for op in ops if reach[op.index] == _SHARED]
         if not shared:
             return
         frontier = {
@@ -293,11 +303,17 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int], recomputable) -> Non
             for op in shared
             for t in op.outputs
             if t not in kept
-            and any(recomputable(c) and len(reach[c]) == 1 for c in consumers[t])
+            and any(recomputable[c] and reach[c] >= _YS for c in consumers[t])
         }
         if not frontier:
             frontier = {t for op in shared for t in op.outputs}
         kept.update(frontier)
+
+
+# What _keep_shared_frontier's sweep records per op (head ids are op indices >= 0).
+_YS = -1
+_NO_HEAD = -2
+_SHARED = -3
 
 
 def _layers(deps: dict, position) -> list[set]:

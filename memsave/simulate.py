@@ -67,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import weakref
 from collections.abc import Sequence
 
@@ -243,7 +244,8 @@ def _gateable(node) -> bool:
 class _Builder:
     """Builds the program of one step (see module docstring)."""
 
-    def __init__(self, fg: ForwardGraph, costs: Costs, allocator: Allocator) -> None:
+    def __init__(self, fg: ForwardGraph, costs: Costs, allocator: Allocator,
+                 forward: ForwardProgram | None = None) -> None:
         self.fg = fg
         self.costs = costs
         self.allocator = allocator
@@ -255,6 +257,12 @@ class _Builder:
         self.resident_B = 0
         self.constant: set[int] = set()  # gradient values Grappler folds into constants
         self.xs = set(fg.xs)
+        if forward is not None:  # the state after its forward pass (which it built once)
+            self.feeds_x = forward.feeds_x
+            self.gradient_reads = forward.gradient_reads
+            self.gradient_targets = forward.gradient_targets
+            forward.restore(self)
+            return
         # An x, or the read of one (an op whose inputs are all xs, e.g.
         # ReadVariableOp): its gradient is the x's, passed through.
         self.feeds_x = [
@@ -319,40 +327,46 @@ class _Builder:
         """Differentiate ``ops`` (reverse order). Gradients of ``heads`` come
         from (and of ``boundary`` go to) ``self.grads``; others stay local."""
         fg, costs, p = self.fg, self.costs, self.p
+        # Hot loop (every op of every simulated plan): names bound once.
+        tensors, gradient, tensor_B, inplace = fg.tensors, costs.gradient, costs.tensor_B, costs.inplace
+        grads, xs, constant, feeds_x = self.grads, self.xs, self.constant, self.feeds_x
+        size = p.size
         local: dict[int, list[int]] = {}
         for i in reversed(ops):
             op = fg.ops[i]
-            use = costs.gradient[i]
+            use = gradient[i]
             out_grads: list[int | None] = []
             any_grad = False
             for t in op.outputs:
                 got = local.pop(t, [])
-                if t in heads or t in self.xs:
-                    got += self.grads.pop(t, [])
-                g = self.accumulate(t, got, phase)
-                if g is not None and t in self.xs:
+                if t in heads or t in xs:
+                    got += grads.pop(t, [])
+                if not got:
+                    out_grads.append(None)
+                    continue
+                g = got[0] if len(got) == 1 else self.accumulate(t, got, phase)
+                if t in xs:
                     # An x produced in the graph (an activation given as x):
                     # its gradient is a result of the step and flows on.
-                    self.grads[t] = [g]
+                    grads[t] = [g]
                 out_grads.append(g)
-                any_grad = any_grad or bool(got)
+                any_grad = True
             if not any_grad or not use.has_gradient:
                 continue
-            folded = (not use.reads_outputs
-                      and all(fg.tensors[op.inputs[j]].constant for j in use.reads_inputs
-                              if j < len(op.inputs))
-                      and all(g in self.constant for g in out_grads if g is not None))
+            inputs, n_in = op.inputs, len(op.inputs)
             reads = [g for g in out_grads if g is not None]
-            reads += [vmap(op.inputs[j]) for j in use.reads_inputs if j < len(op.inputs)]
-            reads += [vmap(op.outputs[k]) for k in use.reads_outputs if k < len(op.outputs)]
-            reads += self.early_of.get(i, [])
+            read_ins, read_outs = self.gradient_reads[i]
+            reads += [vmap(t) for t in read_ins]
+            reads += [vmap(t) for t in read_outs]
+            if i in self.early_of:
+                reads += self.early_of[i]
             writes = []
             if costs.scratch and costs.scratch[i]:
                 # Each input's gradient is a kernel of the same type, run one
                 # after the other: temporaries of the incoming gradient and
                 # the other operand, the largest input at most.
-                writes.append((p.value(max(costs.tensor_B[t] for t in op.outputs)), ()))
-                writes.append((p.value(max((costs.tensor_B[t] for t in op.inputs), default=0)), ()))
+                writes.append((p.value(max(tensor_B[t] for t in op.outputs)), ()))
+                writes.append((p.value(max((tensor_B[t] for t in inputs), default=0)), ()))
             if op.body is not None:
                 if i in self.saved_of:
                     reads.append(self.saved_of[i])
@@ -361,37 +375,40 @@ class _Builder:
                     # zeros_like(it): a constant Grappler folds when the shape is static.
                     # while_v2 differentiates every floating loop input, used or not.
                     for j in op.body.invariant:
-                        t = op.inputs[j] if j < len(op.inputs) else None
-                        if (t is not None and fg.tensors[t].trainable
-                                and fg.tensors[t].dtype not in ("resource", "variant")
+                        t = inputs[j] if j < n_in else None
+                        if (t is not None and tensors[t].trainable
+                                and tensors[t].dtype not in ("resource", "variant")
                                 and self.foldable(t)):
                             self.constant_value(t)
                 writes.append((p.value(_body_figures(op.body, self.allocator).backward_B), ()))
             to_weight = flows_on = False
-            for j, t in enumerate(op.inputs):
-                node = fg.tensors[t]
-                if not node.trainable or node.kind == "external":
+            aliases = use.aliases
+            folded = None  # whether Grappler folds this gradient (computed when first asked)
+            for j, t, internal in self.gradient_targets[i]:
+                if not internal and t not in boundary:
                     continue
-                if use.gives is not None and j not in use.gives:
-                    continue  # a tf.custom_gradient's result: no gradient flows back
-                if t not in boundary and node.kind != "internal":
-                    continue
-                k = use.aliases[j] if j < len(use.aliases) else None
+                k = aliases[j] if j < len(aliases) else None
                 if k is not None and out_grads[k] is not None:
-                    v = p.value(costs.tensor_B[t], alias=out_grads[k])
+                    v = p.value(tensor_B[t], alias=out_grads[k])
                     writes.append((v, ()))
-                    if out_grads[k] in self.constant:
-                        self.constant.add(v)
-                elif folded and self.foldable(t):
-                    v = self.constant_value(t)
+                    if out_grads[k] in constant:
+                        constant.add(v)
                 else:
-                    v = p.value(costs.tensor_B[t])
-                    cands = ()
-                    if costs.inplace[i]:
-                        cands = tuple(r for r in reads if p.size[r] == costs.tensor_B[t])
-                    writes.append((v, cands))
-                (self.grads if t in boundary else local).setdefault(t, []).append(v)
-                if self.feeds_x[t]:
+                    if folded is None:
+                        folded = (not use.reads_outputs
+                                  and all(tensors[inputs[j]].constant for j in use.reads_inputs
+                                          if j < n_in)
+                                  and all(g in constant for g in out_grads if g is not None))
+                    if folded and self.foldable(t):
+                        v = self.constant_value(t)
+                    else:
+                        v = p.value(tensor_B[t])
+                        cands = ()
+                        if inplace[i]:
+                            cands = tuple(r for r in reads if size[r] == tensor_B[t])
+                        writes.append((v, cands))
+                (grads if t in boundary else local).setdefault(t, []).append(v)
+                if feeds_x[t]:
                     p.xs_grads.append(v)
                     to_weight = True
                 else:
@@ -459,6 +476,21 @@ class ForwardProgram:
         self.program = (list(p.size), list(p.alias), list(p.resident), list(p.reads),
                         list(p.writes), list(p.labels))
         self.orig = list(b.orig)
+        self.feeds_x = b.feeds_x
+        # Per op, the input and output tensors its gradient reads.
+        self.gradient_reads = [
+            (tuple(op.inputs[j] for j in use.reads_inputs if j < len(op.inputs)),
+             tuple(op.outputs[k] for k in use.reads_outputs if k < len(op.outputs)))
+            for op, use in zip(fg.ops, costs.gradient)
+        ]
+        # Per op, its inputs a gradient can flow to: (position, tensor, internal)
+        # (not a tf.custom_gradient's results: its function gives them none).
+        self.gradient_targets = [
+            tuple((j, t, fg.tensors[t].kind == "internal") for j, t in enumerate(op.inputs)
+                  if fg.tensors[t].trainable and fg.tensors[t].kind != "external"
+                  and (use.gives is None or j in use.gives))
+            for op, use in zip(fg.ops, costs.gradient)
+        ]
         self.saved_of = dict(b.saved_of)
         self.early_of = dict(b.early_of)
         self.resident_B = b.resident_B
@@ -517,7 +549,7 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator:
     elif forward.fg is not fg or forward.costs is not costs or forward.allocator != allocator:
         raise ValueError(
             "memsave.simulate: forward= was built for another graph, costs or allocator")
-    b = _Builder(fg, costs, allocator)
+    b = _Builder(fg, costs, allocator, forward)
     p = b.p
     orig = b.orig
 
@@ -525,7 +557,6 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator:
         orig[t] = v
 
     b.bind = bind_orig
-    forward.restore(b)
     if schedule is not None:
         # TensorFlow adds what a call's or loop's gradient keeps (the forward
         # function's extra outputs, while_v2's accumulators) only to the op
@@ -550,26 +581,27 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator:
     if schedule is None:
         b.backward(range(len(fg.ops)), orig.__getitem__, set(fg.ys), xs, "backprop")
     else:
-        for k, step in enumerate(schedule.steps):
+        tensors, ops, tensor_B, grads = fg.tensors, fg.ops, costs.tensor_B, b.grads
+        for step in schedule.steps:
             heads = set(step.heads)
             boundary = set(step.boundary)
             if step.kind == "backprop":
                 b.backward(step.ops, orig.__getitem__, heads, boundary, "backprop")
                 continue
-            if not any(b.grads.get(h) for h in step.heads):
+            if not any(grads.get(h) for h in step.heads):
                 continue
             local = dict()
             gated = [t for t in step.boundary
-                     if fg.tensors[t].kind == "internal"
-                     and fg.ops[fg.tensors[t].producer].recomputable
-                     and _gateable(fg.tensors[t])]
+                     if tensors[t].kind == "internal"
+                     and ops[tensors[t].producer].recomputable
+                     and _gateable(tensors[t])]
             if not gated:
-                floats = [t for t in step.boundary if _gateable(fg.tensors[t])]
-                gated = sorted(floats, key=lambda t: costs.tensor_B[t])[:1]
+                floats = [t for t in step.boundary if _gateable(tensors[t])]
+                gated = sorted(floats, key=lambda t: tensor_B[t])[:1]
             if fg.xla and gated:
                 # Under XLA the rewrite gates every floating boundary tensor,
                 # the weight reads too: a fresh copy of each for the step.
-                gated = [t for t in step.boundary if _gateable(fg.tensors[t])]
+                gated = [t for t in step.boundary if _gateable(tensors[t])]
             if not fg.xla and all(g in b.constant for h in step.heads for g in b.grads.get(h, ())):
                 # The heads' gradients are constants (the seeds ones_like(y)):
                 # Grappler folds the gate to 0 and ``t + 0`` into an Identity
@@ -580,10 +612,10 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator:
             for t in step.boundary:
                 src = orig[t]
                 if t in gated_set:
-                    v = p.value(costs.tensor_B[t])
+                    v = p.value(tensor_B[t])
                     p.instr(("proxy", t), [src], [(v, (src,))])
                 else:
-                    v = p.value(costs.tensor_B[t], alias=src)
+                    v = p.value(tensor_B[t], alias=src)
                     p.instr(("proxy", t), [src], [(v, ())])
                 local[t] = v
 
@@ -596,7 +628,7 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator:
                     local[t] = v
 
             b.bind = bind_local
-            for i in _needed_copies(fg, costs, step.ops):
+            for i in _needed_copies(fg, costs, step.ops, b.gradient_reads):
                 b.run_op(i, vmap, "recompute")
             b.backward(step.ops, vmap, heads, boundary, "recompute")
     # The xs' gradients are the step's outputs.
@@ -607,20 +639,23 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator:
     return p, b.resident_B, backward_start
 
 
-def _needed_copies(fg: ForwardGraph, costs: Costs, ops: Sequence[int]) -> list[int]:
+def _needed_copies(fg: ForwardGraph, costs: Costs, ops: Sequence[int],
+                   gradient_reads: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[int]:
     """The ops of a recompute step whose copies run: those a gradient reads
     (through other copies). The rest, e.g. the copy of the loss itself, feed
-    nothing that is fetched, and TensorFlow prunes them."""
+    nothing that is fetched, and TensorFlow prunes them. ``gradient_reads``:
+    per op, the inputs and outputs its gradient reads (ForwardProgram's)."""
     need: set[int] = set()
     for i in ops:
-        op, use = fg.ops[i], costs.gradient[i]
-        need.update(op.inputs[j] for j in use.reads_inputs if j < len(op.inputs))
-        need.update(op.outputs[k] for k in use.reads_outputs if k < len(op.outputs))
+        read_ins, read_outs = gradient_reads[i]
+        need.update(read_ins)
+        need.update(read_outs)
     live = []
+    gradient = costs.gradient
     for i in reversed(ops):
         op = fg.ops[i]
         if (any(t in need for t in op.outputs) or (op.body is not None and op.body.saved)
-                or costs.gradient[i].early_B):
+                or gradient[i].early_B):
             live.append(i)
             need.update(op.inputs)
     live.reverse()
@@ -764,43 +799,42 @@ def _simulate(fg, schedule, costs, allocator, timeline, forward, gradients_kept)
     reads, writes, size, alias = p.reads, p.writes, p.size, p.alias
     n_instr = len(reads)
     n_val = len(size)
+    # Each value's last reader, or where it is made if nothing reads it.
     last = [-1] * n_val
-    created = [-1] * n_val
-    for k in range(n_instr):
-        for r in reads[k]:
+    for k, ws in enumerate(writes):
+        for v, _ in ws:
+            last[v] = k
+    for k, rs in enumerate(reads):
+        for r in rs:
             last[r] = k
-        for v, _ in writes[k]:
-            created[v] = k
     if gradients_kept:
         for v in p.pinned:
             last[v] = n_instr  # past the last instruction: the step's outputs
+    resident = list(itertools.compress(range(n_val), p.resident))
+    for v in resident:
+        last[v] = n_instr  # alive before and after the step
     dying: list[list[int]] = [[] for _ in range(n_instr)]
-    resident = p.resident
-    for v in range(n_val):
-        if resident[v]:
-            continue
-        k = last[v] if last[v] >= 0 else created[v]
+    for v, k in enumerate(last):
         if 0 <= k < n_instr:
             dying[k].append(v)
     # A view holds a reference to its buffer's root; a buffer is freed when
     # the last value on it (base or view) has had its last reader.
-    counted_of = allocator.counted
-    counted = [counted_of(n) for n in size]
+    counted_of = {n: allocator.counted(n) for n in set(size)}  # few distinct sizes
+    counted = [counted_of[n] for n in size]
     if not gradients_kept:
         for v in p.xs_grads:
             counted[v] = 0  # consumed by the update as soon as written
     root = list(range(n_val))
     refs = [0] * n_val
     alive = 0
-    for v in range(n_val):
-        if resident[v]:
-            refs[v] = 1 << 30
-            alive += counted[v]
+    for v in resident:
+        refs[v] = 1 << 30
+        alive += counted[v]
     resident_counted = alive
     peak = alive
     peak_k = -1
     events: list[tuple[int, str]] = []
-    for k in range(n_instr):
+    for k, dies in enumerate(dying):
         for v, cands in writes[k]:
             a = alias[v]
             if a >= 0:
@@ -824,10 +858,10 @@ def _simulate(fg, schedule, costs, allocator, timeline, forward, gradients_kept)
             peak, peak_k = alive, k
         if timeline:
             events.append((alive, _label(fg, p.labels[k])))
-        for v in dying[k]:
+        for v in dies:
             r = root[v]
             refs[r] -= 1
-            if refs[r] == 0:
+            if not refs[r]:
                 alive -= counted[r]
     return MemoryTrace(
         peak_B=peak,

@@ -28,7 +28,7 @@ from memsave.costs import Costs, estimate_costs, is_activation
 from memsave.errors import UnknownStrategyError
 from memsave.graph import ForwardGraph
 from memsave.schedule import build_schedule
-from memsave.simulate import BFC, Allocator, MemoryTrace, forward_program, simulate
+from memsave.simulate import BFC, Allocator, MemoryTrace, forward_program, paused_gc, simulate
 
 #: The allocator model plans are compared with: every byte counts. (oneDNN's
 #: CPU allocator leaves buffers under 256 KiB out of the peak it *reports*,
@@ -720,9 +720,10 @@ def memory(
         return simulate(fg, schedule, costs, timeline=False, allocator=JUDGE_ALLOCATOR,
                         forward=forward, gradients_kept=gradients_kept).peak_B
 
-    scored = [(peak(schedule), chosen, schedule)
-              for chosen in plans if chosen
-              for schedule in (build_schedule(fg, chosen),)]
+    with paused_gc():  # many schedules, no cycles: see memsave.simulate.paused_gc
+        scored = [(peak(schedule), chosen, schedule)
+                  for chosen in plans if chosen
+                  for schedule in (build_schedule(fg, chosen),)]
     best, best_peak = (), None
     if scored:
         # Lowest peak; among equal peaks (a peak set by the xs' gradients at

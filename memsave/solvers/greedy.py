@@ -59,8 +59,9 @@ __all__ = ["greedy", "family", "MAX_STORE_STEPS", "EXHAUSTIVE_CUTS", "PARETO_ROU
 
 #: Stored sets tried on large graphs (thinned from the knapsack's Pareto
 #: front), each with about four checkpoint counts: every plan is one
-#: simulation of the whole graph (about 0.05-0.1 s per 1000 ops on this
-#: machine), so this bounds the planning time.
+#: simulation of the whole graph (its schedule and forecast: about 0.02 s of
+#: CPU per 1000 ops, measured on experiments/bench_planner.py's 10,000-op
+#: DAG), so this bounds the planning time.
 MAX_STORE_STEPS = 8
 
 #: Up to this many candidate cuts, every checkpoint count ``k`` is tried for

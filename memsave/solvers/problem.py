@@ -175,6 +175,10 @@ class Problem:
         nonzero size. Sorted by producer.
     allocator : Allocator
         The allocator the forecast models.
+    shared : Problem, optional
+        A problem on the same graph, costs and allocator (other candidates):
+        this one reuses its forward program and its simulations (a schedule
+        both reach is simulated once).
     """
 
     def __init__(
@@ -184,6 +188,7 @@ class Problem:
         candidates: Sequence[int] | None = None,
         *,
         allocator: Allocator = CPU_ONEDNN,
+        shared: Problem | None = None,
     ) -> None:
         self.fg = fg
         self.costs = costs
@@ -211,7 +216,18 @@ class Problem:
             sum(costs.op_flops[o] for o in s) for s in self.segments)
         self._empty = frozenset(k for k, s in enumerate(self.segments) if not s)
         self._cache: dict[Decision, Evaluation] = {}
-        self.forward = forward_program(fg, costs, self.allocator)  # shared by every simulation
+        if shared is not None:
+            if shared.fg is not fg or shared.costs is not costs or shared.allocator != allocator:
+                raise ValueError("memsave.solvers.Problem: shared= is a problem on another "
+                                 "graph, costs or allocator")
+            self.forward = shared.forward
+            self._peaks = shared._peaks
+        else:
+            self.forward = forward_program(fg, costs, self.allocator)  # shared by every simulation
+            # Forecast peak by schedule steps (all the simulator reads of a
+            # schedule; None: plain tf.gradients): decisions that reach the
+            # same schedule are simulated once.
+            self._peaks: dict[tuple | None, int] = {}
         self.plain = self.evaluate(Decision.of(stored=range(len(self.segments))))
 
     @staticmethod
@@ -265,8 +281,12 @@ class Problem:
             sched = build_schedule(fg, checkpoints, in_place=in_place)
             cost = sum(self.costs.op_flops[o] for s in sched.steps if s.kind == "recompute"
                        for o in s.ops)
-        peak = simulate(fg, sched, self.costs, allocator=self.allocator, timeline=False,
-                        forward=self.forward).peak_B
+        key = None if sched is None else sched.steps
+        peak = self._peaks.get(key)
+        if peak is None:
+            peak = simulate(fg, sched, self.costs, allocator=self.allocator, timeline=False,
+                            forward=self.forward).peak_B
+            self._peaks[key] = peak
         ev = Evaluation(d, checkpoints, in_place, sched, peak, cost)
         self._cache[d] = ev
         return ev
