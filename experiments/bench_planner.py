@@ -13,24 +13,29 @@ which reports the smallest peak). Then ``dp`` and ``milp`` on a few cuts
 
 Usage: .venv/bin/python experiments/bench_planner.py [--sizes 1000 10000]
 
-Measured on the perf branch (issue 9's planning time, 2026-12-01), on the
-2 shared cores with other sessions' jobs running beside it (load average
-3-4), seconds per planning, wall then CPU, costs to answer:
+Measured on main after the perf merge and greedy's walks (2026-12-01, the
+2 cores otherwise idle, load average 0.9), seconds per planning, wall then
+CPU, costs to answer ("infeasible": the budget is below the smallest peak,
+the error path):
 
     graph    ops    @0.9         @0.75        @0.6         min (every plan simulated)
-    chain   1000    0.11 0.10    0.15 0.15    0.27 0.25    0.65 0.60
-    dag     1000    0.75 0.73    (0.75, 0.6: infeasible, min 0.89 of plain: 0.73-0.74 wall)   0.87
-    chain  10000    0.94 0.87    1.33 1.30    2.02 1.96    6.07 5.97
-    dag    10000    8.92 8.69    (0.75, 0.6: infeasible: 8.6-8.8 wall)                        9.12
+    chain   1000    0.12 0.12    0.16 0.16    0.26 0.26    0.60 0.59
+    dag     1000    0.32 0.32    (0.75, 0.6: infeasible, min 0.82 of plain: 0.74-0.83)    1.03 1.01
+    chain  10000    0.82 0.82    1.20 1.20    1.34 1.34    4.99 4.99
+    dag    10000    3.00 3.00    (0.75, 0.6: infeasible, min 0.80 of plain: 9.5-9.9)     8.86 8.84
 
-Every answer (plans, forecast peaks, recompute costs, MemoryBudgetError's
-min_peak_bytes) is the one main (7f01b0f) gives. Costs to answer, one
-process per planning, main and this code run alternately under the same
-load (CPU seconds, main -> now): dag 10000 @0.9 12.3 -> 9.4, @0.75 11.5 ->
-9.0; chain 10000 min 12.7 -> 5.7; dag 1000 @0.9 1.22 -> 0.80. The 1000-op graphs and the chains meet their targets; the 10,000-op
-DAG is under 10 s but not the 5 s aimed at. Its skips are everywhere, so
-no plan saves more than 11% and greedy simulates all 35 plans of its family
-before one fits (or, infeasible, to find the smallest peak). Each plan
+The perf work changed no answer (plans, forecast peaks, recompute costs,
+MemoryBudgetError's min_peak_bytes all equal to 7f01b0f's on 25 graphs at
+budgets 1.0 to 0.2; CPU seconds main -> perf under the same load: dag 10000
+@0.9 12.3 -> 9.4, chain 10000 min 12.7 -> 5.7, dag 1000 @0.9 1.22 -> 0.80).
+greedy's family then gained 'memory''s greedy walks (nothing stored), which
+did change answers, for the better: the DAGs' smallest peaks went from
+0.89 to 0.82 (1000 ops) and 0.888 to 0.80 (10,000), so 0.9 now fits at a
+cheaper cost level (10,000-op DAG: 8.9 -> 3.0 s), while the error path
+simulates the 3 extra plans (10,000-op DAG: 8.5-9.1 -> 8.9-9.9 s, at the
+edge of the 10 s target; 1000-op DAG: 0.87 -> 1.03 s). On the DAG the
+skips are everywhere, so an infeasible budget simulates every plan of the
+family to find the smallest peak. Each plan
 keeps about 5,000 tensors in about 1,700 backward steps (31,000
 simulator instructions); per plan, about 65 ms of CPU build the schedule,
 110 ms build the simulator's program and 40 ms replay it. Faster needs

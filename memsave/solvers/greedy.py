@@ -7,8 +7,8 @@ Algorithm
    problems), keep ``k`` cuts spread so that the segments between them hold
    about equal activation bytes (Chen et al.'s sqrt(n) plan), and with
    nothing stored also every cut one candidate later and one earlier, and
-   the plans 'memory' chooses from (:func:`memsave.strategies.index_plans`:
-   greedy walks whose segments shrink toward the end). The cuts split the
+   the greedy walks 'memory' chooses among (:func:`memsave.strategies.index_plans`:
+   segments that shrink toward the end). The cuts split the
    segments into groups.
 2. *Stored sets.* Storing a segment saves its FLOPs and holds bytes until
    its gradient runs (estimated as its ops' inputs, outputs and gradient
@@ -186,7 +186,7 @@ def family(problem: Problem) -> list[Decision]:
             # batch 32: 248 vs 237 MiB forecast), so a budget 'memory' meets
             # was called infeasible.
             size = [costs.tensor_B[problem.candidates[k]] for k in free]
-            for idx in index_plans(pos, size, total):
+            for idx in index_plans(pos, size, total, spreads=()):  # spreads: above
                 plans[Decision.of([free[i] for i in idx], stored)] = None
     if small:
         # Local moves: every base plan with one candidate or segment toggled,
