@@ -597,6 +597,24 @@ def index_plans(pos: list[int], size: list[int], total: int,
     return plans
 
 
+def memory_plans(fg: ForwardGraph, costs: Costs, *,
+                 segment_live_fraction: float = SEGMENT_LIVE_FRACTION,
+                 small_tensor_fraction: float = SMALL_TENSOR_FRACTION) -> list[tuple[int, ...]]:
+    """The distinct plans 'memory' weighs (tensor ids, topological order):
+    over articulation points and over cuts of the topological order (see
+    :func:`memory`). The ``greedy`` budget solver's family holds those its
+    candidates can express, so a budget 'memory' meets is not called
+    infeasible."""
+    cands = articulation_candidates(fg, small_tensor_fraction=small_tensor_fraction)
+    cum, total = _positions(fg, costs)
+    plans: dict[tuple[int, ...], None] = {}
+    if cands:
+        fracs = (segment_live_fraction, *CANDIDATE_LIVE_FRACTIONS)
+        plans.update(dict.fromkeys(_articulation_plans(fg, cands, cum, total, fracs)))
+    plans.update(dict.fromkeys(_cut_plans(topological_cuts(fg, costs), costs, cum, total)))
+    return [c for c in plans if c]
+
+
 def _articulation_plans(fg, cands, cum, total, fracs) -> list[tuple[int, ...]]:
     pos = [cum[fg.tensors[t].producer] for t in cands]
     size = [fg.tensors[t].size_B for t in cands]
@@ -709,11 +727,8 @@ def memory(
         idx = spread([cum[c.position] for c in cuts], total, min(num_checkpoints, len(cuts)))
         return _selection(fg, [t for i in idx for t in cuts[i].crossing], reason)
 
-    fracs = (segment_live_fraction, *CANDIDATE_LIVE_FRACTIONS)
-    plans: dict[tuple[int, ...], None] = {}
-    if cands:
-        plans.update(dict.fromkeys(_articulation_plans(fg, cands, cum, total, fracs)))
-    plans.update(dict.fromkeys(_cut_plans(topological_cuts(fg, costs), costs, cum, total)))
+    plans = memory_plans(fg, costs, segment_live_fraction=segment_live_fraction,
+                         small_tensor_fraction=small_tensor_fraction)
     forward = forward_program(fg, costs, JUDGE_ALLOCATOR)  # shared by every plan's simulation
 
     def peak(schedule, gradients_kept: bool = True) -> int:

@@ -227,3 +227,28 @@ def test_auto_picks_dp_on_chains_and_greedy_on_large_graphs():
     rs = random.Random(7)
     big = _problem(H.random_dag(rs, 200))
     assert solve(big, big.plain.peak_B).solver == "greedy"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_budget_planner_never_calls_a_budget_memory_meets_infeasible(seed):
+    # The budget planner's smallest forecast peak is at most what the
+    # 'memory' strategy's own plan forecasts: a user told "infeasible" must
+    # not find that 'memory' fits. (keras ResNet50 at batch 32 was: greedy's
+    # smallest 248 MiB against 'memory''s 237 MiB.)
+    from memsave.budget import plan_for_budget
+    from memsave.errors import MemoryBudgetError
+    from memsave.schedule import build_schedule
+    from memsave.simulate import simulate
+    from memsave.strategies import memory
+
+    rs = random.Random(seed)
+    for fg in (H.random_chain(rs, 80), H.random_dag(rs, 80)):  # fewer candidates than MAX_CUTS
+        costs = estimate_costs(fg)
+        sel = memory(fg, costs=costs, min_saving_fraction=0.0)
+        if not sel.checkpoints:
+            continue
+        ours = simulate(fg, build_schedule(fg, sel.checkpoints), costs, timeline=False).peak_B
+        with pytest.raises(MemoryBudgetError) as e:
+            plan_for_budget(fg, costs, 1, api="test")
+        assert e.value.min_peak_bytes <= ours
+        assert plan_for_budget(fg, costs, ours, api="test").result.predicted_peak_B <= ours

@@ -7,8 +7,9 @@ Algorithm
    problems), keep ``k`` cuts spread so that the segments between them hold
    about equal activation bytes (Chen et al.'s sqrt(n) plan), and with
    nothing stored also every cut one candidate later and one earlier, and
-   the greedy walks 'memory' chooses among (:func:`memsave.strategies.index_plans`:
-   segments that shrink toward the end). The cuts split the
+   the plans 'memory' chooses among that these candidates can express
+   (:func:`memsave.strategies.memory_plans`: greedy walks whose segments
+   shrink toward the end, and spreads). The cuts split the
    segments into groups.
 2. *Stored sets.* Storing a segment saves its FLOPs and holds bytes until
    its gradient runs (estimated as its ops' inputs, outputs and gradient
@@ -52,7 +53,7 @@ import math
 import time
 
 from memsave.solvers.problem import Decision, Evaluation, Problem, SolveResult
-from memsave.strategies import index_plans, spread
+from memsave.strategies import memory_plans, spread
 
 __all__ = ["greedy", "family", "MAX_STORE_STEPS", "EXHAUSTIVE_CUTS", "PARETO_ROUNDS",
            "PARETO_SEARCH_OPS"]
@@ -179,15 +180,15 @@ def family(problem: Problem) -> list[Decision]:
                 for shift in (1, -1):
                     moved = sorted({min(max(i + shift, 0), len(free) - 1) for i in idx})
                     plans[Decision.of([free[i] for i in moved], stored)] = None
-        if not stored:
-            # 'memory''s own plans (greedy walks whose segments shrink toward
-            # the end, as Griewank's do): without them the smallest peak
-            # this family reaches was above 'memory''s (keras ResNet50,
-            # batch 32: 248 vs 237 MiB forecast), so a budget 'memory' meets
-            # was called infeasible.
-            size = [costs.tensor_B[problem.candidates[k]] for k in free]
-            for idx in index_plans(pos, size, total, spreads=()):  # spreads: above
-                plans[Decision.of([free[i] for i in idx], stored)] = None
+    # 'memory''s own plans over these candidates (greedy walks whose segments
+    # shrink toward the end, as Griewank's do): without them the smallest
+    # peak this family reached was above 'memory''s (keras ResNet50, batch
+    # 32: 248 vs 237 MiB forecast), so a budget 'memory' meets was called
+    # infeasible.
+    at = {t: k for k, t in enumerate(problem.candidates)}
+    for chosen in memory_plans(fg, costs):
+        if all(t in at for t in chosen):
+            plans[Decision.of([at[t] for t in chosen])] = None
     if small:
         # Local moves: every base plan with one candidate or segment toggled,
         # then the Pareto local search from the front of them all.
