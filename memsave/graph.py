@@ -286,6 +286,14 @@ class ForwardGraph:
             object.__setattr__(self, "_consumers", found)  # a cache, not a field
         return found
 
+    def captured(self) -> frozenset[int]:
+        """Internal tensors a gradient reads as the forward pass made them,
+        whichever copy of its op it differentiates (``GradientUse.captured``:
+        a ``tf.custom_gradient``'s arguments, which its function closed over)."""
+        return frozenset(
+            op.inputs[j] for op in self.ops if op.gradient is not None and op.gradient.captured
+            for j in op.gradient.reads_inputs if self.tensors[op.inputs[j]].kind == "internal")
+
     def internal_tensors(self) -> Iterable[TensorNode]:
         """Tensors produced by forward-graph ops, in op order."""
         for op in self.ops:

@@ -257,6 +257,7 @@ def make_plan(
     recomputed_ops = 0
     if schedule is not None:
         xs = set(fg.xs)
+        captured = fg.captured()
         for t in schedule.kept:
             node = fg.tensors[t]
             if t in reasons:
@@ -265,10 +266,7 @@ def make_plan(
                 why = "x (differentiated with respect to)"
             elif node.producer is not None and not fg.ops[node.producer].recomputable:
                 why = f"output of stateful {fg.ops[node.producer].type} (never recomputed)"
-            elif node.kind == "internal" and any(
-                    op.gradient is not None and op.gradient.captured
-                    and t in (op.inputs[j] for j in op.gradient.reads_inputs)
-                    for op in fg.ops):
+            elif t in captured:
                 why = "captured by a tf.custom_gradient's gradient function"
             elif node.kind == "internal":
                 why = "input of a stateful op, or shared by two segments"

@@ -120,12 +120,10 @@ def build_schedule(
         if not copyable[op.index]:
             kept.update(op.outputs)
             kept.update(t for t in op.inputs if tensors[t].kind != "external")
-        elif op.gradient is not None and op.gradient.captured:
-            # A tf.custom_gradient's function reads the forward pass's own
-            # arguments, whichever copy it differentiates: they are alive
-            # until its gradient anyway, so they are kept, not recomputed.
-            kept.update(op.inputs[j] for j in op.gradient.reads_inputs
-                        if tensors[op.inputs[j]].kind == "internal")
+    # A tf.custom_gradient's function reads the forward pass's own arguments,
+    # whichever copy it differentiates: alive until its gradient anyway, they
+    # are kept, not recomputed.
+    kept.update(fg.captured())
 
     _keep_shared_frontier(fg, kept, copyable)
 

@@ -580,16 +580,9 @@ def _positions(fg: ForwardGraph, costs: Costs) -> tuple[list[int], int]:
     return cum, total
 
 
-def index_plans(pos: list[int], size: list[int], total: int,
-                fracs: Iterable[float] = (SEGMENT_LIVE_FRACTION, *CANDIDATE_LIVE_FRACTIONS),
-                spreads: Iterable[float] = (0.5, 1.0, 2.0)) -> list[list[int]]:
-    """Candidate index sets: the greedy walk per live fraction, and spreads of ``f * sqrt(k)``.
-
-    ``pos``: increasing positions of the candidates (bytes produced up to
-    each), ``size``: their bytes, ``total``: the bytes of the whole graph.
-    'memory' chooses among these; the ``greedy`` budget solver's family
-    holds them too.
-    """
+def _index_plans(pos: list[int], size: list[int], total: int, fracs: Iterable[float],
+                 spreads: Iterable[float] = (0.5, 1.0, 2.0)) -> list[list[int]]:
+    """Candidate index sets: the greedy walk per live fraction, and spreads of ``f * sqrt(k)``."""
     plans = [_greedy_plan(pos, size, total, frac) for frac in fracs]
     root = math.isqrt(len(pos))
     plans += [spread(pos, total, k) for k in dict.fromkeys(int(f * root) for f in spreads)
@@ -606,7 +599,10 @@ def memory_plans(fg: ForwardGraph, costs: Costs, *,
     candidates can express, so a budget 'memory' meets is not called
     infeasible."""
     cands = articulation_candidates(fg, small_tensor_fraction=small_tensor_fraction)
-    cum, total = _positions(fg, costs)
+    return _memory_plans(fg, costs, cands, *_positions(fg, costs), segment_live_fraction)
+
+
+def _memory_plans(fg, costs, cands, cum, total, segment_live_fraction) -> list[tuple[int, ...]]:
     plans: dict[tuple[int, ...], None] = {}
     if cands:
         fracs = (segment_live_fraction, *CANDIDATE_LIVE_FRACTIONS)
@@ -618,7 +614,7 @@ def memory_plans(fg: ForwardGraph, costs: Costs, *,
 def _articulation_plans(fg, cands, cum, total, fracs) -> list[tuple[int, ...]]:
     pos = [cum[fg.tensors[t].producer] for t in cands]
     size = [fg.tensors[t].size_B for t in cands]
-    return [tuple(sorted(cands[i] for i in idx)) for idx in index_plans(pos, size, total, fracs)]
+    return [tuple(sorted(cands[i] for i in idx)) for idx in _index_plans(pos, size, total, fracs)]
 
 
 def _cut_plans(cuts: list[Cut], costs: Costs, cum, total) -> list[tuple[int, ...]]:
@@ -638,7 +634,7 @@ def _cut_plans(cuts: list[Cut], costs: Costs, cum, total) -> list[tuple[int, ...
         prev = frozenset(c.crossing)
     plans = []
     for size in (full, new):
-        for idx in index_plans(pos, size, total, CUT_LIVE_FRACTIONS, CUT_SPREADS):
+        for idx in _index_plans(pos, size, total, CUT_LIVE_FRACTIONS, CUT_SPREADS):
             plans.append(tuple(sorted({t for i in idx for t in cuts[i].crossing})))
     return plans
 
@@ -727,8 +723,7 @@ def memory(
         idx = spread([cum[c.position] for c in cuts], total, min(num_checkpoints, len(cuts)))
         return _selection(fg, [t for i in idx for t in cuts[i].crossing], reason)
 
-    plans = memory_plans(fg, costs, segment_live_fraction=segment_live_fraction,
-                         small_tensor_fraction=small_tensor_fraction)
+    plans = _memory_plans(fg, costs, cands, cum, total, segment_live_fraction)
     forward = forward_program(fg, costs, JUDGE_ALLOCATOR)  # shared by every plan's simulation
 
     def peak(schedule, gradients_kept: bool = True) -> int:
@@ -737,7 +732,7 @@ def memory(
 
     with paused_gc():  # many schedules, no cycles: see memsave.simulate.paused_gc
         scored = [(peak(schedule), chosen, schedule)
-                  for chosen in plans if chosen
+                  for chosen in plans
                   for schedule in (build_schedule(fg, chosen),)]
     best, best_peak = (), None
     if scored:

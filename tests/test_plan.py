@@ -137,21 +137,31 @@ def _plan_dict(p: Plan) -> dict:
             "kept": [[k.op_type, k.why] for k in p.kept]}
 
 
+def _dense_chain(layers, width, batch, scale, activation):
+    """Weights of a chain ``h = activation(h @ w)`` and its forward pass (the last h)."""
+    rng = np.random.default_rng(0)
+    ws = [tf.Variable(rng.standard_normal((width, width), dtype=np.float32) * scale)
+          for _ in range(layers)]
+    x = tf.constant(rng.standard_normal((batch, width), dtype=np.float32))
+
+    def forward():
+        h = x
+        for w in ws:
+            h = activation(tf.matmul(h, w))
+        return h
+
+    return ws, forward
+
+
 def measure_gradients_held() -> dict:
     """Large weights, small activations: the step peaks at its end, every weight's
     gradient written. Measured returning the gradients, and applying each as written."""
-    layers, width, batch = 12, 1024, 64  # 4 MiB weights, 256 KiB activations
-    rng = np.random.default_rng(0)
-    ws = [tf.Variable(rng.standard_normal((width, width), dtype=np.float32) * 0.03)
-          for _ in range(layers)]
-    x = tf.constant(rng.standard_normal((batch, width), dtype=np.float32))
+    # 4 MiB weights, 256 KiB activations
+    ws, forward = _dense_chain(12, 1024, 64, 0.03, tf.tanh)
     box = {}
 
     def loss_fn():
-        h = x
-        for w in ws:
-            h = tf.tanh(tf.matmul(h, w))
-        return tf.reduce_sum(h)
+        return tf.reduce_sum(forward())
 
     @tf.function
     def returns():
@@ -189,17 +199,11 @@ def test_plan_states_no_gradient_assumption_where_activations_set_the_peak():
 
 def measure_silu() -> dict:
     """A dense chain with tf.nn.silu: forecast and measured peaks, plain and 'memory'."""
-    layers, width, batch = 12, 256, 4096  # 4 MiB activations
-    rng = np.random.default_rng(0)
-    ws = [tf.Variable(rng.standard_normal((width, width), dtype=np.float32) * 0.05)
-          for _ in range(layers)]
-    x = tf.constant(rng.standard_normal((batch, width), dtype=np.float32))
+    ws, forward = _dense_chain(12, 256, 4096, 0.05, tf.nn.silu)  # 4 MiB activations
     plans = {}
 
     def loss_fn():
-        h = x
-        for w in ws:
-            h = tf.nn.silu(tf.matmul(h, w))
+        h = forward()
         return tf.reduce_sum(h * h)
 
     def step(checkpoints):
