@@ -136,8 +136,8 @@ def measure(mode, method, layers, batch, width, segment, repeats):
         digest = np.array(run(), copy=True)
         peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
     return {
-        "peak_B": int(statistics.median(peaks)),
-        "peaks_B": peaks,
+        "peak_bytes": int(statistics.median(peaks)),
+        "peaks_bytes": peaks,
         "digest": [float(v) for v in digest],
     }
 
@@ -249,7 +249,7 @@ def main(argv=None):
                 print(f"| {mode} | {method} | failed | | | |")
                 ok = False
                 continue
-            ratio = f"{r['peak_B'] / base['peak_B']:.2f}" if base else "-"
+            ratio = f"{r['peak_bytes'] / base['peak_bytes']:.2f}" if base else "-"
             if base:
                 diff = max(abs(a - b) / max(abs(b), 1e-30)
                            for a, b in zip(r["digest"], base["digest"]))
@@ -257,8 +257,8 @@ def main(argv=None):
                 diff_s = f"{diff:.1e}"
             else:
                 diff_s = "-"
-            runs = " ".join(f"{b / MiB:.1f}" for b in r["peaks_B"])
-            print(f"| {mode} | {method} | {r['peak_B'] / MiB:.1f} | {ratio} | {runs} | {diff_s} |")
+            runs = " ".join(f"{b / MiB:.1f}" for b in r["peaks_bytes"])
+            print(f"| {mode} | {method} | {r['peak_bytes'] / MiB:.1f} | {ratio} | {runs} | {diff_s} |")
         sys.stdout.flush()
 
     if not args.skip_build:

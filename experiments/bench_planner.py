@@ -86,7 +86,7 @@ def main() -> None:
                     dt, dc = time.perf_counter() - t, time.process_time() - c
                     r = bp.result
                     cells.append(f"{dt:6.2f} {dc:5.2f} {r.solver:>6} "
-                                 f"{r.predicted_peak_B / r.budget_B * frac:5.2f} {r.recompute_cost:>8}")
+                                 f"{r.predicted_peak_bytes / r.budget_bytes * frac:5.2f} {r.recompute_cost:>8}")
                 except MemoryBudgetError as e:
                     dt, dc = time.perf_counter() - t, time.process_time() - c
                     cells.append(f"{dt:6.2f} {dc:5.2f} infeasible (min {e.min_peak_bytes})")
@@ -98,7 +98,7 @@ def main() -> None:
                 low = e.min_peak_bytes
             dt, dc = time.perf_counter() - t, time.process_time() - c
             p = Problem(fg, costs, coarsen(fg, costs, Problem.default_candidates(fg), 96))
-            cells.append(f"{dt:6.2f} {dc:5.2f} {low / p.plain.peak_B:5.2f}")
+            cells.append(f"{dt:6.2f} {dc:5.2f} {low / p.plain.peak_bytes:5.2f}")
             print(f"{kind:<7}{n:>7}" + "".join(f"{c:>30}" for c in cells[:-1]) + f"{cells[-1]:>18}",
                   flush=True)
     print("\nexact solvers on a few cuts of the 1000-op graphs (s, recompute cost):")
@@ -107,7 +107,7 @@ def main() -> None:
         costs = estimate_costs(fg)
         full = Problem.default_candidates(fg)
         sub = Problem(fg, costs, coarsen(fg, costs, full, args.exact_cuts))
-        budget = int(0.75 * sub.plain.peak_B)
+        budget = int(0.75 * sub.plain.peak_bytes)
         row = []
         for name in ("greedy", "dp", "milp"):
             if name == "dp" and kind != "chain":

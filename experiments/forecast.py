@@ -399,7 +399,7 @@ def _peak_of(run: Callable[[], Any], repeats: int) -> dict:
         out = run()
         peaks.append(info()["peak"])
         del out  # outputs may share TF's buffers: drop them before the next reset
-    return {"peak_B": int(statistics.median(peaks)), "peaks_B": peaks, "resident_B": int(resident)}
+    return {"peak_bytes": int(statistics.median(peaks)), "peaks_bytes": peaks, "resident_bytes": int(resident)}
 
 
 def measure(model: str, mode: str, methods: list[str], repeats: int) -> dict:
@@ -409,7 +409,7 @@ def measure(model: str, mode: str, methods: list[str], repeats: int) -> dict:
     Session (closed before the next method), or a new tf.function over the
     same variables (dropped before the next method), or for Keras the same
     model (checkpointed, then restored) with a new step function. What a
-    method leaves behind would show in the next one's ``resident_B``.
+    method leaves behind would show in the next one's ``resident_bytes``.
     """
     import tensorflow as tf
 
@@ -672,7 +672,7 @@ def _measured_peak(rec: dict | None) -> float | None:
     """Median over processes of each process's median peak."""
     if not rec or not rec.get("processes"):
         return None
-    return statistics.median(p["peak_B"] for p in rec["processes"])
+    return statistics.median(p["peak_bytes"] for p in rec["processes"])
 
 
 def _rows(selected, methods, cache, predictions, selections):
@@ -704,7 +704,7 @@ def _print_table(rows, methods) -> bool:
     for r in rows:
         rec = r["rec"] or {}
         procs = rec.get("processes") or []
-        resident = statistics.median(p["resident_B"] for p in procs) if procs else None
+        resident = statistics.median(p["resident_bytes"] for p in procs) if procs else None
         err = f"{100 * r['error']:+.1f}" if r["error"] is not None else "-"
         if r["error"] is not None and abs(r["error"]) > MAX_ERROR:
             err += " !"
@@ -844,8 +844,8 @@ def main(argv=None) -> int:
                     if "selection" in result:
                         rec["selection"] = result.pop("selection")
                     rec["processes"].append(result)
-                    print(f"{name}|{mode}|{method}: peak {result['peak_B'] / MiB:.1f} MiB "
-                          f"(resident {result['resident_B'] / MiB:.1f})", file=sys.stderr)
+                    print(f"{name}|{mode}|{method}: peak {result['peak_bytes'] / MiB:.1f} MiB "
+                          f"(resident {result['resident_bytes'] / MiB:.1f})", file=sys.stderr)
                 print(f"  ({len(todo)} methods in {seconds} s)", file=sys.stderr)
                 _save_cache(cache, args.measured, share)
         if measured_any:

@@ -401,9 +401,9 @@ def learn_gradient_use(op: tf.Operation, node_def=None):
     -------
     dict or None
         ``{"reads_inputs": tuple, "reads_outputs": tuple, "aliases": tuple,
-        "has_gradient": bool, "early_B": tuple, "by_input": tuple}``
+        "has_gradient": bool, "early_bytes": tuple, "by_input": tuple}``
         (``aliases[j]``: the output whose incoming gradient is input ``j``'s
-        gradient, buffer and all, or None; ``early_B``: bytes of the values
+        gradient, buffer and all, or None; ``early_bytes``: bytes of the values
         gradient ops compute from the op's inputs/outputs alone, which the
         executor computes in the forward pass and keeps for the gradient;
         ``by_input[j]``: (inputs, outputs, early values) read for input
@@ -565,7 +565,7 @@ def _learn_gradient_use(op: tf.Operation, node_def):
                          tuple(sorted(k for kind, k in mine if kind == "o")),
                          tuple(sorted(renumber[k] for kind, k in mine if kind == "e"))))
     return {
-        "early_B": tuple(early_sizes[k] for k in kept_early),
+        "early_bytes": tuple(early_sizes[k] for k in kept_early),
         "early_from": tuple(
             (tuple(sorted(j for kind, j in early_from[k] if kind == "i")),
              tuple(sorted(j for kind, j in early_from[k] if kind == "o")))

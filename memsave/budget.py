@@ -37,7 +37,7 @@ class BudgetPlan:
     result: SolveResult
 
 
-def resolve_budget(memory_budget, baseline_peak_B: int, *, api: str) -> int:
+def resolve_budget(memory_budget, baseline_peak_bytes: int, *, api: str) -> int:
     """Bytes of ``memory_budget``: an int as is, a float in (0, 1] times the plain peak."""
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Real):
         raise MemoryBudgetError(
@@ -53,7 +53,7 @@ def resolve_budget(memory_budget, baseline_peak_B: int, *, api: str) -> int:
             f"{api}: memory_budget={memory_budget!r}: a float is a fraction of the plain peak "
             "and must be in (0, 1]; pass bytes as an int"
         )
-    return int(memory_budget * baseline_peak_B)
+    return int(memory_budget * baseline_peak_bytes)
 
 
 def plan_for_budget(fg: ForwardGraph, costs: Costs, memory_budget, *, api: str,
@@ -95,18 +95,18 @@ def _plan_for_budget(fg, costs, memory_budget, *, api, solver, time_limit_s, all
     for cands in tries:
         problem = Problem(fg, costs, coarsen(fg, costs, cands, MAX_CUTS), allocator=allocator,
                           shared=problem)
-        baseline = problem.plain.peak_B
-        budget_B = resolve_budget(memory_budget, baseline, api=api)
-        res = solve(problem, budget_B, solver=solver, time_limit_s=time_limit_s)
+        baseline = problem.plain.peak_bytes
+        budget_bytes = resolve_budget(memory_budget, baseline, api=api)
+        res = solve(problem, budget_bytes, solver=solver, time_limit_s=time_limit_s)
         if res.feasible:
             break
-        if closest is None or res.predicted_peak_B < closest.predicted_peak_B:
+        if closest is None or res.predicted_peak_bytes < closest.predicted_peak_bytes:
             closest = res
     if not res.feasible:
         res = closest
-        low = res.predicted_peak_B
+        low = res.predicted_peak_bytes
         raise MemoryBudgetError(
-            f"{api}: memory_budget={memory_budget!r} ({budget_B:,} bytes) is below the "
+            f"{api}: memory_budget={memory_budget!r} ({budget_bytes:,} bytes) is below the "
             f"smallest forecast peak memsave found, {low:,} bytes ({low / max(baseline, 1):.1%} "
             f"of tf.gradients' {baseline:,}; solver {res.solver!r}"
             f"{', proven' if res.optimal else ''}); pass memory_budget >= {low} "

@@ -10,11 +10,11 @@ strategies read it; nothing here touches TensorFlow.
 
 What the numbers mean
 ---------------------
-* ``tensor_B[t]``: bytes of tensor ``t``'s buffer, from its static shape and
+* ``tensor_bytes[t]``: bytes of tensor ``t``'s buffer, from its static shape and
   dtype. An unknown first dimension takes ``batch_size`` when given; any
   other unknown dimension counts as 1. Each such guess is listed in
   ``assumptions``, never made silently. A resource handle weighs what its
-  variable holds (``TensorNode.held_B``).
+  variable holds (``TensorNode.held_bytes``).
 * ``op_flops[i]``: TensorFlow's registered FLOP count for op ``i`` (matrix
   products, convolutions, ...), else the number of elements it produces.
 * Gradient reads: the inputs/outputs of op ``i`` that its gradient reads
@@ -89,7 +89,7 @@ SCRATCH_OP_TYPES = frozenset({"Einsum"})
 
 
 #: Whether the simulator places gradient values computed from an op's values
-#: alone (``GradientUse.early_B``: Erfc's ``square(x)``, Square's ``2 * x``)
+#: alone (``GradientUse.early_bytes``: Erfc's ``square(x)``, Square's ``2 * x``)
 #: in the forward pass, where allocator records show the executor runs them.
 #: Off: it then keeps what they are computed from until the gradient, as
 #: before. Measured with it on: the Keras Transformer's forecast went from
@@ -106,7 +106,7 @@ def _without_early(use: GradientUse) -> GradientUse:
         ins.update(i)
         outs.update(o)
     return dataclasses.replace(use, reads_inputs=tuple(sorted(ins)), reads_outputs=tuple(sorted(outs)),
-                               early_B=(), early_from=())
+                               early_bytes=(), early_from=())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +115,7 @@ class Costs:
 
     Attributes
     ----------
-    tensor_B : tuple of int
+    tensor_bytes : tuple of int
         Bytes of each tensor's buffer (see module docstring).
     op_flops : tuple of int
         Compute cost of each op (FLOPs, or elements produced).
@@ -127,7 +127,7 @@ class Costs:
     gradient : tuple of GradientUse
         Per op: what its gradient reads (all inputs and outputs when not
         learned).
-    resident_B : int
+    resident_bytes : int
         Bytes alive for the whole step before it starts: the variables behind
         the xs' handles and the inputs (sources and external tensors).
     assumptions : tuple of str
@@ -139,12 +139,12 @@ class Costs:
         (:data:`SCRATCH_OP_TYPES`).
     """
 
-    tensor_B: tuple[int, ...]
+    tensor_bytes: tuple[int, ...]
     op_flops: tuple[int, ...]
     alias_of: tuple[int | None, ...]
     inplace: tuple[bool, ...]
     gradient: tuple[GradientUse, ...]
-    resident_B: int
+    resident_bytes: int
     assumptions: tuple[str, ...]
     batch_size: int | None = None
     scratch: tuple[bool, ...] = ()
@@ -168,10 +168,10 @@ def is_activation(fg: ForwardGraph, t: int) -> bool:
 
 def _resolve_bytes(node, batch_size: int | None) -> tuple[int, str]:
     """Bytes of ``node`` and "" / "batch" / "other" for which guess was made."""
-    if node.held_B is not None:
-        return node.held_B, ""
+    if node.held_bytes is not None:
+        return node.held_bytes, ""
     if node.shape is None or node.size_known:
-        return node.size_B, ("" if node.size_known else "rank")
+        return node.size_bytes, ("" if node.size_known else "rank")
     n = node.itemsize
     guess = ""
     for k, d in enumerate(node.shape):
@@ -206,11 +206,11 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
     """
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"memsave: batch_size must be a positive int, got {batch_size!r}")
-    tensor_B = []
+    tensor_bytes = []
     guessed: dict[str, list[str]] = {"batch": [], "other": [], "rank": []}
     for node in fg.tensors:
         b, guess = _resolve_bytes(node, batch_size)
-        tensor_B.append(b)
+        tensor_bytes.append(b)
         if guess:
             guessed[guess].append(node.name)
     assumptions = []
@@ -231,7 +231,7 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
             f"(e.g. {guessed['rank'][0]!r})"
         )
     held_unknown = [
-        n.name for n in fg.tensors if n.kind != "internal" and n.dtype == "resource" and n.held_B is None
+        n.name for n in fg.tensors if n.kind != "internal" and n.dtype == "resource" and n.held_bytes is None
     ]
     if held_unknown:
         assumptions.append(
@@ -261,7 +261,7 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
             # Inputs from outside (data, constants) need no gradient: theirs is pruned.
             use = op.gradient.needed(
                 [fg.tensors[t].kind != "external" and fg.tensors[t].trainable for t in op.inputs])
-            if not EARLY_GRADIENT_VALUES and use.early_B:
+            if not EARLY_GRADIENT_VALUES and use.early_bytes:
                 use = _without_early(use)
             gradient.append(use)
         if op.body is not None:
@@ -270,7 +270,7 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
             op_flops.append(op.flops)
         else:
             op_flops.append(sum(
-                tensor_B[t] // fg.tensors[t].itemsize if fg.tensors[t].itemsize else 0
+                tensor_bytes[t] // fg.tensors[t].itemsize if fg.tensors[t].itemsize else 0
                 for t in op.outputs
             ))
     if unlearned:
@@ -292,14 +292,14 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
     resident = 0
     for node in fg.tensors:
         if node.kind != "internal":
-            resident += tensor_B[node.id]
+            resident += tensor_bytes[node.id]
     return Costs(
-        tensor_B=tuple(tensor_B),
+        tensor_bytes=tuple(tensor_bytes),
         op_flops=tuple(op_flops),
         alias_of=tuple(alias_of),
         inplace=tuple(inplace),
         gradient=tuple(gradient),
-        resident_B=resident,
+        resident_bytes=resident,
         assumptions=tuple(assumptions),
         batch_size=batch_size,
         scratch=tuple(op.type in SCRATCH_OP_TYPES for op in fg.ops),

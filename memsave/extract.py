@@ -94,7 +94,7 @@ def _gradient_use(op: tf.Operation, node_def) -> GradientUse | None:
     return GradientUse(
         reads_inputs=learned["reads_inputs"], reads_outputs=learned["reads_outputs"],
         aliases=learned["aliases"], has_gradient=learned["has_gradient"],
-        by_input=learned.get("by_input"), early_B=learned.get("early_B", ()),
+        by_input=learned.get("by_input"), early_bytes=learned.get("early_bytes", ()),
         early_from=learned.get("early_from", ()),
     )
 
@@ -171,12 +171,12 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
         size, known = _size(t)
         tensors.append(t)
         nodes.append(TensorNode(
-            id=i, name=t.name, kind=kind, producer=producer, size_B=size,
+            id=i, name=t.name, kind=kind, producer=producer, size_bytes=size,
             size_known=known, trainable=_tf_private.is_trainable(t),
             tagged=key in tagged_refs,
             shape=None if t.shape.rank is None else tuple(t.shape.as_list()),
             itemsize=_itemsize(t.dtype), dtype=t.dtype.name,
-            held_B=_held_bytes(t) if t.dtype == tf.resource else None,
+            held_bytes=_held_bytes(t) if t.dtype == tf.resource else None,
             constant=t.op.type == "Const",
         ))
         return i

@@ -435,9 +435,9 @@ def gradients(
     )
     fg = p.ex.fg
     predicted = simulate(fg, p.schedule, p.costs, timeline=False,
-                         allocator=strategies.JUDGE_ALLOCATOR).peak_B
+                         allocator=strategies.JUDGE_ALLOCATOR).peak_bytes
     baseline = simulate(fg, None, p.costs, timeline=False,
-                        allocator=strategies.JUDGE_ALLOCATOR).peak_B
+                        allocator=strategies.JUDGE_ALLOCATOR).peak_bytes
     if predicted >= baseline:
         logger.warning(
             "memsave.gradients(checkpoints=%r): this plan is not expected to save memory "

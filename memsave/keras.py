@@ -354,19 +354,19 @@ def _extra_resident_bytes(model: keras.Model, p) -> int:
 _ALLOCATORS = {a.name: a for a in (CPU_ONEDNN, BFC)}
 
 
-def _with_resident(p, extra_B: int):
-    """``p`` with ``extra_B`` more resident bytes in its peaks and timelines, and saying so."""
-    if not extra_B:
+def _with_resident(p, extra_bytes: int):
+    """``p`` with ``extra_bytes`` more resident bytes in its peaks and timelines, and saying so."""
+    if not extra_bytes:
         return p
     return dataclasses.replace(
         p,
-        predicted_peak_bytes=p.predicted_peak_bytes + extra_B,
-        baseline_peak_bytes=p.baseline_peak_bytes + extra_B,
-        resident_bytes=p.resident_bytes + extra_B,
-        timeline=tuple((b + extra_B, e) for b, e in p.timeline),
-        baseline_timeline=tuple((b + extra_B, e) for b, e in p.baseline_timeline),
+        predicted_peak_bytes=p.predicted_peak_bytes + extra_bytes,
+        baseline_peak_bytes=p.baseline_peak_bytes + extra_bytes,
+        resident_bytes=p.resident_bytes + extra_bytes,
+        timeline=tuple((b + extra_bytes, e) for b, e in p.timeline),
+        baseline_timeline=tuple((b + extra_bytes, e) for b, e in p.baseline_timeline),
         assumptions=p.assumptions + (
-            f"fit's step also holds {extra_B:,} bytes of optimizer slots, metric state and "
+            f"fit's step also holds {extra_bytes:,} bytes of optimizer slots, metric state and "
             "non-trainable variables (resident, counted in both peaks)",),
     )
 

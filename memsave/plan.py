@@ -244,8 +244,8 @@ def make_plan(
     ours = simulate(fg, schedule, costs, allocator=allocator) if schedule is not None else base
     assumptions = costs.assumptions
     consumed = simulate(fg, schedule, costs, allocator=allocator, timeline=False,
-                        gradients_kept=False).peak_B
-    if ours.peak_B - consumed > GRADIENTS_CONSUMED_NOTE_FRACTION * ours.peak_B:
+                        gradients_kept=False).peak_bytes
+    if ours.peak_bytes - consumed > GRADIENTS_CONSUMED_NOTE_FRACTION * ours.peak_bytes:
         assumptions += (
             f"the xs' gradients are counted alive to the end of the step (returned, or applied "
             f"once all are computed); a step that applies each gradient as soon as it is "
@@ -275,7 +275,7 @@ def make_plan(
             kept.append(KeptTensor(
                 name=node.name,
                 op_type=fg.ops[node.producer].type if node.producer is not None else node.kind,
-                shape=node.shape, dtype=node.dtype, bytes=costs.tensor_B[t], why=why,
+                shape=node.shape, dtype=node.dtype, bytes=costs.tensor_bytes[t], why=why,
             ))
         for s in schedule.steps:
             cost = sum(costs.op_flops[o] for o in s.ops) if s.kind == "recompute" else 0
@@ -288,9 +288,9 @@ def make_plan(
             ))
     return Plan(
         strategy=strategy,
-        predicted_peak_bytes=ours.peak_B,
-        baseline_peak_bytes=base.peak_B,
-        resident_bytes=base.resident_B,
+        predicted_peak_bytes=ours.peak_bytes,
+        baseline_peak_bytes=base.peak_bytes,
+        resident_bytes=base.resident_bytes,
         forward_cost=costs.forward_flops,
         recompute_cost=recompute_cost,
         checkpoints=tuple(fg.describe(checkpoints)),
@@ -303,13 +303,13 @@ def make_plan(
         baseline_peak_event=base.peak_event,
         assumptions=assumptions,
         allocator=allocator.name,
-        activation_bytes=sum(costs.tensor_B[t.id] for t in fg.internal_tensors()
+        activation_bytes=sum(costs.tensor_bytes[t.id] for t in fg.internal_tensors()
                              if is_activation(fg, t.id)),
-        checkpoint_bytes=sum(costs.tensor_B[i] for i in checkpoints),
+        checkpoint_bytes=sum(costs.tensor_bytes[i] for i in checkpoints),
         forward_ops=len(fg.ops),
         recomputed_ops=recomputed_ops,
         note=note,
         **({} if budget is None else dict(
             solver=budget.solver, solve_time_s=budget.solve_time_s, optimal=budget.optimal,
-            feasible=budget.feasible, budget_bytes=budget.budget_B)),
+            feasible=budget.feasible, budget_bytes=budget.budget_bytes)),
     )

@@ -205,7 +205,7 @@ def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, *
     ]
     if not activations:
         floats = [b for b in step.boundary if _gateable(ex.tensors[b].dtype)]
-        activations = sorted(floats, key=lambda b: fg.tensors[b].size_B)[:1]
+        activations = sorted(floats, key=lambda b: fg.tensors[b].size_bytes)[:1]
     if xla and gate is not None:
         # XLA ignores control dependencies: whatever a recomputed segment's
         # backward computes from ungated boundary tensors alone (the reversed

@@ -13,7 +13,7 @@ The program
 -----------
 1. Resident: the xs' variables and the inputs (sources and external
    tensors) are alive from the start to the end, and so are the gradients
-   Grappler folds into constants (:data:`CONSTANT_FOLDING_MAX_B`).
+   Grappler folds into constants (:data:`CONSTANT_FOLDING_MAX_BYTES`).
 2. Forward: every op in topological order allocates its outputs, except
    views (:data:`memsave.costs.ALIAS_OP_TYPES`) and elementwise ops writing
    into an input that dies there (:data:`memsave.costs.INPLACE_OP_TYPES`).
@@ -95,7 +95,7 @@ __all__ = [
 #: stay resident. Measured: a mean over a [2048, 512] float32 leaves 4 MiB
 #: more in use after the first call, in a tf.function and in a Session; over
 #: [8192, 512] (16 MiB) nothing.
-CONSTANT_FOLDING_MAX_B = 10 * 1024 * 1024
+CONSTANT_FOLDING_MAX_BYTES = 10 * 1024 * 1024
 
 
 #: How many of the following instructions that write a buffer still see the
@@ -122,21 +122,21 @@ class Allocator:
     Attributes
     ----------
     name : str
-    min_counted_B : int
+    min_counted_bytes : int
         Buffers smaller than this are not counted in the reported peak.
-    round_B : int
+    round_bytes : int
         Counted sizes are rounded up to a multiple of this.
     """
 
     name: str
-    min_counted_B: int = 0
-    round_B: int = 256
+    min_counted_bytes: int = 0
+    round_bytes: int = 256
 
     def counted(self, n: int) -> int:
         """Bytes a buffer of ``n`` bytes adds to the reported ``bytes_in_use``."""
-        if n < self.min_counted_B or n <= 0:
+        if n < self.min_counted_bytes or n <= 0:
             return 0
-        r = self.round_B
+        r = self.round_bytes
         return -(-n // r) * r if r > 1 else n
 
 
@@ -146,11 +146,11 @@ class Allocator:
 #: (``mkl_small_allocator_collect_stats = false``), so
 #: ``get_memory_info('CPU:0')`` never sees them; larger ones go to a BFC
 #: allocator (256-byte granularity).
-CPU_ONEDNN = Allocator("CPU (oneDNN MklCPUAllocator)", min_counted_B=262144, round_B=256)
+CPU_ONEDNN = Allocator("CPU (oneDNN MklCPUAllocator)", min_counted_bytes=262144, round_bytes=256)
 
 #: The BFC allocator of GPUs (and of CPUs without oneDNN): counts every
 #: allocation, rounded to 256 bytes.
-BFC = Allocator("BFC", min_counted_B=0, round_B=256)
+BFC = Allocator("BFC", min_counted_bytes=0, round_bytes=256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,16 +159,16 @@ class MemoryTrace:
 
     Attributes
     ----------
-    peak_B : int
+    peak_bytes : int
         Allocator peak over the step, resident bytes included: what
         ``get_memory_info(device)['peak']`` reads when reset just before.
-    resident_B : int
+    resident_bytes : int
         Bytes alive before the step starts (variables, inputs).
     timeline : tuple of (int, str)
         Bytes alive while each event runs (its outputs allocated, its
         inputs not yet freed), in execution order (empty when
         ``simulate(..., timeline=False)``).
-    end_B : int
+    end_bytes : int
         Bytes alive after the step: resident bytes and the xs' gradients.
     peak_event : str
         The event at which the peak is reached.
@@ -176,12 +176,12 @@ class MemoryTrace:
         Index in ``timeline`` of the first backward event.
     """
 
-    peak_B: int
-    resident_B: int
+    peak_bytes: int
+    resident_bytes: int
     timeline: tuple[tuple[int, str], ...]
     peak_event: str
     backward_start: int = 0
-    end_B: int = 0
+    end_bytes: int = 0
 
 
 class _Program:
@@ -254,7 +254,7 @@ class _Builder:
         self.p = _Program()
         self.grads: dict[int, list[int]] = {}  # tensor id -> gradient values received
         self.orig: list[int] = [-1] * len(fg.tensors)
-        self.resident_B = 0
+        self.resident_bytes = 0
         self.constant: set[int] = set()  # gradient values Grappler folds into constants
         self.xs = set(fg.xs)
         if forward is not None:  # the state after its forward pass (which it built once)
@@ -272,8 +272,8 @@ class _Builder:
         ]
         for node in fg.tensors:
             if node.kind != "internal":
-                self.orig[node.id] = self.p.value(costs.tensor_B[node.id], resident=True)
-                self.resident_B += costs.tensor_B[node.id]
+                self.orig[node.id] = self.p.value(costs.tensor_bytes[node.id], resident=True)
+                self.resident_bytes += costs.tensor_bytes[node.id]
 
     # -- forward ----------------------------------------------------------
 
@@ -288,11 +288,11 @@ class _Builder:
             # What the gradient keeps (alive until it runs), what the loop's
             # TensorLists hold (alive while the lists are), and the body's
             # own transient peak (freed when the op ends).
-            saved = p.value(figures.saved_B)
+            saved = p.value(figures.saved_bytes)
             self.saved_of[i] = saved
-            lists = p.value(figures.stored_B)
-            writes += [(saved, ()), (lists, ()), (p.value(figures.forward_B), ())]
-        early = costs.gradient[i].early_B
+            lists = p.value(figures.stored_bytes)
+            writes += [(saved, ()), (lists, ()), (p.value(figures.forward_bytes), ())]
+        early = costs.gradient[i].early_bytes
         if early and costs.gradient[i].has_gradient:
             # Gradient values computed from this op's values alone: they run
             # right after it and wait for its gradient.
@@ -301,22 +301,22 @@ class _Builder:
             writes += [(v, ()) for v in values]
         if costs.scratch and costs.scratch[i]:
             # The kernel's temporaries (freed when it ends): one per operand.
-            writes += [(p.value(costs.tensor_B[t]), ()) for t in op.inputs]
+            writes += [(p.value(costs.tensor_bytes[t]), ()) for t in op.inputs]
         for t in op.outputs:
             src = costs.alias_of[t]
             if lists >= 0 and self.fg.tensors[t].dtype == "variant":
-                writes.append((p.value(costs.tensor_B[t], alias=lists), ()))
+                writes.append((p.value(costs.tensor_bytes[t], alias=lists), ()))
                 self.bind(t, writes[-1][0])
                 continue
             if src is not None:
-                v = p.value(costs.tensor_B[t], alias=vmap(src))
+                v = p.value(costs.tensor_bytes[t], alias=vmap(src))
                 writes.append((v, ()))
             else:
-                v = p.value(costs.tensor_B[t])
+                v = p.value(costs.tensor_bytes[t])
                 cands = ()
                 if costs.inplace[i]:
                     cands = tuple(r for r, t_in in zip(reads, op.inputs)
-                                  if costs.tensor_B[t_in] == costs.tensor_B[t])
+                                  if costs.tensor_bytes[t_in] == costs.tensor_bytes[t])
                 writes.append((v, cands))
             self.bind(t, v)
         p.instr((phase, i), reads, writes)
@@ -328,7 +328,7 @@ class _Builder:
         from (and of ``boundary`` go to) ``self.grads``; others stay local."""
         fg, costs, p = self.fg, self.costs, self.p
         # Hot loop (every op of every simulated plan): names bound once.
-        tensors, gradient, tensor_B, inplace = fg.tensors, costs.gradient, costs.tensor_B, costs.inplace
+        tensors, gradient, tensor_bytes, inplace = fg.tensors, costs.gradient, costs.tensor_bytes, costs.inplace
         grads, xs, constant, feeds_x = self.grads, self.xs, self.constant, self.feeds_x
         size = p.size
         local: dict[int, list[int]] = {}
@@ -365,8 +365,8 @@ class _Builder:
                 # Each input's gradient is a kernel of the same type, run one
                 # after the other: temporaries of the incoming gradient and
                 # the other operand, the largest input at most.
-                writes.append((p.value(max(tensor_B[t] for t in op.outputs)), ()))
-                writes.append((p.value(max((tensor_B[t] for t in inputs), default=0)), ()))
+                writes.append((p.value(max(tensor_bytes[t] for t in op.outputs)), ()))
+                writes.append((p.value(max((tensor_bytes[t] for t in inputs), default=0)), ()))
             if op.body is not None:
                 if i in self.saved_of:
                     reads.append(self.saved_of[i])
@@ -380,7 +380,7 @@ class _Builder:
                                 and tensors[t].dtype not in ("resource", "variant")
                                 and self.foldable(t)):
                             self.constant_value(t)
-                writes.append((p.value(_body_figures(op.body, self.allocator).backward_B), ()))
+                writes.append((p.value(_body_figures(op.body, self.allocator).backward_bytes), ()))
             to_weight = flows_on = False
             aliases = use.aliases
             folded = None  # whether Grappler folds this gradient (computed when first asked)
@@ -389,7 +389,7 @@ class _Builder:
                     continue
                 k = aliases[j] if j < len(aliases) else None
                 if k is not None and out_grads[k] is not None:
-                    v = p.value(tensor_B[t], alias=out_grads[k])
+                    v = p.value(tensor_bytes[t], alias=out_grads[k])
                     writes.append((v, ()))
                     if out_grads[k] in constant:
                         constant.add(v)
@@ -402,10 +402,10 @@ class _Builder:
                     if folded and self.foldable(t):
                         v = self.constant_value(t)
                     else:
-                        v = p.value(tensor_B[t])
+                        v = p.value(tensor_bytes[t])
                         cands = ()
                         if inplace[i]:
-                            cands = tuple(r for r in reads if size[r] == tensor_B[t])
+                            cands = tuple(r for r in reads if size[r] == tensor_bytes[t])
                         writes.append((v, cands))
                 (grads if t in boundary else local).setdefault(t, []).append(v)
                 if feeds_x[t]:
@@ -426,13 +426,13 @@ class _Builder:
                 p.lingering.append((WEIGHT_GRADIENT_OVERLAP, reads))
 
     def foldable(self, t: int) -> bool:
-        return self.fg.tensors[t].size_known and self.costs.tensor_B[t] <= CONSTANT_FOLDING_MAX_B
+        return self.fg.tensors[t].size_known and self.costs.tensor_bytes[t] <= CONSTANT_FOLDING_MAX_BYTES
 
     def constant_value(self, t: int) -> int:
         """A gradient Grappler folds: resident from before the step."""
-        v = self.p.value(self.costs.tensor_B[t], resident=True)
+        v = self.p.value(self.costs.tensor_bytes[t], resident=True)
         self.constant.add(v)
-        self.resident_B += self.costs.tensor_B[t]
+        self.resident_bytes += self.costs.tensor_bytes[t]
         return v
 
     def accumulate(self, t: int, got: list[int], phase: str) -> int | None:
@@ -442,7 +442,7 @@ class _Builder:
             return got[0]
         if all(g in self.constant for g in got) and self.foldable(t):
             return self.constant_value(t)
-        v = self.p.value(self.costs.tensor_B[t])
+        v = self.p.value(self.costs.tensor_bytes[t])
         self.p.instr(("sum", t), list(got), [(v, tuple(got))])
         return v
 
@@ -493,7 +493,7 @@ class ForwardProgram:
         ]
         self.saved_of = dict(b.saved_of)
         self.early_of = dict(b.early_of)
-        self.resident_B = b.resident_B
+        self.resident_bytes = b.resident_bytes
         self.constant = set(b.constant)
 
     def restore(self, b: _Builder) -> None:
@@ -503,7 +503,7 @@ class ForwardProgram:
         b.orig[:] = self.orig
         b.saved_of = dict(self.saved_of)
         b.early_of = dict(self.early_of)
-        b.resident_B = self.resident_B
+        b.resident_bytes = self.resident_bytes
         b.constant = set(self.constant)
 
 
@@ -573,7 +573,7 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator:
         if b.foldable(y):
             v = b.constant_value(y)
         else:
-            v = p.value(costs.tensor_B[y])
+            v = p.value(costs.tensor_bytes[y])
             p.instr(("seed", y), [], [(v, ())])
         b.grads.setdefault(y, []).append(v)
 
@@ -581,7 +581,7 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator:
     if schedule is None:
         b.backward(range(len(fg.ops)), orig.__getitem__, set(fg.ys), xs, "backprop")
     else:
-        tensors, ops, tensor_B, grads = fg.tensors, fg.ops, costs.tensor_B, b.grads
+        tensors, ops, tensor_bytes, grads = fg.tensors, fg.ops, costs.tensor_bytes, b.grads
         for step in schedule.steps:
             heads = set(step.heads)
             boundary = set(step.boundary)
@@ -597,7 +597,7 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator:
                      and _gateable(tensors[t])]
             if not gated:
                 floats = [t for t in step.boundary if _gateable(tensors[t])]
-                gated = sorted(floats, key=lambda t: tensor_B[t])[:1]
+                gated = sorted(floats, key=lambda t: tensor_bytes[t])[:1]
             if fg.xla and gated:
                 # Under XLA the rewrite gates every floating boundary tensor,
                 # the weight reads too: a fresh copy of each for the step.
@@ -612,10 +612,10 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator:
             for t in step.boundary:
                 src = orig[t]
                 if t in gated_set:
-                    v = p.value(tensor_B[t])
+                    v = p.value(tensor_bytes[t])
                     p.instr(("proxy", t), [src], [(v, (src,))])
                 else:
-                    v = p.value(tensor_B[t], alias=src)
+                    v = p.value(tensor_bytes[t], alias=src)
                     p.instr(("proxy", t), [src], [(v, ())])
                 local[t] = v
 
@@ -636,7 +636,7 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator:
         g = b.accumulate(x, b.grads.pop(x, []), "end")
         if g is not None:
             p.pinned.append(g)
-    return p, b.resident_B, backward_start
+    return p, b.resident_bytes, backward_start
 
 
 def _needed_copies(fg: ForwardGraph, costs: Costs, ops: Sequence[int],
@@ -655,7 +655,7 @@ def _needed_copies(fg: ForwardGraph, costs: Costs, ops: Sequence[int],
     for i in reversed(ops):
         op = fg.ops[i]
         if (any(t in need for t in op.outputs) or (op.body is not None and op.body.saved)
-                or gradient[i].early_B):
+                or gradient[i].early_bytes):
             live.append(i)
             need.update(op.inputs)
     live.reverse()
@@ -668,20 +668,20 @@ class BodyFigures:
 
     Attributes
     ----------
-    saved_B : int
+    saved_bytes : int
         What its gradient keeps, for all trips (from the op until its gradient).
-    stored_B : int
+    stored_bytes : int
         The items the loop's TensorLists hold (as long as the lists live).
-    forward_B, backward_B : int
+    forward_bytes, backward_bytes : int
         The body's transient peak above what it keeps, while the op runs and
         while its gradient runs (a loop's gradient also holds one trip's
         gradients beside the sums it carries).
     """
 
-    saved_B: int
-    stored_B: int
-    forward_B: int
-    backward_B: int
+    saved_bytes: int
+    stored_bytes: int
+    forward_bytes: int
+    backward_bytes: int
 
 
 _figures: "weakref.WeakKeyDictionary[Body, dict]" = weakref.WeakKeyDictionary()
@@ -701,21 +701,21 @@ def _body_figures(body: Body, allocator: Allocator) -> BodyFigures:
             t = bc.alias_of[t]
         return t
 
-    saved = sum(counted(bc.tensor_B[t]) for t in body.saved)
-    stored = sum(counted(bc.tensor_B[t]) for t in body.stored)
+    saved = sum(counted(bc.tensor_bytes[t]) for t in body.saved)
+    stored = sum(counted(bc.tensor_bytes[t]) for t in body.stored)
     outs = {root(t) for t in fg.ys if fg.tensors[root(t)].kind == "internal"}
-    out_B = sum(counted(bc.tensor_B[t]) for t in outs if t not in set(body.saved))
+    out_bytes = sum(counted(bc.tensor_bytes[t]) for t in outs if t not in set(body.saved))
     trace = simulate(fg, None, bc, allocator=allocator)
     alive = [b for b, _ in trace.timeline]
     start = trace.backward_start
-    forward_peak = max(alive[:start], default=trace.resident_B)
-    backward_peak = max(alive[start:], default=trace.resident_B)
-    forward = max(0, forward_peak - trace.resident_B - saved - stored - out_B)
-    base = trace.resident_B if body.loop else trace.end_B
+    forward_peak = max(alive[:start], default=trace.resident_bytes)
+    backward_peak = max(alive[start:], default=trace.resident_bytes)
+    forward = max(0, forward_peak - trace.resident_bytes - saved - stored - out_bytes)
+    base = trace.resident_bytes if body.loop else trace.end_bytes
     backward = max(0, backward_peak - base - saved)
     found = per[allocator] = BodyFigures(
-        saved_B=body.trips * saved, stored_B=body.trips * stored,
-        forward_B=forward, backward_B=backward,
+        saved_bytes=body.trips * saved, stored_bytes=body.trips * stored,
+        forward_bytes=forward, backward_bytes=backward,
     )
     return found
 
@@ -768,7 +768,7 @@ def simulate(
     --------
     >>> from memsave.costs import estimate_costs
     >>> trace = simulate(fg, None, estimate_costs(fg))  # doctest: +SKIP
-    >>> trace.peak_B  # doctest: +SKIP
+    >>> trace.peak_bytes  # doctest: +SKIP
     """
     with paused_gc():
         return _simulate(fg, schedule, costs, allocator, timeline, forward, gradients_kept)
@@ -795,7 +795,7 @@ def paused_gc():
 
 
 def _simulate(fg, schedule, costs, allocator, timeline, forward, gradients_kept) -> MemoryTrace:
-    p, resident_B, backward_start = _build(fg, schedule, costs, allocator, forward)
+    p, resident_bytes, backward_start = _build(fg, schedule, costs, allocator, forward)
     reads, writes, size, alias = p.reads, p.writes, p.size, p.alias
     n_instr = len(reads)
     n_val = len(size)
@@ -864,12 +864,12 @@ def _simulate(fg, schedule, costs, allocator, timeline, forward, gradients_kept)
             if not refs[r]:
                 alive -= counted[r]
     return MemoryTrace(
-        peak_B=peak,
-        resident_B=resident_counted,
+        peak_bytes=peak,
+        resident_bytes=resident_counted,
         timeline=tuple(events),
         peak_event=_label(fg, p.labels[peak_k]) if peak_k >= 0 else "start",
         backward_start=backward_start,
-        end_B=alive,
+        end_bytes=alive,
     )
 
 

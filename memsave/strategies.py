@@ -103,7 +103,7 @@ def judge(
     min_saving_fraction: float,
     who: str,
     baseline: MemoryTrace | None = None,
-    predicted_B: int | None = None,
+    predicted_bytes: int | None = None,
 ) -> Selection:
     """``selection``, or an empty one when it saves too little.
 
@@ -112,7 +112,7 @@ def judge(
     variables and inputs, which no plan can free). Under
     ``min_saving_fraction`` the plan would pay recomputation for a saving
     within the forecast's error: nothing is kept, and the note gives the
-    figures. ``baseline`` (the plain trace) and ``predicted_B`` (the plan's
+    figures. ``baseline`` (the plain trace) and ``predicted_bytes`` (the plan's
     peak) skip simulations the caller has already run.
     """
     if not 0.0 <= min_saving_fraction < 1.0:
@@ -123,17 +123,17 @@ def judge(
         return selection  # 0 keeps any plan
     base = baseline if baseline is not None else simulate(
         fg, None, costs, timeline=False, allocator=JUDGE_ALLOCATOR)
-    if predicted_B is None:
-        predicted_B = simulate(
+    if predicted_bytes is None:
+        predicted_bytes = simulate(
             fg, build_schedule(fg, selection.checkpoints), costs, timeline=False,
-            allocator=JUDGE_ALLOCATOR).peak_B
-    working = max(base.peak_B - base.resident_B, 1)
-    saving = (base.peak_B - predicted_B) / working
+            allocator=JUDGE_ALLOCATOR).peak_bytes
+    working = max(base.peak_bytes - base.resident_bytes, 1)
+    saving = (base.peak_bytes - predicted_bytes) / working
     if saving >= min_saving_fraction:
         return selection
     return Selection((), {}, (
         f"{who}'s plan ({len(selection.checkpoints)} checkpoints) would take the predicted "
-        f"peak (every buffer counted) from {base.peak_B:,} to {predicted_B:,} bytes, a saving "
+        f"peak (every buffer counted) from {base.peak_bytes:,} to {predicted_bytes:,} bytes, a saving "
         f"of {saving:.1%} of the {working:,} bytes of working memory (less than "
         f"min_saving_fraction={min_saving_fraction:g}), so recomputing would cost time for "
         "next to nothing; "
@@ -195,7 +195,7 @@ def _candidates(fg: ForwardGraph) -> Iterable[int]:
     for op in fg.ops:
         for t in op.outputs:
             # size 0: a handle or a TensorList, whose real size is unknown here.
-            if is_activation(fg, t) and fg.tensors[t].size_B > 0 and t not in ys:
+            if is_activation(fg, t) and fg.tensors[t].size_bytes > 0 and t not in ys:
                 yield t
 
 
@@ -289,14 +289,14 @@ def articulation_candidates(
     plus edges.
     """
     largest = max(
-        (fg.tensors[t].size_B for op in fg.ops for t in op.outputs if is_activation(fg, t)),
+        (fg.tensors[t].size_bytes for op in fg.ops for t in op.outputs if is_activation(fg, t)),
         default=0,
     )
     small = largest * small_tensor_fraction
 
     def ties(t: int) -> bool:
         node = fg.tensors[t]
-        return node.trainable and not (node.size_known and node.size_B <= small)
+        return node.trainable and not (node.size_known and node.size_bytes <= small)
 
     g = nx.Graph()
     sink = -1
@@ -408,13 +408,13 @@ class Cut:
         ``position`` and read after it, in id order. Keeping them all
         separates what comes before the cut from what comes after, for the
         purpose of recomputation.
-    crossing_B : int
+    crossing_bytes : int
         Their bytes.
     """
 
     position: int
     crossing: tuple[int, ...]
-    crossing_B: int
+    crossing_bytes: int
 
 
 def topological_cuts(fg: ForwardGraph, costs: Costs) -> list[Cut]:
@@ -442,21 +442,21 @@ def topological_cuts(fg: ForwardGraph, costs: Costs) -> list[Cut]:
 
     def sweep(record: set[int] | None):
         live: dict[int, None] = {}
-        alive_B = 0
+        alive_bytes = 0
         for op in fg.ops:
             for t in dict.fromkeys(op.inputs):
                 if last_use.get(t) == op.index and t in live:
                     del live[t]
-                    alive_B -= costs.tensor_B[t]
+                    alive_bytes -= costs.tensor_bytes[t]
             for t in op.outputs:
                 if t in last_use and last_use[t] > op.index:
                     live[t] = None
-                    alive_B += costs.tensor_B[t]
+                    alive_bytes += costs.tensor_bytes[t]
             if record is None:
-                yield alive_B
+                yield alive_bytes
             elif op.index in record:
                 ids = tuple(sorted(live))
-                yield Cut(op.index, ids, alive_B)
+                yield Cut(op.index, ids, alive_bytes)
 
     profile = list(sweep(None))
     n = len(profile)
@@ -575,7 +575,7 @@ def _positions(fg: ForwardGraph, costs: Costs) -> tuple[list[int], int]:
     total = 0
     for op in fg.ops:
         if op.recomputable:
-            total += sum(costs.tensor_B[t] for t in op.outputs if is_activation(fg, t))
+            total += sum(costs.tensor_bytes[t] for t in op.outputs if is_activation(fg, t))
         cum.append(total)
     return cum, total
 
@@ -613,7 +613,7 @@ def _memory_plans(fg, costs, cands, cum, total, segment_live_fraction) -> list[t
 
 def _articulation_plans(fg, cands, cum, total, fracs) -> list[tuple[int, ...]]:
     pos = [cum[fg.tensors[t].producer] for t in cands]
-    size = [fg.tensors[t].size_B for t in cands]
+    size = [fg.tensors[t].size_bytes for t in cands]
     return [tuple(sorted(cands[i] for i in idx)) for idx in _index_plans(pos, size, total, fracs)]
 
 
@@ -626,11 +626,11 @@ def _cut_plans(cuts: list[Cut], costs: Costs, cum, total) -> list[tuple[int, ...
     cross the cut before it (what it adds when its neighbour is chosen too).
     """
     pos = [cum[c.position] for c in cuts]
-    full = [c.crossing_B for c in cuts]
+    full = [c.crossing_bytes for c in cuts]
     new = []
     prev: frozenset[int] = frozenset()
     for c in cuts:
-        new.append(sum(costs.tensor_B[t] for t in c.crossing if t not in prev))
+        new.append(sum(costs.tensor_bytes[t] for t in c.crossing if t not in prev))
         prev = frozenset(c.crossing)
     plans = []
     for size in (full, new):
@@ -728,7 +728,7 @@ def memory(
 
     def peak(schedule, gradients_kept: bool = True) -> int:
         return simulate(fg, schedule, costs, timeline=False, allocator=JUDGE_ALLOCATOR,
-                        forward=forward, gradients_kept=gradients_kept).peak_B
+                        forward=forward, gradients_kept=gradients_kept).peak_bytes
 
     with paused_gc():  # many schedules, no cycles: see memsave.simulate.paused_gc
         scored = [(peak(schedule), chosen, schedule)
@@ -753,4 +753,4 @@ def memory(
         ))
     sel = _selection(fg, best, reason)
     return judge(fg, sel, costs, min_saving_fraction=min_saving_fraction, who="'memory'",
-                 predicted_B=best_peak)
+                 predicted_bytes=best_peak)

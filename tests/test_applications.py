@@ -340,7 +340,7 @@ def _measure(model_name: str, method: str) -> dict:
     step(x, y)  # warm-up: trace, optimize, allocate
     tf.config.experimental.reset_memory_stats("CPU:0")
     step(x, y)
-    return {"peak_B": tf.config.experimental.get_memory_info("CPU:0")["peak"]}
+    return {"peak_bytes": tf.config.experimental.get_memory_info("CPU:0")["peak"]}
 
 
 @functools.lru_cache(maxsize=None)
@@ -353,8 +353,8 @@ def _measured(model_name: str, method: str) -> dict:
 
 @pytest.mark.parametrize("model_name", list(MEMORY_CASES))
 def test_memory_strategy_cuts_the_step_peak(model_name):
-    plain = _measured(model_name, "tf.gradients")["peak_B"]
-    ours = _measured(model_name, "memory")["peak_B"]
+    plain = _measured(model_name, "tf.gradients")["peak_bytes"]
+    ours = _measured(model_name, "memory")["peak_bytes"]
     assert ours <= MEMORY_MAX_RATIO[model_name] * plain, (
         f"{model_name} 'memory': peak {ours / 2**20:.1f} MiB, tf.gradients "
         f"{plain / 2**20:.1f} MiB (ratio {ours / plain:.2f}, at most "

@@ -263,11 +263,11 @@ def measure_keras_budget(depth=48, fractions=(0.4, 0.6)) -> dict:
             peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
         return int(np.median(peaks))
 
-    out = {"plain_B": peak()}
+    out = {"plain_bytes": peak()}
     for f in fractions:
-        budget = int(f * out["plain_B"])
+        budget = int(f * out["plain_bytes"])
         memsave.keras.checkpointed(model, memory_budget=budget)
-        out[str(f)] = {"budget_B": budget, "peak_B": peak()}
+        out[str(f)] = {"budget_bytes": budget, "peak_bytes": peak()}
     return out
 
 
@@ -280,11 +280,11 @@ def test_keras_fit_measured_peak_meets_the_budget():
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     for f, r in res.items():
-        if f == "plain_B":
+        if f == "plain_bytes":
             continue
-        assert r["peak_B"] <= (1 + BUDGET_TOLERANCE) * r["budget_B"], (
-            f"budget {f} of plain fit's {res['plain_B'] / MiB:.1f} MiB: measured "
-            f"{r['peak_B'] / MiB:.1f} MiB over {r['budget_B'] / MiB:.1f} MiB + 10%")
+        assert r["peak_bytes"] <= (1 + BUDGET_TOLERANCE) * r["budget_bytes"], (
+            f"budget {f} of plain fit's {res['plain_bytes'] / MiB:.1f} MiB: measured "
+            f"{r['peak_bytes'] / MiB:.1f} MiB over {r['budget_bytes'] / MiB:.1f} MiB + 10%")
 
 
 if __name__ == "__main__":

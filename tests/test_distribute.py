@@ -380,7 +380,7 @@ def train(strategy, method, *, steps=STEPS):
     Returned: ``losses`` and gradient ``digests`` [steps, ...] of every step,
     the first local replica's ``weights`` after the last step, how far the
     other local replicas' weights are from them (``replica_spread``), the
-    ``recompute_ops`` memsave put in the step's graph, and ``peak_B``, the
+    ``recompute_ops`` memsave put in the step's graph, and ``peak_bytes``, the
     median allocator peak on this process's CPU over the steps after the
     first (which traces the step).
     """
@@ -424,7 +424,7 @@ def train(strategy, method, *, steps=STEPS):
         "losses": np.array(losses),
         "digests": np.array(digests),
         "recompute_ops": np.array(_recompute_ops(step.get_concrete_function(x, y).graph)),
-        "peak_B": np.array(np.median(peaks[1:])),
+        "peak_bytes": np.array(np.median(peaks[1:])),
         "replicas": np.array(replicas),
     }
     for k, p in enumerate(params):
@@ -626,7 +626,7 @@ def test_multi_worker_training_matches_single_process(multi_worker, single_proce
 
 def test_multi_worker_memsave_cuts_each_workers_peak(multi_worker):
     for task, results in enumerate(multi_worker):
-        ours, ref = int(results["memsave"]["peak_B"]), int(results["tape"]["peak_B"])
+        ours, ref = int(results["memsave"]["peak_bytes"]), int(results["tape"]["peak_bytes"])
         assert ours <= MEMORY_MAX_RATIO * ref, (
             f"worker {task}: memsave 'memory' peak {ours / MiB:.1f} MiB is {ours / ref:.2f} of "
             f"GradientTape's {ref / MiB:.1f} MiB (allowed {MEMORY_MAX_RATIO})"

@@ -76,7 +76,7 @@ def _measured(model: str, mode: str, method: str) -> int:
     result = _measured_all(model, mode)[method]
     if "error" in result:
         pytest.fail(f"measuring {model} {mode} {method} failed: {result['error']}")
-    return result["peak_B"]
+    return result["peak_bytes"]
 
 
 @functools.lru_cache(maxsize=None)

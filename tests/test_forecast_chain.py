@@ -80,8 +80,8 @@ def measure(model: str) -> dict:
             del r
         p = plans[0]
         out[method] = {
-            "measured_B": int(np.median(peaks)),
-            "predicted_B": p.baseline_peak_bytes if method == "plain" else p.predicted_peak_bytes,
+            "measured_bytes": int(np.median(peaks)),
+            "predicted_bytes": p.baseline_peak_bytes if method == "plain" else p.predicted_peak_bytes,
             "checkpoints": len(p.checkpoints),
         }
     return out
@@ -101,10 +101,10 @@ def test_forecast_is_within_issue_8s_bound(model):
     res = _measured(model)
     assert res["memory"]["checkpoints"] > 0, res  # the forecast of a real plan
     for method, r in res.items():
-        err = (r["predicted_B"] - r["measured_B"]) / r["measured_B"]
+        err = (r["predicted_bytes"] - r["measured_bytes"]) / r["measured_bytes"]
         assert abs(err) <= MAX_ERROR, (
-            f"{model} {method}: forecast {r['predicted_B'] / MiB:.1f} MiB, measured "
-            f"{r['measured_B'] / MiB:.1f} MiB ({err:+.1%})"
+            f"{model} {method}: forecast {r['predicted_bytes'] / MiB:.1f} MiB, measured "
+            f"{r['measured_bytes'] / MiB:.1f} MiB ({err:+.1%})"
         )
 
 

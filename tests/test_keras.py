@@ -533,12 +533,12 @@ def _measure(cfg: dict) -> dict:
             tf.config.experimental.reset_memory_stats("CPU:0")
             fit()
             peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
-        result[name] = {"peak_B": int(np.median(peaks)),
+        result[name] = {"peak_bytes": int(np.median(peaks)),
                         "weights": [w.astype(np.float64) for w in model.get_weights()]}
     change = max(float(np.abs(w - v).max()) for w, v in zip(result["plain"]["weights"], w0))
     diff = max(float(np.abs(a - b).max())
                for a, b in zip(result["plain"]["weights"], result["memory"]["weights"]))
-    return {"plain_B": result["plain"]["peak_B"], "memory_B": result["memory"]["peak_B"],
+    return {"plain_bytes": result["plain"]["peak_bytes"], "memory_bytes": result["memory"]["peak_bytes"],
             "weight_change": change, "weight_diff": diff}
 
 
@@ -570,7 +570,7 @@ def _measured():
 @pytest.mark.parametrize("mode", list(MEM_MODES))
 def test_checkpointed_fit_cuts_the_peak_on_a_deep_model(mode):
     res = _measured()[mode]
-    ours, ref = res["memory_B"] / MiB, res["plain_B"] / MiB
+    ours, ref = res["memory_bytes"] / MiB, res["plain_bytes"] / MiB
     assert ours <= MEMORY_MAX_RATIO * ref, (
         f"{mode}: checkpointed fit peaks at {ours:.1f} MiB, {ours / ref:.2f} of plain fit's "
         f"{ref:.1f} MiB (allowed {MEMORY_MAX_RATIO})"

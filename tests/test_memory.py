@@ -74,7 +74,7 @@ LIST_MAX_RATIO = 0.65
 #: 0.25-1.75 MiB above it in function mode (a recomputed segment holds the gated copy ``checkpoint + gate`` and
 #: the recomputed tanh next to the checkpoint). Three activations (3 MiB)
 #: do not grow with depth; keeping both outputs of every layer would be 24.
-SPEED_SLACK_B = 3 * MiB
+SPEED_SLACK_BYTES = 3 * MiB
 
 #: float32 gradients through LAYERS tanh layers, summed in another order: see
 #: tests/test_gradients_zoo.py (TOLERANCES) for why 1e-5 of the largest entry.
@@ -198,7 +198,7 @@ def _compare(runs):
         )
         grad_err, grad_scale = _max_err(grads, ref_grads)
         result[method] = {
-            "peak_B": int(peak),
+            "peak_bytes": int(peak),
             "digest_rel_err": digest_err,
             "grad_abs_err": grad_err,
             "grad_scale": grad_scale,
@@ -228,7 +228,7 @@ CONV_LAYERS, CONV_CHANNELS, CONV_SIZE, CONV_BATCH = 12, 256, 8, 16
 #: the next power of two: a 20 MiB buffer would be counted 32 MiB. One large
 #: region made first is split for every later allocation, so the counted
 #: peak is the bytes asked for. See experiments/xla_cnn.py.
-PRESPLIT_B = 1 << 30
+PRESPLIT_BYTES = 1 << 30
 
 # Measured at commit 91a07be, 2 fresh processes each (median-of-5 peaks
 # above the resident variables and batch, MiB): tf.gradients 50.75 both,
@@ -268,7 +268,7 @@ def _conv_digest(grads):
 
 def measure_xla_conv():
     """Peak bytes above the resident ones, and gradient errors, of the conv chain under XLA."""
-    tf.raw_ops.Empty(shape=[PRESPLIT_B // 4], dtype=tf.float32, init=False)
+    tf.raw_ops.Empty(shape=[PRESPLIT_BYTES // 4], dtype=tf.float32, init=False)
     rs = np.random.RandomState(0)
     fan_in = 9 * CONV_CHANNELS
     ws = [tf.Variable((rs.randn(3, 3, CONV_CHANNELS, CONV_CHANNELS) / np.sqrt(fan_in)).astype(np.float32))
@@ -301,7 +301,7 @@ def _measured(mode):
 
 
 def _peak_MiB(res, method):
-    return res[method]["peak_B"] / MiB
+    return res[method]["peak_bytes"] / MiB
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -328,8 +328,8 @@ def test_explicit_checkpoints_cut_peak(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_speed_strategy_costs_no_more_memory(mode):
     res = _measured(mode)
-    ours, ref = res["speed"]["peak_B"], res["tf.gradients"]["peak_B"]
-    assert ours <= ref + SPEED_SLACK_B, (
+    ours, ref = res["speed"]["peak_bytes"], res["tf.gradients"]["peak_bytes"]
+    assert ours <= ref + SPEED_SLACK_BYTES, (
         f"{mode}: memsave 'speed' peak {ours / MiB:.1f} MiB exceeds tf.gradients' "
         f"{ref / MiB:.1f} MiB"
     )
@@ -386,7 +386,7 @@ def test_plan_predicts_a_saving(graph, checkpoints):
 @pytest.mark.parametrize("method", ["memory"])
 def test_xla_conv_backward_waits_for_gradient(method):
     res = _measured(XLA_CONV)
-    ours, ref = res[method]["peak_B"] / MiB, res["tf.gradients"]["peak_B"] / MiB
+    ours, ref = res[method]["peak_bytes"] / MiB, res["tf.gradients"]["peak_bytes"] / MiB
     assert ours <= XLA_CONV_MAX_RATIO * ref, (
         f"xla conv chain: memsave {method!r} peaks {ours:.2f} MiB above the resident "
         f"tensors, {ours / ref:.2f} of tf.gradients' {ref:.2f} MiB (allowed "

@@ -75,8 +75,8 @@ def _oracle(name):
                for q in range(m + 2) for s in itertools.combinations(range(m + 1), q)]
         # The cost solvers read without simulating is the simulated plan's.
         assert all(p.recompute_cost(e.decision) == e.recompute_cost for e in evs)
-        lo = min(e.peak_B for e in evs)
-        hi = p.plain.peak_B
+        lo = min(e.peak_bytes for e in evs)
+        hi = p.plain.peak_bytes
         budgets = sorted({lo - 1, lo, *(int(lo + f * (hi - lo)) for f in (0.2, 0.35, 0.5, 0.75)), hi})
         _ORACLE[name] = (p, evs, budgets)
     return _ORACLE[name]
@@ -95,7 +95,7 @@ def _solve(case, p, budget, solver):
 
 
 def _best(evs, budget):
-    fits = [e.recompute_cost for e in evs if e.peak_B <= budget]
+    fits = [e.recompute_cost for e in evs if e.peak_bytes <= budget]
     return min(fits) if fits else None
 
 
@@ -105,30 +105,30 @@ def test_solver_against_brute_force(case, solver):
     p, evs, budgets = _oracle(case)
     if solver == "dp" and not is_chain(p):
         pytest.skip("dp is exact on chains only")
-    lo = min(e.peak_B for e in evs)
+    lo = min(e.peak_bytes for e in evs)
     last_peak = None
     for budget in sorted(budgets, reverse=True):
         res = _solve(case, p, budget, solver)
-        assert res.solver == solver and res.budget_B == budget
+        assert res.solver == solver and res.budget_bytes == budget
         ref = _best(evs, budget)
         # Whatever the solver, the figures are the simulator's.
         ev = p.evaluate(res.decision)
-        assert (res.predicted_peak_B, res.recompute_cost) == (ev.peak_B, ev.recompute_cost)
-        assert res.feasible == (res.predicted_peak_B <= budget)
+        assert (res.predicted_peak_bytes, res.recompute_cost) == (ev.peak_bytes, ev.recompute_cost)
+        assert res.feasible == (res.predicted_peak_bytes <= budget)
         if solver == "greedy":
             if res.feasible:
                 assert res.recompute_cost >= ref
             else:
-                assert res.predicted_peak_B >= lo
+                assert res.predicted_peak_bytes >= lo
             # Monotone: a smaller budget never gives a larger forecast peak.
             if last_peak is not None:
-                assert res.predicted_peak_B <= last_peak
-            last_peak = res.predicted_peak_B
+                assert res.predicted_peak_bytes <= last_peak
+            last_peak = res.predicted_peak_bytes
             continue
         assert res.optimal, (case, solver, budget)
         if ref is None:
             assert not res.feasible
-            assert res.predicted_peak_B == lo
+            assert res.predicted_peak_bytes == lo
         else:
             assert res.feasible
             assert res.recompute_cost == ref, (case, solver, budget)
@@ -157,10 +157,10 @@ LARGE_CASES = {
 @pytest.mark.parametrize("case", list(LARGE_CASES))
 def test_greedy_close_to_proven_milp_on_100_ops(case):
     p = LARGE_CASES[case]()
-    lo = solve(p, 0, solver="greedy").predicted_peak_B
+    lo = solve(p, 0, solver="greedy").predicted_peak_bytes
     proven = 0
     for f in (0.2, 0.5, 0.8):
-        budget = int(lo + f * (p.plain.peak_B - lo))
+        budget = int(lo + f * (p.plain.peak_bytes - lo))
         exact = solve(p, budget, solver="milp", time_limit_s=60)
         if not (exact.optimal and exact.feasible):
             continue
@@ -193,7 +193,7 @@ def test_dp_chain_model_equals_the_simulator_on_every_decision(seed):
                 h, lmax = terms.get(prev, a, b, mode, nxt)
                 peak = max(peak, terms.resident + held + lmax)
                 held += h
-            assert peak == p.evaluate(_Terms.decision(groups)).peak_B, groups
+            assert peak == p.evaluate(_Terms.decision(groups)).peak_bytes, groups
             checked += 1
     assert checked == 2 * 3 ** (n - 1)
 
@@ -203,7 +203,7 @@ def test_stored_segments_trade_memory_for_recompute():
     p = _problem(H.chain(10, ), random.Random(0), 5)
     p = Problem(p.fg, p.costs, p.candidates)
     costs = [solve(p, b, solver="dp").recompute_cost
-             for b in (p.plain.peak_B - 3 * H.MiB, p.plain.peak_B - H.MiB, p.plain.peak_B)]
+             for b in (p.plain.peak_bytes - 3 * H.MiB, p.plain.peak_bytes - H.MiB, p.plain.peak_bytes)]
     assert costs == sorted(costs, reverse=True)
     assert costs[-1] == 0
 
@@ -219,14 +219,14 @@ def test_milp_without_highspy_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "highspy", None)
     p = _problem(H.chain(6), random.Random(0), 4)
     with pytest.raises(ImportError, match=r"memsave\[milp\]"):
-        solve(p, p.plain.peak_B // 2, solver="milp")
+        solve(p, p.plain.peak_bytes // 2, solver="milp")
 
 
 def test_auto_picks_dp_on_chains_and_greedy_on_large_graphs():
     assert solve(_chain(0, 8, 5), 0).solver == "dp"
     rs = random.Random(7)
     big = _problem(H.random_dag(rs, 200))
-    assert solve(big, big.plain.peak_B).solver == "greedy"
+    assert solve(big, big.plain.peak_bytes).solver == "greedy"
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -247,8 +247,8 @@ def test_budget_planner_never_calls_a_budget_memory_meets_infeasible(seed):
         sel = memory(fg, costs=costs, min_saving_fraction=0.0)
         if not sel.checkpoints:
             continue
-        ours = simulate(fg, build_schedule(fg, sel.checkpoints), costs, timeline=False).peak_B
+        ours = simulate(fg, build_schedule(fg, sel.checkpoints), costs, timeline=False).peak_bytes
         with pytest.raises(MemoryBudgetError) as e:
             plan_for_budget(fg, costs, 1, api="test")
         assert e.value.min_peak_bytes <= ours
-        assert plan_for_budget(fg, costs, ours, api="test").result.predicted_peak_B <= ours
+        assert plan_for_budget(fg, costs, ours, api="test").result.predicted_peak_bytes <= ours

@@ -85,7 +85,7 @@ def test_candidates_skip_non_trainable_multi_output_and_stateful_ops():
     assert cands == ["h1:0", "gather:0", "h3:0"]
 
 
-def _normalised_chain(n_blocks=3, *, head_B=H.MiB):
+def _normalised_chain(n_blocks=3, *, head_bytes=H.MiB):
     """Conv -> batch-norm-like normalisation -> Relu blocks, then a head.
 
     ::
@@ -96,19 +96,19 @@ def _normalised_chain(n_blocks=3, *, head_B=H.MiB):
     ``sq``'s only consumer is the variance ``var``, which rejoins the chain
     through channel-sized (small) tensors only: ``sq`` is an articulation
     point of the undirected op graph, but keeping it bounds no segment.
-    ``pool`` and ``head`` produce ``head_B`` bytes each.
+    ``pool`` and ``head`` produce ``head_bytes`` bytes each.
     """
     b = Builder()
     h = b.op("a", "Tanh", [b.source("x")])
     for i in range(n_blocks):
         c = b.op(f"c{i}", "Conv2D", [h])
         sq = b.op(f"sq{i}", "SquaredDifference", [c])
-        var = b.op(f"var{i}", "Mean", [sq], size_B=64)
-        rs = b.op(f"rs{i}", "Rsqrt", [var], size_B=64)
+        var = b.op(f"var{i}", "Mean", [sq], size_bytes=64)
+        rs = b.op(f"rs{i}", "Rsqrt", [var], size_bytes=64)
         h = b.op(f"n{i}", "Mul", [c, rs])
         h = b.op(f"r{i}", "Relu", [h])
-    h = b.op("pool", "Mean", [h], size_B=head_B)
-    y = b.op("head", "MatMul", [h], size_B=head_B)
+    h = b.op("pool", "Mean", [h], size_bytes=head_bytes)
+    y = b.op("head", "MatMul", [h], size_bytes=head_bytes)
     return b.build(["x"], [y]), b
 
 
@@ -126,7 +126,7 @@ def test_a_small_head_keeps_the_body_cut_points():
     # pool and head are 1 KiB, below 1/64 of the 1 MiB activations: the y is
     # cut off from the body. The body's last op (pool) stands for the end,
     # so the chain's cut points remain and the statistics branches do not.
-    fg, _ = _normalised_chain(head_B=1024)
+    fg, _ = _normalised_chain(head_bytes=1024)
     assert names(fg, articulation_candidates(fg)) == _BLOCK_CUTS
     chosen = names(fg, strategies.memory(fg, min_saving_fraction=0.0).checkpoints)
     assert chosen and set(chosen) <= set(_BLOCK_CUTS)
@@ -136,7 +136,7 @@ def test_small_means_small_against_activations_not_variables():
     # A 64 MiB weight read (not recomputable, kept anyway) must not make the
     # 1 MiB activations "small": they still tie the chain together.
     b = Builder()
-    w = b.op("read", "ReadVariableOp", [b.source("w")], recomputable=False, size_B=64 * H.MiB)
+    w = b.op("read", "ReadVariableOp", [b.source("w")], recomputable=False, size_bytes=64 * H.MiB)
     h = b.op("c0", "Conv2D", [b.external("image", trainable=True), w])
     for i in range(1, 5):
         h = b.op(f"c{i}", "Relu", [h])
@@ -154,8 +154,8 @@ def test_a_reshaped_weight_does_not_make_its_matmul_a_cut():
     shape = b.external("shape", trainable=False)
     b.tensors[b.ids[shape]] = dataclasses.replace(b.tensors[b.ids[shape]], constant=True)
     for i in range(2):
-        w = b.op(f"read{i}", "ReadVariableOp", [b.source(f"w{i}")], recomputable=False, size_B=64 * 1024)
-        k = b.op(f"kernel{i}", "Reshape", [w, shape], size_B=64 * 1024)
+        w = b.op(f"read{i}", "ReadVariableOp", [b.source(f"w{i}")], recomputable=False, size_bytes=64 * 1024)
+        k = b.op(f"kernel{i}", "Reshape", [w, shape], size_bytes=64 * 1024)
         q = b.op(f"mm{i}", "MatMul", [h, k])
         q = b.op(f"relu{i}", "Relu", [q])
         h = b.op(f"add{i}", "AddV2", [h, q])
@@ -279,9 +279,9 @@ def test_memory_weights_positions_by_bytes_not_op_count():
     b = Builder()
     h = b.source("x")
     for i in range(8):
-        h = b.op(f"small{i}", "Tanh", [h], size_B=16)
+        h = b.op(f"small{i}", "Tanh", [h], size_bytes=16)
     for i in range(8):
-        h = b.op(f"big{i}", "Tanh", [h], size_B=H.MiB)
+        h = b.op(f"big{i}", "Tanh", [h], size_bytes=H.MiB)
     fg = b.build(["x"], [h])
     chosen = names(fg, strategies.memory(fg).checkpoints)
     assert chosen and all(c.startswith("big") for c in chosen), chosen
@@ -352,7 +352,7 @@ def test_memory_plans_over_cuts_where_articulation_points_save_little():
     assert sel.reasons[b.ids["q1:0"]] == strategies.CUT_REASON
     costs = estimate_costs(fg)
     peak = simulate(fg, build_schedule(fg, sel.checkpoints), costs, allocator=BFC,
-                    timeline=False).peak_B
+                    timeline=False).peak_bytes
     assert peak == 11 * MiB
     assert strategies.memory(fg).checkpoints == sel.checkpoints
     assert strategies.memory(fg, num_checkpoints=1).checkpoints == (b.ids["stem:0"],)
@@ -395,8 +395,8 @@ def test_memory_without_articulation_points_keeps_the_tensors_crossing_cuts():
     schedule = build_schedule(fg, sel.checkpoints)
     copied = [o for s in schedule.steps for o in s.ops]
     assert len(copied) == len(set(copied))  # no op recomputed twice
-    plain = simulate(fg, None, costs, allocator=BFC, timeline=False).peak_B
-    assert simulate(fg, schedule, costs, allocator=BFC, timeline=False).peak_B < 0.7 * plain
+    plain = simulate(fg, None, costs, allocator=BFC, timeline=False).peak_bytes
+    assert simulate(fg, schedule, costs, allocator=BFC, timeline=False).peak_bytes < 0.7 * plain
 
 
 def test_memory_with_nothing_to_keep_says_why():
@@ -417,7 +417,7 @@ def test_topological_cuts_of_the_unet_graph():
     # and d1. After `out` the next op is the y, whose cut crosses nothing.
     fg = H.unet()
     cuts = topological_cuts(fg, estimate_costs(fg))
-    assert [(fg.ops[c.position].name, names(fg, c.crossing), c.crossing_B) for c in cuts] == [
+    assert [(fg.ops[c.position].name, names(fg, c.crossing), c.crossing_bytes) for c in cuts] == [
         ("stem", ["stem:0"], MiB),
         ("e1", ["e1:0"], MiB),
         ("d2", ["e1:0", "d2:0"], 2 * MiB),
@@ -432,10 +432,10 @@ def _dense_block(layers: int):
     feats = [b.op("stem", "Conv2D", [x])]
     for i in range(layers):
         cat = (feats[0] if i == 0 else
-               b.op(f"cat{i}", "ConcatV2", list(feats), size_B=len(feats) * MiB))
+               b.op(f"cat{i}", "ConcatV2", list(feats), size_bytes=len(feats) * MiB))
         feats.append(b.op(f"c{i}", "Conv2D", [cat]))
-    out = b.op("out", "ConcatV2", list(feats), size_B=len(feats) * MiB)
-    y = b.op("y", "Mean", [out], size_B=4)
+    out = b.op("out", "ConcatV2", list(feats), size_bytes=len(feats) * MiB)
+    y = b.op("y", "Mean", [out], size_bytes=4)
     return b, b.build(["x"], [y])
 
 
@@ -446,7 +446,7 @@ def test_topological_cuts_of_a_dense_block():
     # are recomputed: the memory-efficient DenseNet trick.
     b, fg = _dense_block(3)
     cuts = topological_cuts(fg, estimate_costs(fg))
-    assert [(fg.ops[c.position].name, names(fg, c.crossing), c.crossing_B) for c in cuts] == [
+    assert [(fg.ops[c.position].name, names(fg, c.crossing), c.crossing_bytes) for c in cuts] == [
         ("stem", ["stem:0"], MiB),
         ("c1", ["stem:0", "c0:0", "c1:0"], 3 * MiB),
         ("c2", ["stem:0", "c0:0", "c1:0", "c2:0"], 4 * MiB),
@@ -461,9 +461,9 @@ def test_memory_on_a_dense_block_keeps_features_and_recomputes_concatenations():
     kept_types = {fg.ops[fg.tensors[t].producer].type for t in sel.checkpoints}
     assert kept_types == {"Conv2D"}  # features, never a concatenation
     costs = estimate_costs(fg)
-    plain = simulate(fg, None, costs, allocator=BFC, timeline=False).peak_B
+    plain = simulate(fg, None, costs, allocator=BFC, timeline=False).peak_bytes
     peak = simulate(fg, build_schedule(fg, sel.checkpoints), costs, allocator=BFC,
-                    timeline=False).peak_B
+                    timeline=False).peak_bytes
     assert peak < 0.71 * plain  # 0.708
 
 
@@ -475,8 +475,8 @@ def _inception(blocks: int):
         b1 = b.op(f"b{k}_1x1", "Conv2D", [h])
         b2 = b.op(f"b{k}_3x3", "Conv2D", [b.op(f"b{k}_3x3r", "Conv2D", [h])])
         b3 = b.op(f"b{k}_5x5", "Conv2D", [b.op(f"b{k}_5x5r", "Conv2D", [h])])
-        h = b.op(f"b{k}_cat", "ConcatV2", [b1, b2, b3], size_B=3 * MiB)
-    y = b.op("y", "Mean", [h], size_B=4)
+        h = b.op(f"b{k}_cat", "ConcatV2", [b1, b2, b3], size_bytes=3 * MiB)
+    y = b.op("y", "Mean", [h], size_bytes=4)
     return b.build(["x"], [y])
 
 
@@ -487,9 +487,9 @@ def test_memory_on_inception_blocks_saves():
     costs = estimate_costs(fg)
     sel = strategies.memory(fg)
     assert names(fg, sel.checkpoints) == ["b1_cat:0", "b3_cat:0"]
-    plain = simulate(fg, None, costs, allocator=BFC, timeline=False).peak_B
+    plain = simulate(fg, None, costs, allocator=BFC, timeline=False).peak_bytes
     peak = simulate(fg, build_schedule(fg, sel.checkpoints), costs, allocator=BFC,
-                    timeline=False).peak_B
+                    timeline=False).peak_bytes
     assert peak < 0.65 * plain  # 0.643
 
 
@@ -503,7 +503,7 @@ def _brute_force_cuts(fg, costs):
             if fg.tensors[t].producer <= i
             and any(i < op.index and t in op.inputs for op in fg.ops)
         )
-        crossing.append((ts, sum(costs.tensor_B[t] for t in ts)))
+        crossing.append((ts, sum(costs.tensor_bytes[t] for t in ts)))
     out = []
     for i, (ts, nbytes) in enumerate(crossing):
         left = crossing[i - 1][1] if i else math.inf
@@ -682,7 +682,7 @@ def test_articulation_candidates_match_brute_force_on_random_dags(seed):
 def test_topological_cuts_match_brute_force_on_random_dags(seed):
     fg = _random_dag(seed)
     costs = estimate_costs(fg)
-    got = [(c.position, c.crossing, c.crossing_B) for c in topological_cuts(fg, costs)]
+    got = [(c.position, c.crossing, c.crossing_bytes) for c in topological_cuts(fg, costs)]
     assert got == _brute_force_cuts(fg, costs)
 
 
@@ -694,9 +694,9 @@ def _chain_with_scalar_bypass(n=8):
     for i in range(n):
         h = b.op(f"op{i}", "Tanh", [h])
         first = first or h
-    aux = b.op("aux", "Sum", [first], size_B=4)
-    main = b.op("main", "Sum", [h], size_B=4)
-    y = b.op("loss", "AddV2", [main, aux], size_B=4)
+    aux = b.op("aux", "Sum", [first], size_bytes=4)
+    main = b.op("main", "Sum", [h], size_bytes=4)
+    y = b.op("loss", "AddV2", [main, aux], size_bytes=4)
     return b.build(["x"], [y])
 
 
@@ -731,8 +731,8 @@ def test_speed_drops_a_plan_that_saves_too_little_and_says_so():
     h = b.source("x")
     for i in range(12):
         h = b.op(f"a{i}", "Tanh", [h])
-    h = b.op("proj", "MatMul", [h], size_B=256)
-    y = b.op("out", "Tanh", [h], size_B=256)
+    h = b.op("proj", "MatMul", [h], size_bytes=256)
+    y = b.op("out", "Tanh", [h], size_bytes=256)
     fg = b.build(["x"], [y])
     sel = strategies.speed(fg)
     assert sel.checkpoints == ()

@@ -1,6 +1,6 @@
 """Budget solvers: least recompute cost with forecast peak <= a budget (no TensorFlow).
 
-Every solver has one signature, ``solver(problem, budget_B, *,
+Every solver has one signature, ``solver(problem, budget_bytes, *,
 time_limit_s=None) -> SolveResult``, and is registered by name:
 
 ``dp``
@@ -24,7 +24,7 @@ Examples
 --------
 >>> from memsave.costs import estimate_costs  # doctest: +SKIP
 >>> problem = Problem(fg, estimate_costs(fg))  # doctest: +SKIP
->>> res = solve(problem, int(0.5 * problem.plain.peak_B))  # doctest: +SKIP
+>>> res = solve(problem, int(0.5 * problem.plain.peak_bytes))  # doctest: +SKIP
 >>> res.feasible, res.recompute_cost, res.solver  # doctest: +SKIP
 """
 
@@ -147,14 +147,14 @@ def choose(problem: Problem) -> str:
     return "greedy"
 
 
-def solve(problem: Problem, budget_B: int, *, solver: str = "auto",
+def solve(problem: Problem, budget_bytes: int, *, solver: str = "auto",
           time_limit_s: float | None = None) -> SolveResult:
-    """Least recompute cost with forecast peak <= ``budget_B``.
+    """Least recompute cost with forecast peak <= ``budget_bytes``.
 
     Parameters
     ----------
     problem : Problem
-    budget_B : int
+    budget_bytes : int
         Forecast peak bytes allowed (variables and inputs included).
     solver : str
         A registered name, or ``"auto"`` (:func:`choose`).
@@ -164,8 +164,8 @@ def solve(problem: Problem, budget_B: int, *, solver: str = "auto",
     Returns
     -------
     SolveResult
-        ``feasible=False`` when no plan fits; ``predicted_peak_B`` is then
+        ``feasible=False`` when no plan fits; ``predicted_peak_bytes`` is then
         the smallest peak found.
     """
     name = choose(problem) if solver == "auto" else solver
-    return get(name)(problem, budget_B, time_limit_s=time_limit_s)
+    return get(name)(problem, budget_bytes, time_limit_s=time_limit_s)

@@ -116,7 +116,7 @@ class _Terms:
         trace = simulate(p.fg, ev.schedule, p.costs, allocator=p.allocator, timeline=True,
                          forward=p.forward)
         prog, _, backward_start = _build(p.fg, ev.schedule, p.costs, p.allocator, p.forward)
-        self.resident = trace.resident_B
+        self.resident = trace.resident_bytes
         n_instr = len(prog.reads)
         seg_group = [0] * self.n_seg
         for gi, (a, b, _) in enumerate(groups):
@@ -163,7 +163,7 @@ class _Terms:
         before = [sum(held[:gi]) for gi in range(len(groups))]
         for k, (alive, _) in enumerate(trace.timeline):
             g = group[k]
-            local = alive - trace.resident_B - before[g]
+            local = alive - trace.resident_bytes - before[g]
             if lmax[g] is None or local > lmax[g]:
                 lmax[g] = local
         for gi, (a, b, mode) in enumerate(groups):
@@ -182,8 +182,8 @@ def _pareto_insert(labels: list, new: tuple) -> None:
     labels.append(new)
 
 
-def _run(problem: Problem, terms: _Terms, budget_B: float):
-    """Best (cost, peak, groups) under ``budget_B`` (inf: every Pareto end label)."""
+def _run(problem: Problem, terms: _Terms, budget_bytes: float):
+    """Best (cost, peak, groups) under ``budget_bytes`` (inf: every Pareto end label)."""
     n = terms.n_seg
     # states[(a, prev, mode)] -> labels (held, peak, cost, groups)
     states: dict[tuple, list] = {}
@@ -202,7 +202,7 @@ def _run(problem: Problem, terms: _Terms, budget_B: float):
                         held_g, lmax_g = terms.get(prev, a, b, mode, nxt)
                         for held, peak, cost, groups in labels:
                             pk = max(peak, terms.resident + held + lmax_g)
-                            if pk > budget_B:
+                            if pk > budget_bytes:
                                 continue
                             lab = (held + held_g, pk, cost + cost_g, groups + ((a, b, mode),))
                             if b == n:
@@ -212,21 +212,21 @@ def _run(problem: Problem, terms: _Terms, budget_B: float):
     return finals
 
 
-def dp(problem: Problem, budget_B: int, *, time_limit_s: float | None = None) -> SolveResult:
-    """Least recompute cost with forecast peak <= ``budget_B``, exactly, on chains.
+def dp(problem: Problem, budget_bytes: int, *, time_limit_s: float | None = None) -> SolveResult:
+    """Least recompute cost with forecast peak <= ``budget_bytes``, exactly, on chains.
 
     See the module docstring for the chain model. When no plan fits, returns
     the smallest-peak plan (``feasible=False``).
     """
     start = time.perf_counter()
     terms = _Terms(problem)
-    finals = _run(problem, terms, budget_B)
+    finals = _run(problem, terms, budget_bytes)
     if finals:
         best = min(finals, key=lambda lab: (lab[2], lab[1], len(lab[3])))
     else:
         finals = _run(problem, terms, float("inf"))
         best = min(finals, key=lambda lab: (lab[1], lab[2], len(lab[3])))
     ev = problem.evaluate(_Terms.decision(list(best[3])))
-    exact = ev.peak_B == best[1] and (not ev.peak_B <= budget_B or ev.recompute_cost == best[2])
-    return problem.result("dp", budget_B, ev, optimal=exact,
+    exact = ev.peak_bytes == best[1] and (not ev.peak_bytes <= budget_bytes or ev.recompute_cost == best[2])
+    return problem.result("dp", budget_bytes, ev, optimal=exact,
                           solve_time_s=time.perf_counter() - start)

@@ -102,7 +102,7 @@ def _held_bytes(problem: Problem, *, io: bool = True) -> list[int]:
             else:
                 reads.update(op.inputs[i] for i in use.reads_inputs if i < len(op.inputs))
                 reads.update(op.outputs[i] for i in use.reads_outputs if i < len(op.outputs))
-        out.append(sum(counted(costs.tensor_B[t]) for t in reads
+        out.append(sum(counted(costs.tensor_bytes[t]) for t in reads
                        if fg.tensors[t].kind == "internal" and costs.alias_of[t] is None))
     return out
 
@@ -142,7 +142,7 @@ def family(problem: Problem) -> list[Decision]:
     """The budget-independent plans ``greedy`` chooses from (see module docstring)."""
     fg, costs = problem.fg, problem.costs
     m = len(problem.candidates)
-    seg_bytes = [sum(costs.tensor_B[t] for o in seg for t in fg.ops[o].outputs
+    seg_bytes = [sum(costs.tensor_bytes[t] for o in seg for t in fg.ops[o].outputs
                      if fg.tensors[t].trainable) for seg in problem.segments]
     small = m <= EXHAUSTIVE_CUTS
     sets = _stored_sets(problem, _held_bytes(problem))
@@ -227,8 +227,8 @@ def _neighbours(d: Decision, m: int, *, pairs: bool = False):
 def _front(evs) -> list[Evaluation]:
     """The (recompute cost, peak) Pareto front of ``evs``."""
     out: list[Evaluation] = []
-    for e in sorted(evs, key=lambda e: (e.recompute_cost, e.peak_B)):
-        if not out or e.peak_B < out[-1].peak_B:
+    for e in sorted(evs, key=lambda e: (e.recompute_cost, e.peak_bytes)):
+        if not out or e.peak_bytes < out[-1].peak_bytes:
             out.append(e)
     return out
 
@@ -258,15 +258,15 @@ def _pareto_search(problem: Problem, plans: dict, cap: int) -> None:
                 plans.setdefault(problem.canonical(nb), None)
 
 
-def _pick(evs: list[Evaluation], budget_B: int) -> tuple[Evaluation, bool]:
-    fits = [e for e in evs if e.peak_B <= budget_B]
+def _pick(evs: list[Evaluation], budget_bytes: int) -> tuple[Evaluation, bool]:
+    fits = [e for e in evs if e.peak_bytes <= budget_bytes]
     if fits:
-        return min(fits, key=lambda e: (e.recompute_cost, e.peak_B, sorted(e.decision.kept))), True
-    return min(evs, key=lambda e: (e.peak_B, e.recompute_cost, sorted(e.decision.kept))), False
+        return min(fits, key=lambda e: (e.recompute_cost, e.peak_bytes, sorted(e.decision.kept))), True
+    return min(evs, key=lambda e: (e.peak_bytes, e.recompute_cost, sorted(e.decision.kept))), False
 
 
-def greedy(problem: Problem, budget_B: int, *, time_limit_s: float | None = None) -> SolveResult:
-    """Cheapest plan of :func:`family` whose forecast peak fits ``budget_B``.
+def greedy(problem: Problem, budget_bytes: int, *, time_limit_s: float | None = None) -> SolveResult:
+    """Cheapest plan of :func:`family` whose forecast peak fits ``budget_bytes``.
 
     Plans are simulated lazily, in increasing recompute cost (known without
     simulating, :meth:`Problem.recompute_cost`): the first cost level with a
@@ -289,8 +289,8 @@ def greedy(problem: Problem, budget_B: int, *, time_limit_s: float | None = None
             level.append(problem.evaluate(plans[i]))
             i += 1
         evs += level
-        if any(e.peak_B <= budget_B for e in level):
+        if any(e.peak_bytes <= budget_bytes for e in level):
             break
-    ev, _ = _pick(evs, budget_B)
-    return problem.result("greedy", budget_B, ev, optimal=False,
+    ev, _ = _pick(evs, budget_bytes)
+    return problem.result("greedy", budget_bytes, ev, optimal=False,
                           solve_time_s=time.perf_counter() - start)

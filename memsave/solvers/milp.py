@@ -107,8 +107,8 @@ class _Bounds:
             else:
                 self.cand.append((root(t), frozenset(seg_of[c] for c in consumers[t])))
         for t in {r for s in self.seg_reads for r in s} | {c[0] for c in self.cand if c}:
-            self.counted[t] = counted(costs.tensor_B[t])
-        self.resident = sum(counted(costs.tensor_B[t.id]) for t in fg.tensors
+            self.counted[t] = counted(costs.tensor_bytes[t])
+        self.resident = sum(counted(costs.tensor_bytes[t.id]) for t in fg.tensors
                             if t.kind != "internal")
 
     def alive(self, stored, kept=()) -> set[int]:
@@ -128,7 +128,7 @@ class _Bounds:
 class _Master:
     """The MILP over stored segments, with no-good cuts added as it goes."""
 
-    def __init__(self, problem: Problem, bounds: _Bounds, budget_B: float | None) -> None:
+    def __init__(self, problem: Problem, bounds: _Bounds, budget_bytes: float | None) -> None:
         hs = _highspy()
         self.hs = hs
         h = hs.Highs()
@@ -152,14 +152,14 @@ class _Master:
                 h.addRow(0.0, inf, 2, [zcol[t], j], [1.0, -1.0])  # z_t >= s_j
         self.offset = float(sum(problem.segment_flops))
         self.mem = ([zcol[t] for t in bufs], [float(bounds.counted[t]) for t in bufs])
-        if budget_B is None:  # minimise the at-turn bound
+        if budget_bytes is None:  # minimise the at-turn bound
             for c, v in zip(*self.mem):
                 h.changeColCost(c, v)
             self.offset = float(bounds.resident)
         else:
             for j in range(n_seg):
                 h.changeColCost(j, -float(problem.segment_flops[j]))
-            h.addRow(-inf, float(budget_B - bounds.resident), len(bufs), *self.mem)
+            h.addRow(-inf, float(budget_bytes - bounds.resident), len(bufs), *self.mem)
 
     def run(self, deadline: float) -> tuple[str, frozenset[int] | None, float]:
         """("optimal" | "infeasible" | "limit", stored set, lower bound)."""
@@ -198,8 +198,8 @@ def _kept_sets(problem: Problem, stored: frozenset[int]):
     return (tuple(k for k in d.kept if k not in stored) for d in family(problem)), False
 
 
-def milp(problem: Problem, budget_B: int, *, time_limit_s: float | None = None) -> SolveResult:
-    """Least recompute cost with forecast peak <= ``budget_B``, exactly (small graphs).
+def milp(problem: Problem, budget_bytes: int, *, time_limit_s: float | None = None) -> SolveResult:
+    """Least recompute cost with forecast peak <= ``budget_bytes``, exactly (small graphs).
 
     See the module docstring. ``time_limit_s`` (default
     :data:`DEFAULT_TIME_LIMIT_S`) bounds the whole loop; past it the best
@@ -208,9 +208,9 @@ def milp(problem: Problem, budget_B: int, *, time_limit_s: float | None = None) 
     start = time.perf_counter()
     deadline = start + (DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s)
     bounds = _Bounds(problem)
-    seed = greedy(problem, budget_B)
+    seed = greedy(problem, budget_bytes)
     best: Evaluation | None = problem.evaluate(seed.decision) if seed.feasible else None
-    master = _Master(problem, bounds, budget_B)
+    master = _Master(problem, bounds, budget_bytes)
     exact = True
     lower = -float("inf")
     proven = False
@@ -232,10 +232,10 @@ def milp(problem: Problem, budget_B: int, *, time_limit_s: float | None = None) 
         sets, complete = _kept_sets(problem, stored)
         exact = exact and complete
         for kept in sets:
-            if bounds.peak(stored, kept) > budget_B:
+            if bounds.peak(stored, kept) > budget_bytes:
                 continue
             ev = problem.evaluate(Decision.of(kept, stored))
-            if ev.peak_B <= budget_B and (best is None or ev.recompute_cost < best.recompute_cost):
+            if ev.peak_bytes <= budget_bytes and (best is None or ev.recompute_cost < best.recompute_cost):
                 best = ev
             if best is not None and best.recompute_cost <= lb:
                 break  # no kept set does better than this stored set's bound
@@ -250,17 +250,17 @@ def milp(problem: Problem, budget_B: int, *, time_limit_s: float | None = None) 
         gap = 0.0 if optimal else (
             max(0.0, (best.recompute_cost - lower) / max(best.recompute_cost, 1))
             if lower > -float("inf") else float("inf"))
-        return problem.result("milp", budget_B, best, optimal=optimal, solve_time_s=elapsed,
+        return problem.result("milp", budget_bytes, best, optimal=optimal, solve_time_s=elapsed,
                               gap=gap)
     ev, exact_min = _min_peak(problem, bounds, deadline)
-    return problem.result("milp", budget_B, ev, optimal=optimal and exact_min,
+    return problem.result("milp", budget_bytes, ev, optimal=optimal and exact_min,
                           solve_time_s=time.perf_counter() - start)
 
 
 def _min_peak(problem: Problem, bounds: _Bounds, deadline: float) -> tuple[Evaluation, bool]:
     """Smallest simulated peak: stored sets in order of their at-turn bound."""
     master = _Master(problem, bounds, None)
-    best = min((problem.evaluate(d) for d in family(problem)), key=lambda e: e.peak_B)
+    best = min((problem.evaluate(d) for d in family(problem)), key=lambda e: e.peak_bytes)
     exact = True
     while True:
         status, stored, lb = master.run(deadline)
@@ -268,15 +268,15 @@ def _min_peak(problem: Problem, bounds: _Bounds, deadline: float) -> tuple[Evalu
             return best, exact
         if status == "limit":
             return best, False
-        if lb >= best.peak_B:
+        if lb >= best.peak_bytes:
             return best, exact
         sets, complete = _kept_sets(problem, stored)
         exact = exact and complete
         for kept in sets:
-            if bounds.peak(stored, kept) >= best.peak_B:
+            if bounds.peak(stored, kept) >= best.peak_bytes:
                 continue
             ev = problem.evaluate(Decision.of(kept, stored))
-            if ev.peak_B < best.peak_B:
+            if ev.peak_bytes < best.peak_bytes:
                 best = ev
         master.exclude(stored)
         if time.perf_counter() > deadline:

@@ -59,7 +59,7 @@ def coarsen(fg: ForwardGraph, costs: Costs, candidates: Sequence[int], max_cuts:
     total = 0
     for op in fg.ops:
         if op.recomputable:
-            total += sum(costs.tensor_B[t] for t in op.outputs)
+            total += sum(costs.tensor_bytes[t] for t in op.outputs)
         at_op[op.index] = total
     pos = [at_op[fg.tensors[t].producer] for t in cands]
     chosen: list[int] = []
@@ -104,7 +104,7 @@ class Evaluation:
     checkpoints: tuple[int, ...]
     in_place: tuple[int, ...]
     schedule: Schedule | None
-    peak_B: int
+    peak_bytes: int
     recompute_cost: int
 
 
@@ -116,11 +116,11 @@ class SolveResult:
     ----------
     solver : str
         Registered name of the solver that produced it.
-    budget_B : int
+    budget_bytes : int
         The budget it was asked to meet (forecast peak bytes).
     feasible : bool
-        Whether ``predicted_peak_B <= budget_B``. When False, the decision is
-        the smallest-peak one the solver found, and ``predicted_peak_B`` is
+        Whether ``predicted_peak_bytes <= budget_bytes``. When False, the decision is
+        the smallest-peak one the solver found, and ``predicted_peak_bytes`` is
         what a caller reports as the smallest achievable peak.
     optimal : bool
         Proven optimal: least recompute cost among feasible decisions (or,
@@ -130,7 +130,7 @@ class SolveResult:
         Tensor ids kept as checkpoints (topological order).
     in_place : tuple of int
         Op indices differentiated in place (stored segments).
-    predicted_peak_B : int
+    predicted_peak_bytes : int
         Simulator forecast of the plan's peak.
     recompute_cost : int
         FLOPs the plan recomputes.
@@ -148,12 +148,12 @@ class SolveResult:
     """
 
     solver: str
-    budget_B: int
+    budget_bytes: int
     feasible: bool
     optimal: bool
     checkpoints: tuple[int, ...]
     in_place: tuple[int, ...]
-    predicted_peak_B: int
+    predicted_peak_bytes: int
     recompute_cost: int
     solve_time_s: float
     gap: float
@@ -235,7 +235,7 @@ class Problem:
         """Every activation that is not a y and has a nonzero size."""
         ys = set(fg.ys)
         return [t.id for t in fg.internal_tensors()
-                if is_activation(fg, t.id) and t.size_B > 0 and t.id not in ys]
+                if is_activation(fg, t.id) and t.size_bytes > 0 and t.id not in ys]
 
     # -- the evaluator -------------------------------------------------------
 
@@ -285,21 +285,21 @@ class Problem:
         peak = self._peaks.get(key)
         if peak is None:
             peak = simulate(fg, sched, self.costs, allocator=self.allocator, timeline=False,
-                            forward=self.forward).peak_B
+                            forward=self.forward).peak_bytes
             self._peaks[key] = peak
         ev = Evaluation(d, checkpoints, in_place, sched, peak, cost)
         self._cache[d] = ev
         return ev
 
-    def result(self, solver: str, budget_B: int, ev: Evaluation, *, optimal: bool,
+    def result(self, solver: str, budget_bytes: int, ev: Evaluation, *, optimal: bool,
                solve_time_s: float, gap: float | None = None) -> SolveResult:
         """The :class:`SolveResult` of evaluation ``ev``."""
         if gap is None:
             gap = 0.0 if optimal else float("inf")
         return SolveResult(
-            solver=solver, budget_B=int(budget_B), feasible=ev.peak_B <= budget_B,
+            solver=solver, budget_bytes=int(budget_bytes), feasible=ev.peak_bytes <= budget_bytes,
             optimal=optimal, checkpoints=ev.checkpoints, in_place=ev.in_place,
-            predicted_peak_B=ev.peak_B, recompute_cost=ev.recompute_cost,
+            predicted_peak_bytes=ev.peak_bytes, recompute_cost=ev.recompute_cost,
             solve_time_s=solve_time_s, gap=gap, evaluations=self.evaluations,
             schedule=ev.schedule, decision=ev.decision,
         )
