@@ -88,18 +88,6 @@ INPLACE_OP_TYPES = frozenset(
 SCRATCH_OP_TYPES = frozenset({"Einsum"})
 
 
-#: Whether the simulator places gradient values computed from an op's values
-#: alone (``GradientUse.early_bytes``: Erfc's ``square(x)``, Square's ``2 * x``)
-#: in the forward pass, where allocator records show the executor runs them.
-#: Off: it then keeps what they are computed from until the gradient, as
-#: before. Measured with it on: the Keras Transformer's forecast went from
-#: -19.5% to -15.8%, but chains ending in ``reduce_mean(square(h))`` went
-#: from about +1% to +20% (the early ``2 * h`` was counted beside
-#: ``square(h)``, which the executor frees before it runs the early op: the
-#: order of ready ops is not modelled). Set to True to experiment.
-EARLY_GRADIENT_VALUES = False
-
-
 def _without_early(use: GradientUse) -> GradientUse:
     ins, outs = set(use.reads_inputs), set(use.reads_outputs)
     for i, o in use.early_from:
@@ -137,6 +125,14 @@ class Costs:
     scratch : tuple of bool
         Per op: its kernel allocates temporaries of its operands' size
         (:data:`SCRATCH_OP_TYPES`).
+    gradient_reads : tuple of (tuple of int, tuple of int)
+        Per op: the input and the output tensor ids its gradient reads (from
+        ``gradient``): the one definition of what backprop keeps alive for
+        an op, read by the simulator, the solvers and the body reader.
+    gradient_targets : tuple of tuple of (int, int)
+        Per op: ``(position, tensor id)`` of the inputs its gradient writes a
+        gradient to (:meth:`memsave.graph.ForwardGraph.receives_gradient`,
+        and only a ``tf.custom_gradient``'s arguments, ``GradientUse.gives``).
     """
 
     tensor_bytes: tuple[int, ...]
@@ -148,11 +144,23 @@ class Costs:
     assumptions: tuple[str, ...]
     batch_size: int | None = None
     scratch: tuple[bool, ...] = ()
+    gradient_reads: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+    gradient_targets: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @property
     def forward_flops(self) -> int:
         """Compute of one forward pass (sum of ``op_flops``)."""
         return sum(self.op_flops)
+
+    def recompute_flops(self, schedule) -> int:
+        """FLOPs of the op copies ``schedule``'s recompute steps run (None: 0).
+
+        The one definition of a plan's recompute cost.
+        """
+        if schedule is None:
+            return 0
+        op_flops = self.op_flops
+        return sum(op_flops[o] for s in schedule.steps if s.kind == "recompute" for o in s.ops)
 
 
 def is_activation(fg: ForwardGraph, t: int) -> bool:
@@ -186,7 +194,8 @@ def _resolve_bytes(node, batch_size: int | None) -> tuple[int, str]:
     return n, guess
 
 
-def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
+def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None,
+                   early_gradient_values: bool = False) -> Costs:
     """Bytes, compute and gradient reads of every tensor and op of ``fg``.
 
     Parameters
@@ -195,6 +204,10 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
     batch_size : int, optional
         Size of an unknown first dimension. Without it such dimensions
         count as 1 and ``assumptions`` says so.
+    early_gradient_values : bool
+        Keep ``GradientUse.early_bytes`` (see
+        :attr:`memsave.memory_model.MemoryModel.early_gradient_values`);
+        otherwise what they are computed from counts as read by the gradient.
 
     Returns
     -------
@@ -259,9 +272,8 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
             ))
         else:
             # Inputs from outside (data, constants) need no gradient: theirs is pruned.
-            use = op.gradient.needed(
-                [fg.tensors[t].kind != "external" and fg.tensors[t].trainable for t in op.inputs])
-            if not EARLY_GRADIENT_VALUES and use.early_bytes:
+            use = op.gradient.needed([fg.receives_gradient(t) for t in op.inputs])
+            if not early_gradient_values and use.early_bytes:
                 use = _without_early(use)
             gradient.append(use)
         if op.body is not None:
@@ -293,6 +305,14 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
     for node in fg.tensors:
         if node.kind != "internal":
             resident += tensor_bytes[node.id]
+    gradient_reads = tuple(
+        (tuple(op.inputs[j] for j in use.reads_inputs if j < len(op.inputs)),
+         tuple(op.outputs[k] for k in use.reads_outputs if k < len(op.outputs)))
+        for op, use in zip(fg.ops, gradient))
+    gradient_targets = tuple(
+        tuple((j, t) for j, t in enumerate(op.inputs)
+              if fg.receives_gradient(t) and (use.gives is None or j in use.gives))
+        for op, use in zip(fg.ops, gradient))
     return Costs(
         tensor_bytes=tuple(tensor_bytes),
         op_flops=tuple(op_flops),
@@ -303,6 +323,8 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
         assumptions=tuple(assumptions),
         batch_size=batch_size,
         scratch=tuple(op.type in SCRATCH_OP_TYPES for op in fg.ops),
+        gradient_reads=gradient_reads,
+        gradient_targets=gradient_targets,
     )
 
 

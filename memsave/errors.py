@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointError",
     "UnknownStrategyError",
     "MemoryBudgetError",
+    "OptionsError",
 ]
 
 
@@ -44,6 +45,11 @@ class CheckpointError(MemsaveError, ValueError):
 
 class UnknownStrategyError(MemsaveError, ValueError):
     """``checkpoints=`` names no registered strategy."""
+
+
+class OptionsError(MemsaveError, TypeError):
+    """``strategy_options=`` holds options the chosen planner does not take,
+    or an option that needs another one (a solver without a budget)."""
 
 
 class MemoryBudgetError(MemsaveError, ValueError):

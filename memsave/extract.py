@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from memsave import _tf_private
-from memsave.costs import ALIAS_OP_TYPES
+from memsave.costs import ALIAS_OP_TYPES, estimate_costs
 from memsave.graph import Body, ForwardGraph, GradientUse, OpNode, TensorNode
 
 __all__ = ["Extraction", "extract"]
@@ -325,22 +325,13 @@ def _read_function(op: tf.Operation, cache: dict):
             out_root.setdefault(r, k)
     saved, reads_inputs, reads_outputs = {}, set(), set()
     stored = {}
+    # A body's backward runs apart from its forward (a function's backward
+    # function, the gradient loop): what early gradient values are computed
+    # from is what it keeps, as the costs count it by default.
+    costs = estimate_costs(fg)
     for node in fg.ops:
-        use = node.gradient
-        if use is not None:
-            use = use.needed([fg.tensors[t].kind != "external" and fg.tensors[t].trainable
-                              for t in node.inputs])
-        # A body's backward runs apart from its forward (a function's backward
-        # function, the gradient loop): what early gradient values are
-        # computed from is what it keeps.
-        ins = set() if use is None else set(use.reads_inputs)
-        outs = set() if use is None else set(use.reads_outputs)
-        for i_from, o_from in (() if use is None else use.early_from):
-            ins.update(i_from)
-            outs.update(o_from)
-        read = (node.inputs if use is None else
-                [node.inputs[j] for j in sorted(ins) if j < len(node.inputs)]
-                + [node.outputs[k] for k in sorted(outs) if k < len(node.outputs)])
+        read_ins, read_outs = costs.gradient_reads[node.index]
+        read = read_ins + read_outs
         for t in read:
             r = root(t)
             tn = fg.tensors[r]

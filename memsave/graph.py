@@ -286,6 +286,16 @@ class ForwardGraph:
             object.__setattr__(self, "_consumers", found)  # a cache, not a field
         return found
 
+    def receives_gradient(self, t: int) -> bool:
+        """Whether backprop sends tensor ``t`` a gradient: it is differentiable
+        and not external (input data and constants get none).
+
+        The one definition of "receives a gradient"; an op's inputs that do
+        are ``Costs.gradient_targets``.
+        """
+        node = self.tensors[t]
+        return node.trainable and node.kind != "external"
+
     def captured(self) -> frozenset[int]:
         """Internal tensors a gradient reads as the forward pass made them,
         whichever copy of its op it differentiates (``GradientUse.captured``:

@@ -6,11 +6,13 @@ Data flow, for each step of the schedule in order:
    are grad_ys on the ys).
 2. ``recompute`` steps: make a *gate*, a float32 zero that is computed from
    the heads' incoming gradients (``where(b == b, 0, nan)`` with ``b`` the
-   gradient's first element, NaN replaced by 0, so the gate is never NaN). Give each boundary tensor a fresh proxy: the checkpoints get
-   ``t + gate`` (a data dependency, which neither Grappler nor XLA removes),
-   other boundary tensors ``identity(t)``; under XLA, which ignores control
-   dependencies, every floating boundary tensor (variable reads too) gets
-   ``t + gate``, so that nothing of the step's backward can run early. Copy the step's ops in
+   gradient's first element, NaN replaced by 0, so the gate is never NaN).
+   Give each boundary tensor a fresh proxy: those the schedule gates
+   (``Step.gated``, :func:`memsave.schedule.gated_boundary`: the
+   checkpoints; under XLA, which ignores control dependencies, every
+   floating boundary tensor, variable reads too) get ``t + gate`` (a data
+   dependency, which neither Grappler nor XLA removes), the others
+   ``identity(t)``. Copy the step's ops in
    topological order, reading proxies instead of kept tensors, on the
    devices of the originals and under a control dependency on the gate, so
    the segment is recomputed only once backprop reaches it. Call the stock
@@ -75,6 +77,8 @@ __all__ = ["rewrite", "aggregate"]
 logger = logging.getLogger(__name__)
 
 def _gateable(dtype: tf.DType) -> bool:
+    """The TensorFlow side of :func:`memsave.schedule.is_floating`: whether a
+    gradient of this dtype can make the gate."""
     return dtype.is_floating or dtype.is_complex
 
 
@@ -197,31 +201,10 @@ def _after_forward(gy, y_ops: Sequence):
 def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, *, xla: bool) -> list:
     fg = ex.fg
     gate = _gate(head_grads)
-    activations = [
-        b for b in step.boundary
-        if fg.tensors[b].kind == "internal"
-        and fg.ops[fg.tensors[b].producer].recomputable
-        and _gateable(ex.tensors[b].dtype)
-    ]
-    if not activations:
-        floats = [b for b in step.boundary if _gateable(ex.tensors[b].dtype)]
-        activations = sorted(floats, key=lambda b: fg.tensors[b].size_bytes)[:1]
-    if xla and gate is not None:
-        # XLA ignores control dependencies: whatever a recomputed segment's
-        # backward computes from ungated boundary tensors alone (the reversed
-        # and transposed filters of Conv2DBackpropInput, computed from the
-        # variable reads) is free to run in the forward pass, and XLA's
-        # scheduler does run it there and keeps it alive to the end of the
-        # forward (85 of the 184 MiB of XLA's temporaries on ResNet50 at
-        # batch 32). Gating every floating boundary tensor ties all of it to
-        # the incoming gradient. The cost is at most a transient copy of a
-        # gated weight while its segment runs (``+ gate`` fuses into
-        # elementwise consumers, not into a convolution). Without XLA the
-        # control dependencies below already hold the copies back, and the
-        # executor computes nothing from a weight alone, so only the
-        # activations are gated there (against Grappler's CSE).
-        activations = [b for b in step.boundary if _gateable(ex.tensors[b].dtype)]
-    elif xla:
+    # Which boundary tensors are read through ``t + gate`` is the schedule's
+    # decision (memsave.schedule.gated_boundary), which the simulator counts.
+    gated = set(step.gated) if gate is not None else set()
+    if gate is None and xla:
         logger.warning(
             "memsave: under XLA (jit_compile=True) the recomputation of %s cannot be tied "
             "to the incoming gradient, which has no floating-point part; XLA ignores "
@@ -229,7 +212,6 @@ def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, *
             "nothing there",
             ", ".join(fg.describe(heads)),
         )
-    gated = set(activations) if gate is not None else set()
     proxies = {b: _proxy(ex.tensors[b], gate if b in gated else None) for b in step.boundary}
     if gate is not None:
         # The step reads what it receives through proxies of its own, never a

@@ -13,7 +13,7 @@ The program
 -----------
 1. Resident: the xs' variables and the inputs (sources and external
    tensors) are alive from the start to the end, and so are the gradients
-   Grappler folds into constants (:data:`CONSTANT_FOLDING_MAX_BYTES`).
+   Grappler folds into constants (``MemoryModel.constant_folding_max_bytes``).
 2. Forward: every op in topological order allocates its outputs, except
    views (:data:`memsave.costs.ALIAS_OP_TYPES`) and elementwise ops writing
    into an input that dies there (:data:`memsave.costs.INPLACE_OP_TYPES`).
@@ -21,10 +21,11 @@ The program
    (``Costs.gradient``) is read by that gradient, so it lives until then.
 3. Backward, one stage per step of the schedule (plain backprop is one
    ``backprop`` stage over every op): a ``recompute`` step makes fresh
-   proxies of its boundary (``t + gate``, a new buffer unless the original
-   dies there; identities otherwise, and for every tensor when the heads'
-   gradients are constants: Grappler folds the gate), re-runs those of its ops whose values
-   a gradient reads (TensorFlow prunes the rest), then
+   proxies of its boundary (``t + gate`` for the tensors the schedule
+   gates, ``Step.gated``: a new buffer unless the original dies there;
+   identities otherwise, and for every tensor when the heads' gradients are
+   constants: Grappler folds the gate), re-runs those of its ops whose
+   values a gradient reads (TensorFlow prunes the rest), then
    differentiates them in reverse order. Each op's gradient sums the
    gradients its outputs received (AddN, in place), reads what it saves
    and writes one gradient per differentiable input (the incoming buffer
@@ -41,20 +42,20 @@ The program
    the body's backward transient, and a loop's gradient starts its sums
    from ``zeros_like`` of the loop invariants (constants Grappler folds).
    The body's figures come from simulating the body itself
-   (:func:`_body_figures`).
+   (:func:`memsave.bodies.body_figures`).
 
-The allocator decides what a byte costs (:class:`Allocator`): oneDNN's
-CPU allocator (``MklCPUAllocator``) sends allocations under 256 KiB to a
-small-size allocator that keeps no statistics, so the peak TensorFlow
-reports never counts them; the BFC allocator (GPU, and CPU without oneDNN)
-counts everything, rounded up to 256 bytes.
+The settings come as one value, a :class:`~memsave.memory_model.MemoryModel`:
+its allocator decides what a byte costs (oneDNN's CPU allocator does not
+report allocations under 256 KiB; the BFC allocator of GPUs counts
+everything, rounded up to 256 bytes), and it says how far a weight's
+gradient kernel overlaps the next gradient and what Grappler folds.
 
 Notes
 -----
 Building and replaying the program is linear in ops plus tensors: one pass
 to build, one to find each value's last reader, one to replay. Ops run in
 topological order (one at a time), except that a weight's gradient kernel
-runs beside the next gradient (:data:`WEIGHT_GRADIENT_OVERLAP`); the real
+runs beside the next gradient (``MemoryModel.weight_gradient_overlap``); the real
 executor may overlap other independent ops, so a forecast can be off by
 the outputs of ops that ran side by side. The reported peak also counts
 whole BFC chunks (a free chunk under twice the request is not split), which
@@ -66,91 +67,44 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import gc
 import itertools
-import weakref
 from collections.abc import Sequence
 
-from memsave.costs import Costs, body_costs
-from memsave.graph import Body, ForwardGraph
+from memsave.bodies import body_figures
+from memsave.costs import Costs
+from memsave.graph import ForwardGraph
+from memsave.memory_model import BFC, CPU_ONEDNN, Allocator, MemoryModel
 from memsave.schedule import Schedule
 
 __all__ = [
+    "MemoryModel",
     "Allocator",
     "CPU_ONEDNN",
     "BFC",
     "MemoryTrace",
+    "Event",
     "simulate",
     "ForwardProgram",
     "forward_program",
+    "paused_gc",
 ]
 
 
-#: Largest tensor Grappler's constant folding materializes
-#: (``ConstantFolding``'s ``max_constant_size_in_bytes``, 10 MiB). The seed
-#: gradient ``ones_like(y)`` of a y with a static shape is a constant, and so
-#: is every gradient computed from constants only (e.g. ``reduce_mean``'s:
-#: it reads no forward value, only its constant axes): Grappler folds them into Const nodes, whose
-#: tensors are allocated when the kernels are created (the first call) and
-#: stay resident. Measured: a mean over a [2048, 512] float32 leaves 4 MiB
-#: more in use after the first call, in a tf.function and in a Session; over
-#: [8192, 512] (16 MiB) nothing.
-CONSTANT_FOLDING_MAX_BYTES = 10 * 1024 * 1024
+class Event(enum.Enum):
+    """What an instruction of the simulated program is (its label's kind)."""
 
+    FORWARD = "run "  # an op of the forward pass (ref: op index)
+    RECOMPUTE = "recompute "  # a copy of an op in a recompute step (op index)
+    GRADIENT = "gradient of "  # an op's gradient (op index)
+    SUM = "sum gradients of "  # the sum of a tensor's gradients (tensor id)
+    SEED = "seed gradient of "  # grad_ys of a y (tensor id)
+    PROXY = "proxy of "  # a recompute step's proxy of a boundary tensor (tensor id)
 
-#: How many of the following instructions that write a buffer still see the
-#: reads of an op's gradient alive, when that gradient goes both to a weight
-#: (an x or its read) and on to another op (a convolution's or matmul's).
-#: Its kernels are independent and the executor runs them side by side
-#: (inter-op threads): the input's gradient is consumed at once by the next
-#: op's gradient, while the weight's kernel (Conv2DBackpropFilter, the
-#: MatMul of x^T and dy), which nothing waits for, still reads the layer's
-#: input and the incoming gradient. Measured with step stats (the zoo U-Net
-#: at batch 32, 2 cores; plain and checkpointed): the concat's gradient (two
-#: Slices, 3 MiB) was allocated while Conv2DBackpropFilter still held the
-#: 3 MiB concat and the 1 MiB incoming gradient, and the allocator's peak
-#: was there. The overlap is one kernel: a next gradient that writes several
-#: new buffers (a concat's, one Slice per input) overlaps it with the first
-#: (the largest) only. Not under XLA (one thunk at a time). 0 turns it off.
-WEIGHT_GRADIENT_OVERLAP = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Allocator:
-    """How an allocator accounts for a buffer of ``n`` bytes.
-
-    Attributes
-    ----------
-    name : str
-    min_counted_bytes : int
-        Buffers smaller than this are not counted in the reported peak.
-    round_bytes : int
-        Counted sizes are rounded up to a multiple of this.
-    """
-
-    name: str
-    min_counted_bytes: int = 0
-    round_bytes: int = 256
-
-    def counted(self, n: int) -> int:
-        """Bytes a buffer of ``n`` bytes adds to the reported ``bytes_in_use``."""
-        if n < self.min_counted_bytes or n <= 0:
-            return 0
-        r = self.round_bytes
-        return -(-n // r) * r if r > 1 else n
-
-
-#: oneDNN's CPU allocator (TensorFlow's default on x86 Linux): allocations
-#: under ``MklCPUAllocator::kSmallAllocationsThreshold`` = 262144 bytes go to
-#: ``MklSmallSizeAllocator``, whose statistics are off
-#: (``mkl_small_allocator_collect_stats = false``), so
-#: ``get_memory_info('CPU:0')`` never sees them; larger ones go to a BFC
-#: allocator (256-byte granularity).
-CPU_ONEDNN = Allocator("CPU (oneDNN MklCPUAllocator)", min_counted_bytes=262144, round_bytes=256)
-
-#: The BFC allocator of GPUs (and of CPUs without oneDNN): counts every
-#: allocation, rounded to 256 bytes.
-BFC = Allocator("BFC", min_counted_bytes=0, round_bytes=256)
+    @property
+    def of_op(self) -> bool:
+        return self in (Event.FORWARD, Event.RECOMPUTE, Event.GRADIENT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +154,7 @@ class _Program:
         self.pinned: list[int] = []
         self.xs_grads: list[int] = []  # gradients of the xs and of their reads
         # (allocating instructions left, values): values still read by a
-        # kernel that runs beside the next instructions (WEIGHT_GRADIENT_OVERLAP).
+        # kernel that runs beside the next instructions (weight_gradient_overlap).
         self.lingering: list[tuple[int, list[int]]] = []
 
     def value(self, size: int, alias: int = -1, resident: bool = False) -> int:
@@ -237,18 +191,14 @@ class _Program:
         self.labels.append(label)
 
 
-def _gateable(node) -> bool:
-    return node.dtype == "" or node.dtype.startswith(("float", "bfloat", "half", "complex"))
-
-
 class _Builder:
     """Builds the program of one step (see module docstring)."""
 
-    def __init__(self, fg: ForwardGraph, costs: Costs, allocator: Allocator,
+    def __init__(self, fg: ForwardGraph, costs: Costs, model: MemoryModel,
                  forward: ForwardProgram | None = None) -> None:
         self.fg = fg
         self.costs = costs
-        self.allocator = allocator
+        self.model = model
         self.saved_of: dict[int, int] = {}  # op with a body -> what its gradient keeps
         self.early_of: dict[int, list[int]] = {}  # op -> gradient values run in the forward
         self.p = _Program()
@@ -259,7 +209,6 @@ class _Builder:
         self.xs = set(fg.xs)
         if forward is not None:  # the state after its forward pass (which it built once)
             self.feeds_x = forward.feeds_x
-            self.gradient_reads = forward.gradient_reads
             self.gradient_targets = forward.gradient_targets
             forward.restore(self)
             return
@@ -277,14 +226,14 @@ class _Builder:
 
     # -- forward ----------------------------------------------------------
 
-    def run_op(self, i: int, vmap, phase: str) -> None:
+    def run_op(self, i: int, vmap, phase: Event) -> None:
         fg, costs, p = self.fg, self.costs, self.p
         op = fg.ops[i]
         reads = [vmap(t) for t in op.inputs]
         writes = []
         lists = -1
         if op.body is not None:
-            figures = _body_figures(op.body, self.allocator)
+            figures = body_figures(op.body, self.model)
             # What the gradient keeps (alive until it runs), what the loop's
             # TensorLists hold (alive while the lists are), and the body's
             # own transient peak (freed when the op ends).
@@ -323,7 +272,7 @@ class _Builder:
 
     # -- backward ---------------------------------------------------------
 
-    def backward(self, ops: Sequence[int], vmap, heads, boundary, phase: str) -> None:
+    def backward(self, ops: Sequence[int], vmap, heads, boundary) -> None:
         """Differentiate ``ops`` (reverse order). Gradients of ``heads`` come
         from (and of ``boundary`` go to) ``self.grads``; others stay local."""
         fg, costs, p = self.fg, self.costs, self.p
@@ -344,7 +293,7 @@ class _Builder:
                 if not got:
                     out_grads.append(None)
                     continue
-                g = got[0] if len(got) == 1 else self.accumulate(t, got, phase)
+                g = got[0] if len(got) == 1 else self.accumulate(t, got)
                 if t in xs:
                     # An x produced in the graph (an activation given as x):
                     # its gradient is a result of the step and flows on.
@@ -355,7 +304,7 @@ class _Builder:
                 continue
             inputs, n_in = op.inputs, len(op.inputs)
             reads = [g for g in out_grads if g is not None]
-            read_ins, read_outs = self.gradient_reads[i]
+            read_ins, read_outs = costs.gradient_reads[i]
             reads += [vmap(t) for t in read_ins]
             reads += [vmap(t) for t in read_outs]
             if i in self.early_of:
@@ -380,7 +329,7 @@ class _Builder:
                                 and tensors[t].dtype not in ("resource", "variant")
                                 and self.foldable(t)):
                             self.constant_value(t)
-                writes.append((p.value(_body_figures(op.body, self.allocator).backward_bytes), ()))
+                writes.append((p.value(body_figures(op.body, self.model).backward_bytes), ()))
             to_weight = flows_on = False
             aliases = use.aliases
             folded = None  # whether Grappler folds this gradient (computed when first asked)
@@ -415,18 +364,20 @@ class _Builder:
                     flows_on = True
             # A call's or loop's gradient, or a kernel's temporaries, are not
             # one kernel per buffer.
-            p.instr(("grad", i), reads, writes,
+            p.instr((Event.GRADIENT, i), reads, writes,
                     kernels=op.body is None and not (costs.scratch and costs.scratch[i]))
-            if to_weight and flows_on and WEIGHT_GRADIENT_OVERLAP and not fg.xla:
+            overlap = self.model.weight_gradient_overlap
+            if to_weight and flows_on and overlap and not fg.xla:
                 # The weight's gradient kernel (Conv2DBackpropFilter, the
                 # MatMul of x^T and dy) is ready with the input's, but nothing
                 # downstream waits for it: the executor runs it beside the
                 # next gradient ops, which allocate while it still holds what
                 # it reads (the layer's input, the incoming gradient).
-                p.lingering.append((WEIGHT_GRADIENT_OVERLAP, reads))
+                p.lingering.append((overlap, reads))
 
     def foldable(self, t: int) -> bool:
-        return self.fg.tensors[t].size_known and self.costs.tensor_bytes[t] <= CONSTANT_FOLDING_MAX_BYTES
+        return (self.fg.tensors[t].size_known
+                and self.costs.tensor_bytes[t] <= self.model.constant_folding_max_bytes)
 
     def constant_value(self, t: int) -> int:
         """A gradient Grappler folds: resident from before the step."""
@@ -435,7 +386,7 @@ class _Builder:
         self.resident_bytes += self.costs.tensor_bytes[t]
         return v
 
-    def accumulate(self, t: int, got: list[int], phase: str) -> int | None:
+    def accumulate(self, t: int, got: list[int]) -> int | None:
         if not got:
             return None
         if len(got) == 1:
@@ -443,7 +394,7 @@ class _Builder:
         if all(g in self.constant for g in got) and self.foldable(t):
             return self.constant_value(t)
         v = self.p.value(self.costs.tensor_bytes[t])
-        self.p.instr(("sum", t), list(got), [(v, tuple(got))])
+        self.p.instr((Event.SUM, t), list(got), [(v, tuple(got))])
         return v
 
     def bind(self, t: int, v: int) -> None:
@@ -454,14 +405,13 @@ class ForwardProgram:
     """The builder's state after the forward pass, which every schedule of one graph shares.
 
     Build it once (:func:`forward_program`) and pass it to :func:`simulate`
-    as ``forward=`` to simulate many schedules of one graph (strategies'
-    candidate plans, the budget solvers) without rebuilding it. Without
-    ``forward=``, :func:`simulate` reuses the last one it built for the same
-    graph, costs and allocator.
+    as ``forward=`` to simulate many schedules of one graph (a planner's
+    candidate plans, the budget solvers) without rebuilding it;
+    :class:`memsave.problem.Problem` keeps one per memory model.
     """
 
-    def __init__(self, fg: ForwardGraph, costs: Costs, allocator: Allocator) -> None:
-        b = _Builder(fg, costs, allocator)
+    def __init__(self, fg: ForwardGraph, costs: Costs, model: MemoryModel) -> None:
+        b = _Builder(fg, costs, model)
         orig = b.orig
 
         def bind_orig(t: int, v: int) -> None:
@@ -469,28 +419,18 @@ class ForwardProgram:
 
         b.bind = bind_orig
         for i in range(len(fg.ops)):
-            b.run_op(i, orig.__getitem__, "forward")
-        self.fg, self.costs, self.allocator = fg, costs, allocator
+            b.run_op(i, orig.__getitem__, Event.FORWARD)
+        self.fg, self.costs, self.model = fg, costs, model
         p = b.p
         # Instruction lists are never changed once made: shared, not copied.
         self.program = (list(p.size), list(p.alias), list(p.resident), list(p.reads),
                         list(p.writes), list(p.labels))
         self.orig = list(b.orig)
         self.feeds_x = b.feeds_x
-        # Per op, the input and output tensors its gradient reads.
-        self.gradient_reads = [
-            (tuple(op.inputs[j] for j in use.reads_inputs if j < len(op.inputs)),
-             tuple(op.outputs[k] for k in use.reads_outputs if k < len(op.outputs)))
-            for op, use in zip(fg.ops, costs.gradient)
-        ]
-        # Per op, its inputs a gradient can flow to: (position, tensor, internal)
-        # (not a tf.custom_gradient's results: its function gives them none).
-        self.gradient_targets = [
-            tuple((j, t, fg.tensors[t].kind == "internal") for j, t in enumerate(op.inputs)
-                  if fg.tensors[t].trainable and fg.tensors[t].kind != "external"
-                  and (use.gives is None or j in use.gives))
-            for op, use in zip(fg.ops, costs.gradient)
-        ]
+        # Per op, (position, tensor, internal) of the inputs its gradient writes.
+        internal = [node.kind == "internal" for node in fg.tensors]
+        self.gradient_targets = [tuple((j, t, internal[t]) for j, t in targets)
+                                 for targets in costs.gradient_targets]
         self.saved_of = dict(b.saved_of)
         self.early_of = dict(b.early_of)
         self.resident_bytes = b.resident_bytes
@@ -508,48 +448,20 @@ class ForwardProgram:
 
 
 def forward_program(fg: ForwardGraph, costs: Costs,
-                    allocator: Allocator = CPU_ONEDNN) -> ForwardProgram:
+                    model: MemoryModel = MemoryModel()) -> ForwardProgram:
     """The schedule-independent forward program of ``fg`` (for ``simulate(forward=)``)."""
     with paused_gc():
-        return ForwardProgram(fg, costs, allocator)
+        return ForwardProgram(fg, costs, model)
 
 
-class _LastForward:
-    """The last forward program :func:`simulate` built itself, keyed by identity.
-
-    A plan simulates one graph many times (the baseline, each candidate of a
-    strategy, the chosen plan): the forward part is the same every time.
-    """
-
-    def __init__(self) -> None:
-        self.key: tuple = ()
-        self.forward: ForwardProgram | None = None
-
-    def get(self, fg, costs, allocator) -> ForwardProgram:
-        key = self.key
-        if not (self.forward is not None and key[0]() is fg and key[1]() is costs
-                and key[2] == allocator):
-            forward = ForwardProgram(fg, costs, allocator)
-            try:
-                self.key = (weakref.ref(fg), weakref.ref(costs), allocator)
-                self.forward = forward
-            except TypeError:  # not weakly referable: do not keep it
-                self.key, self.forward = (), None
-            return forward
-        return self.forward
-
-
-_last_forward = _LastForward()
-
-
-def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator: Allocator,
+def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, model: MemoryModel,
            forward: ForwardProgram | None = None) -> tuple[_Program, int, int]:
     if forward is None:
-        forward = _last_forward.get(fg, costs, allocator)
-    elif forward.fg is not fg or forward.costs is not costs or forward.allocator != allocator:
+        forward = ForwardProgram(fg, costs, model)
+    elif forward.fg is not fg or forward.costs is not costs or forward.model != model:
         raise ValueError(
-            "memsave.simulate: forward= was built for another graph, costs or allocator")
-    b = _Builder(fg, costs, allocator, forward)
+            "memsave.simulate: forward= was built for another graph, costs or memory model")
+    b = _Builder(fg, costs, model, forward)
     p = b.p
     orig = b.orig
 
@@ -574,49 +486,38 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator:
             v = b.constant_value(y)
         else:
             v = p.value(costs.tensor_bytes[y])
-            p.instr(("seed", y), [], [(v, ())])
+            p.instr((Event.SEED, y), [], [(v, ())])
         b.grads.setdefault(y, []).append(v)
 
     xs = set(fg.xs)
     if schedule is None:
-        b.backward(range(len(fg.ops)), orig.__getitem__, set(fg.ys), xs, "backprop")
+        b.backward(range(len(fg.ops)), orig.__getitem__, set(fg.ys), xs)
     else:
-        tensors, ops, tensor_bytes, grads = fg.tensors, fg.ops, costs.tensor_bytes, b.grads
+        tensor_bytes, grads, constant = costs.tensor_bytes, b.grads, b.constant
         for step in schedule.steps:
             heads = set(step.heads)
             boundary = set(step.boundary)
             if step.kind == "backprop":
-                b.backward(step.ops, orig.__getitem__, heads, boundary, "backprop")
+                b.backward(step.ops, orig.__getitem__, heads, boundary)
                 continue
             if not any(grads.get(h) for h in step.heads):
                 continue
             local = dict()
-            gated = [t for t in step.boundary
-                     if tensors[t].kind == "internal"
-                     and ops[tensors[t].producer].recomputable
-                     and _gateable(tensors[t])]
-            if not gated:
-                floats = [t for t in step.boundary if _gateable(tensors[t])]
-                gated = sorted(floats, key=lambda t: tensor_bytes[t])[:1]
-            if fg.xla and gated:
-                # Under XLA the rewrite gates every floating boundary tensor,
-                # the weight reads too: a fresh copy of each for the step.
-                gated = [t for t in step.boundary if _gateable(tensors[t])]
-            if not fg.xla and all(g in b.constant for h in step.heads for g in b.grads.get(h, ())):
+            gated = set(step.gated)
+            if not fg.xla and all(g in constant for h in step.heads for g in grads.get(h, ())):
                 # The heads' gradients are constants (the seeds ones_like(y)):
                 # Grappler folds the gate to 0 and ``t + 0`` into an Identity
                 # (step stats: the first step's gated proxy of a U-Net's 3 MiB
                 # concat ran as Identity, allocating nothing).
-                gated = []
-            gated_set = set(gated)
+                gated = set()
             for t in step.boundary:
                 src = orig[t]
-                if t in gated_set:
+                if t in gated:
                     v = p.value(tensor_bytes[t])
-                    p.instr(("proxy", t), [src], [(v, (src,))])
+                    p.instr((Event.PROXY, t), [src], [(v, (src,))])
                 else:
                     v = p.value(tensor_bytes[t], alias=src)
-                    p.instr(("proxy", t), [src], [(v, ())])
+                    p.instr((Event.PROXY, t), [src], [(v, ())])
                 local[t] = v
 
             def vmap(t: int, local=local) -> int:
@@ -628,24 +529,23 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator:
                     local[t] = v
 
             b.bind = bind_local
-            for i in _needed_copies(fg, costs, step.ops, b.gradient_reads):
-                b.run_op(i, vmap, "recompute")
-            b.backward(step.ops, vmap, heads, boundary, "recompute")
+            for i in _needed_copies(fg, costs, step.ops):
+                b.run_op(i, vmap, Event.RECOMPUTE)
+            b.backward(step.ops, vmap, heads, boundary)
     # The xs' gradients are the step's outputs.
     for x in dict.fromkeys(fg.xs):
-        g = b.accumulate(x, b.grads.pop(x, []), "end")
+        g = b.accumulate(x, b.grads.pop(x, []))
         if g is not None:
             p.pinned.append(g)
     return p, b.resident_bytes, backward_start
 
 
-def _needed_copies(fg: ForwardGraph, costs: Costs, ops: Sequence[int],
-                   gradient_reads: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[int]:
+def _needed_copies(fg: ForwardGraph, costs: Costs, ops: Sequence[int]) -> list[int]:
     """The ops of a recompute step whose copies run: those a gradient reads
     (through other copies). The rest, e.g. the copy of the loss itself, feed
-    nothing that is fetched, and TensorFlow prunes them. ``gradient_reads``:
-    per op, the inputs and outputs its gradient reads (ForwardProgram's)."""
+    nothing that is fetched, and TensorFlow prunes them."""
     need: set[int] = set()
+    gradient_reads = costs.gradient_reads
     for i in ops:
         read_ins, read_outs = gradient_reads[i]
         need.update(read_ins)
@@ -662,73 +562,16 @@ def _needed_copies(fg: ForwardGraph, costs: Costs, ops: Sequence[int],
     return live
 
 
-@dataclasses.dataclass(frozen=True)
-class BodyFigures:
-    """Bytes a call or loop op holds beyond its inputs and outputs.
-
-    Attributes
-    ----------
-    saved_bytes : int
-        What its gradient keeps, for all trips (from the op until its gradient).
-    stored_bytes : int
-        The items the loop's TensorLists hold (as long as the lists live).
-    forward_bytes, backward_bytes : int
-        The body's transient peak above what it keeps, while the op runs and
-        while its gradient runs (a loop's gradient also holds one trip's
-        gradients beside the sums it carries).
-    """
-
-    saved_bytes: int
-    stored_bytes: int
-    forward_bytes: int
-    backward_bytes: int
-
-
-_figures: "weakref.WeakKeyDictionary[Body, dict]" = weakref.WeakKeyDictionary()
-
-
-def _body_figures(body: Body, allocator: Allocator) -> BodyFigures:
-    """Simulate the body once (plain backprop) and read its figures (cached)."""
-    per = _figures.setdefault(body, {})
-    if allocator in per:
-        return per[allocator]
-    bc = body_costs(body)
-    fg = body.fg
-    counted = allocator.counted
-
-    def root(t: int) -> int:
-        while bc.alias_of[t] is not None:
-            t = bc.alias_of[t]
-        return t
-
-    saved = sum(counted(bc.tensor_bytes[t]) for t in body.saved)
-    stored = sum(counted(bc.tensor_bytes[t]) for t in body.stored)
-    outs = {root(t) for t in fg.ys if fg.tensors[root(t)].kind == "internal"}
-    out_bytes = sum(counted(bc.tensor_bytes[t]) for t in outs if t not in set(body.saved))
-    trace = simulate(fg, None, bc, allocator=allocator)
-    alive = [b for b, _ in trace.timeline]
-    start = trace.backward_start
-    forward_peak = max(alive[:start], default=trace.resident_bytes)
-    backward_peak = max(alive[start:], default=trace.resident_bytes)
-    forward = max(0, forward_peak - trace.resident_bytes - saved - stored - out_bytes)
-    base = trace.resident_bytes if body.loop else trace.end_bytes
-    backward = max(0, backward_peak - base - saved)
-    found = per[allocator] = BodyFigures(
-        saved_bytes=body.trips * saved, stored_bytes=body.trips * stored,
-        forward_bytes=forward, backward_bytes=backward,
-    )
-    return found
-
-
 def simulate(
     fg: ForwardGraph,
     schedule: Schedule | None,
     costs: Costs,
     *,
-    allocator: Allocator = CPU_ONEDNN,
+    model: MemoryModel = MemoryModel(),
     timeline: bool = True,
     forward: ForwardProgram | None = None,
     gradients_kept: bool = True,
+    extra_resident_bytes: int = 0,
 ) -> MemoryTrace:
     """Forecast the allocator peak of one step: forward and gradients.
 
@@ -739,13 +582,14 @@ def simulate(
         The checkpointed backward pass, or None for plain ``tf.gradients``.
     costs : Costs
         From :func:`memsave.costs.estimate_costs` on the same ``fg``.
-    allocator : Allocator
-        :data:`CPU_ONEDNN` (default) or :data:`BFC` (GPU).
+    model : MemoryModel
+        The memory model's settings (the allocator among them:
+        :data:`CPU_ONEDNN` by default, :data:`BFC` for a GPU).
     timeline : bool
         Record the bytes alive after every event (off for solvers that only
         need the peak).
     forward : ForwardProgram, optional
-        :func:`forward_program` of ``fg``, ``costs`` and ``allocator``, built
+        :func:`forward_program` of ``fg``, ``costs`` and ``model``, built
         once for many simulations of one graph (the same result, less work).
     gradients_kept : bool
         True (default): the xs' gradients are the step's outputs, alive to
@@ -759,6 +603,10 @@ def simulate(
         activations is at the end of the step and the same for every plan.
         (A weight read by several segments has its parts summed; counting
         them as free makes this an estimate for such weights.)
+    extra_resident_bytes : int
+        Bytes the step holds besides what the graph reads (an optimizer's
+        slots, metric state), resident from start to end: counted in every
+        figure of the trace.
 
     Returns
     -------
@@ -771,7 +619,8 @@ def simulate(
     >>> trace.peak_bytes  # doctest: +SKIP
     """
     with paused_gc():
-        return _simulate(fg, schedule, costs, allocator, timeline, forward, gradients_kept)
+        return _simulate(fg, schedule, costs, model, timeline, forward, gradients_kept,
+                         extra_resident_bytes)
 
 
 @contextlib.contextmanager
@@ -794,8 +643,10 @@ def paused_gc():
             gc.enable()
 
 
-def _simulate(fg, schedule, costs, allocator, timeline, forward, gradients_kept) -> MemoryTrace:
-    p, resident_bytes, backward_start = _build(fg, schedule, costs, allocator, forward)
+def _simulate(fg, schedule, costs, model, timeline, forward, gradients_kept,
+              extra_resident_bytes) -> MemoryTrace:
+    p, resident_bytes, backward_start = _build(fg, schedule, costs, model, forward)
+    allocator = model.allocator
     reads, writes, size, alias = p.reads, p.writes, p.size, p.alias
     n_instr = len(reads)
     n_val = len(size)
@@ -826,7 +677,7 @@ def _simulate(fg, schedule, costs, allocator, timeline, forward, gradients_kept)
             counted[v] = 0  # consumed by the update as soon as written
     root = list(range(n_val))
     refs = [0] * n_val
-    alive = 0
+    alive = extra_resident_bytes
     for v in resident:
         refs[v] = 1 << 30
         alive += counted[v]
@@ -875,13 +726,5 @@ def _simulate(fg, schedule, costs, allocator, timeline, forward, gradients_kept)
 
 def _label(fg: ForwardGraph, label: tuple) -> str:
     kind, ref = label
-    if kind in ("forward", "recompute", "grad"):
-        name = fg.ops[ref].name
-        return {"forward": "run ", "recompute": "recompute ", "grad": "gradient of "}[kind] + name
-    if kind == "sum":
-        return f"sum gradients of {fg.tensors[ref].name}"
-    if kind == "seed":
-        return f"seed gradient of {fg.tensors[ref].name}"
-    if kind == "proxy":
-        return f"proxy of {fg.tensors[ref].name}"
-    return str(label)
+    name = fg.ops[ref].name if kind.of_op else fg.tensors[ref].name
+    return kind.value + name

@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 import memsave
-import memsave.budget
+import memsave.keras
 from memsave import MemoryBudgetError
 
 LAYERS = 12
@@ -58,7 +58,7 @@ def test_plan_fits_the_budget_and_names_its_solver(fraction):
     plan = _plan(fraction)
     assert plan.budget_bytes == int(fraction * plan.baseline_peak_bytes)
     assert plan.feasible and plan.predicted_peak_bytes <= plan.budget_bytes
-    assert plan.solver in memsave.solvers.available()
+    assert plan.solver in memsave.planners.budget.CORES
     assert plan.solve_time_s >= 0 and plan.optimal in (True, False)
     assert plan.strategy == "budget"
     if fraction == 1.0:
@@ -223,20 +223,20 @@ def test_keras_fit_under_a_budget_trains_like_plain_fit(monkeypatch):
     ours.set_weights(w0)
     memsave.keras.checkpointed(ours, memory_budget=0.6)
     calls = []
-    real = memsave.budget.plan_for_budget
+    real = memsave.planners.budget.solve
 
     def spy(*a, **kw):
         calls.append(real(*a, **kw))
         return calls[-1]
 
-    monkeypatch.setattr(memsave.budget, "plan_for_budget", spy)
+    monkeypatch.setattr(memsave.planners.budget, "solve", spy)
     got = _fit(ours, x, y).history["loss"]
     np.testing.assert_allclose(got, ref, rtol=1e-5)
     change = max(float(np.abs(w - v).max()) for w, v in zip(plain.get_weights(), w0))
     for a, b in zip(ours.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * change)
     # The budget planned the step: its plan fits and recomputes something.
-    assert calls and all(bp.result.feasible and bp.result.recompute_cost > 0 for bp in calls)
+    assert calls and all(p.feasible and p.recompute_cost > 0 for p in calls)
 
     # A budget below every plan's peak stops fit with the smallest peak.
     low = _keras_model(12)

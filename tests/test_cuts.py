@@ -25,7 +25,7 @@ import pytest
 import tensorflow as tf
 
 import memsave
-from memsave import strategies
+from memsave import candidates
 
 LEVELS = 3
 CONVS = 6  # conv-ReLU layers per stack
@@ -90,7 +90,7 @@ def test_memory_plans_over_cuts_and_matches_tf_gradients():
 
     ours, ref = step()
     reasons = set(out["plan"].reasons)
-    assert strategies.CUT_REASON in reasons, reasons
+    assert candidates.CUT_REASON in reasons, reasons
     for a, b in zip(ours, ref):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import memsave
-from memsave.plan import Plan
+from memsave.record import Plan
 
 MiB = 1 << 20
 LAYERS = 12

@@ -17,17 +17,19 @@ from handgraphs import Builder, MiB
 from memsave.costs import estimate_costs
 from memsave.graph import GradientUse
 from memsave.schedule import build_schedule
-from memsave.simulate import BFC, CPU_ONEDNN, Allocator, simulate
+from memsave.memory_model import BFC, CPU_ONEDNN, Allocator, MemoryModel
+from memsave.simulate import simulate
 
 
 def _ids(fg, *names):
     return tuple(sorted(next(t.id for t in fg.tensors if t.name == n) for n in names))
 
 
-def _peak(fg, checkpoints=None, **kw):
+def _peak(fg, checkpoints=None, *, allocator=CPU_ONEDNN, overlap=1, **kw):
     costs = estimate_costs(fg)
     sched = None if checkpoints is None else build_schedule(fg, _ids(fg, *checkpoints))
-    return simulate(fg, sched, costs, **kw)
+    model = MemoryModel(allocator=allocator, weight_gradient_overlap=overlap)
+    return simulate(fg, sched, costs, model=model, **kw)
 
 
 def test_plain_tanh_chain():
@@ -160,12 +162,13 @@ def test_timeline_is_optional_and_peak_does_not_change():
 
 @pytest.mark.parametrize("n", [8, 16])
 def test_memory_strategy_beats_plain_on_chains(n):
-    from memsave import strategies
+    from memsave import planners
+    from memsave.problem import Problem
 
     fg = H.chain(n)
-    sel = strategies.memory(fg)
-    assert sel.checkpoints
-    assert _peak(fg, [fg.tensors[t].name for t in sel.checkpoints]).peak_bytes < _peak(fg).peak_bytes
+    plan = planners.run("memory", Problem(fg))
+    assert plan.checkpoint_ids
+    assert _peak(fg, list(plan.checkpoints)).peak_bytes < _peak(fg).peak_bytes
 
 
 def test_a_recompute_step_runs_only_the_copies_a_gradient_reads():
@@ -245,14 +248,12 @@ def test_under_xla_recomputed_steps_copy_their_weight_reads():
     assert xla_peak > plain_peak
 
 
-def test_a_weight_gradient_kernel_holds_its_reads_through_the_next_gradient(monkeypatch):
+def test_a_weight_gradient_kernel_holds_its_reads_through_the_next_gradient():
     # t_i = Tanh(MatMul(h, w_i)), the w_i xs. mm1's gradient is two
     # kernels: the input's, consumed at once by t0's gradient, and the
     # weight's, which nothing waits for and which the executor runs beside
     # t0's gradient: what it reads (mm1's incoming gradient, 1 MiB, beside
     # t0 which stays anyway) is alive one allocating gradient longer.
-    import memsave.simulate as S
-
     b = Builder()
     h = b.external("d")
     for i in range(2):
@@ -261,8 +262,7 @@ def test_a_weight_gradient_kernel_holds_its_reads_through_the_next_gradient(monk
     fg = b.build(["w0", "w1"], [h])
 
     def backward(overlap):
-        monkeypatch.setattr(S, "WEIGHT_GRADIENT_OVERLAP", overlap)
-        trace = _peak(fg, allocator=BFC)
+        trace = _peak(fg, allocator=BFC, overlap=overlap)
         return {e: b for b, e in trace.timeline[trace.backward_start:]}
 
     alone, beside = backward(0), backward(1)
@@ -271,13 +271,11 @@ def test_a_weight_gradient_kernel_holds_its_reads_through_the_next_gradient(monk
         e: b for e, b in alone.items() if e != "gradient of t0"}
 
 
-def test_a_weight_gradient_kernel_runs_beside_one_kernel_of_the_next_gradient(monkeypatch):
+def test_a_weight_gradient_kernel_runs_beside_one_kernel_of_the_next_gradient():
     # c = concat(a, b) (2 MiB), y = Tanh(MatMul(c, w)). The concat's
     # gradient is one Slice per input (1 MiB each): MatMul's weight kernel,
     # still holding c and its incoming gradient (3 MiB), runs beside the
     # first Slice only; after it, the second Slice sees what it would alone.
-    import memsave.simulate as S
-
     b = Builder()
     d = b.external("d")
     w = b.source("w", size_bytes=MiB // 4)
@@ -285,8 +283,7 @@ def test_a_weight_gradient_kernel_runs_beside_one_kernel_of_the_next_gradient(mo
     fg = b.build(["w"], [b.op("y", "Tanh", [b.op("m", "MatMul", [c, w])])])
 
     def concat_gradient(overlap):
-        monkeypatch.setattr(S, "WEIGHT_GRADIENT_OVERLAP", overlap)
-        trace = _peak(fg, allocator=BFC)
+        trace = _peak(fg, allocator=BFC, overlap=overlap)
         return [b for b, e in trace.timeline if e == "gradient of c"], trace.peak_bytes
 
     (alone,), alone_peak = concat_gradient(0)

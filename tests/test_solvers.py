@@ -17,6 +17,7 @@ cases keep at most 5-6 candidates.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import sys
@@ -24,21 +25,46 @@ import sys
 import pytest
 
 import handgraphs as H
-from memsave.costs import estimate_costs
-from memsave.solvers import Decision, Problem, available, is_chain, solve
-from memsave.solvers.dp import _Terms
+from memsave import planners
+from memsave.planners import budget as B
+from memsave.planners.dp import _Terms
+from memsave.planners.segments import Decision, Segments
+from memsave.problem import Problem
+
+is_chain = B.is_chain
 
 #: How far above the MILP's proven optimum ``greedy``'s cost may be.
 GREEDY_TOLERANCE = 0.10
 
 
-def _problem(fg, rs=None, max_cands=None) -> Problem:
-    costs = estimate_costs(fg)
-    p = Problem(fg, costs)
+def _problem(fg, rs=None, max_cands=None) -> Segments:
+    p = Segments(Problem(fg))
     if max_cands is not None and len(p.candidates) > max_cands:
         cands = sorted(rs.sample(p.candidates, max_cands))
-        p = Problem(fg, costs, cands)
+        p = Segments(p.problem, cands)
     return p
+
+
+@dataclasses.dataclass(frozen=True)
+class _Result:
+    """A solver core's outcome, with the figures the tests compare."""
+
+    solver: str
+    budget_bytes: int
+    decision: Decision
+    predicted_peak_bytes: int
+    recompute_cost: int
+    feasible: bool
+    optimal: bool
+
+
+def solve(space: Segments, budget: int, *, solver: str = "auto", time_limit_s=None) -> _Result:
+    """Run one solver core (or ``auto``'s choice) on a decision space."""
+    name = B.choose(space) if solver == "auto" else solver
+    out = B.CORES[name](space, budget, time_limit_s=time_limit_s)
+    ev = out.evaluation
+    return _Result(name, budget, ev.decision, ev.peak_bytes, ev.recompute_cost,
+                   ev.peak_bytes <= budget, out.optimal)
 
 
 def _chain(seed, n, cands):
@@ -201,7 +227,7 @@ def test_dp_chain_model_equals_the_simulator_on_every_decision(seed):
 def test_stored_segments_trade_memory_for_recompute():
     # On a tanh chain, a bigger budget buys less recomputation, down to none.
     p = _problem(H.chain(10, ), random.Random(0), 5)
-    p = Problem(p.fg, p.costs, p.candidates)
+    p = Segments(Problem(p.fg), p.candidates)
     costs = [solve(p, b, solver="dp").recompute_cost
              for b in (p.plain.peak_bytes - 3 * H.MiB, p.plain.peak_bytes - H.MiB, p.plain.peak_bytes)]
     assert costs == sorted(costs, reverse=True)
@@ -209,10 +235,14 @@ def test_stored_segments_trade_memory_for_recompute():
 
 
 def test_unknown_solver_lists_the_known_ones():
-    p = _problem(H.chain(4))
-    with pytest.raises(ValueError, match="greedy"):
-        solve(p, 0, solver="nope")
-    assert available() == ["dp", "greedy", "milp"]
+    problem = Problem(H.chain(4))
+    with pytest.raises(ValueError, match="greedy") as info:
+        B.solve(problem, 0.5, solver="nope")
+    assert isinstance(info.value, planners.UnknownStrategyError)
+    with pytest.raises(planners.UnknownStrategyError, match="greedy"):
+        planners.run("memory", problem, budget=0.5, options={"solver": "nope"})
+    assert sorted(B.CORES) == ["dp", "greedy", "milp"]
+    assert {"auto", "dp", "greedy", "milp"} <= set(planners.available())
 
 
 def test_milp_without_highspy_says_what_to_install(monkeypatch):
@@ -235,20 +265,16 @@ def test_budget_planner_never_calls_a_budget_memory_meets_infeasible(seed):
     # 'memory' strategy's own plan forecasts: a user told "infeasible" must
     # not find that 'memory' fits. (keras ResNet50 at batch 32 was: greedy's
     # smallest 248 MiB against 'memory''s 237 MiB.)
-    from memsave.budget import plan_for_budget
     from memsave.errors import MemoryBudgetError
-    from memsave.schedule import build_schedule
-    from memsave.simulate import simulate
-    from memsave.strategies import memory
 
     rs = random.Random(seed)
     for fg in (H.random_chain(rs, 80), H.random_dag(rs, 80)):  # fewer candidates than MAX_CUTS
-        costs = estimate_costs(fg)
-        sel = memory(fg, costs=costs, min_saving_fraction=0.0)
-        if not sel.checkpoints:
+        problem = Problem(fg)
+        plan = planners.run("memory", problem, options={"min_saving_fraction": 0.0})
+        if not plan.checkpoint_ids:
             continue
-        ours = simulate(fg, build_schedule(fg, sel.checkpoints), costs, timeline=False).peak_bytes
+        ours = plan.predicted_peak_bytes
         with pytest.raises(MemoryBudgetError) as e:
-            plan_for_budget(fg, costs, 1, api="test")
+            B.solve(problem, 1, api="test")
         assert e.value.min_peak_bytes <= ours
-        assert plan_for_budget(fg, costs, ours, api="test").result.predicted_peak_bytes <= ours
+        assert B.solve(Problem(fg), ours, api="test").predicted_peak_bytes <= ours

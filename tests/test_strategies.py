@@ -16,14 +16,23 @@ import numpy as np
 import pytest
 
 import memsave
-from memsave import strategies
-from memsave.schedule import build_schedule
+from memsave import candidates, planners, strategies
+from memsave.candidates import articulation_points as articulation_candidates
+from memsave.candidates import topological_cuts
 from memsave.costs import estimate_costs
-from memsave.simulate import BFC, simulate
-from memsave.strategies import Selection, articulation_candidates, topological_cuts
+from memsave.memory_model import BFC, MemoryModel
+from memsave.problem import Problem
+from memsave.schedule import build_schedule
+from memsave.simulate import simulate
+from memsave.strategies import Selection
 
 import handgraphs as H
 from handgraphs import MiB, Builder, names
+
+
+def plan(name, fg, **options):
+    """The Plan of planner ``name`` on ``fg`` (a fresh Problem), with these options."""
+    return planners.run(name, Problem(fg), options=options)
 
 
 @pytest.fixture
@@ -128,7 +137,7 @@ def test_a_small_head_keeps_the_body_cut_points():
     # so the chain's cut points remain and the statistics branches do not.
     fg, _ = _normalised_chain(head_bytes=1024)
     assert names(fg, articulation_candidates(fg)) == _BLOCK_CUTS
-    chosen = names(fg, strategies.memory(fg, min_saving_fraction=0.0).checkpoints)
+    chosen = names(fg, plan("memory", fg, min_saving_fraction=0.0).checkpoint_ids)
     assert chosen and set(chosen) <= set(_BLOCK_CUTS)
 
 
@@ -192,65 +201,65 @@ def _mixed_graph(tag=()):
 
 def test_speed_keeps_matmul_and_conv2d_outputs_only():
     fg = _mixed_graph()
-    sel = strategies.get("speed")(fg, min_saving_fraction=0.0)
-    assert names(fg, sel.checkpoints) == ["mm1:0", "conv:0", "mm2:0"]
-    assert [sel.reasons[t] for t in sel.checkpoints] == [
+    sel = plan("speed", fg, min_saving_fraction=0.0)
+    assert names(fg, sel.checkpoint_ids) == ["mm1:0", "conv:0", "mm2:0"]
+    assert [sel.reason_of[t] for t in sel.checkpoint_ids] == [
         "output of MatMul", "output of Conv2D", "output of MatMul",
     ]
     assert sel.note == ""
 
 
 def test_speed_with_no_expensive_op_says_so():
-    sel = strategies.speed(H.chain(5, type="Relu"))
-    assert sel.checkpoints == ()
+    sel = plan("speed", H.chain(5, type="Relu"))
+    assert sel.checkpoint_ids == ()
     assert "checkpoints='memory'" in sel.note
 
 
 def test_speed_op_types_option():
     fg = _mixed_graph()
-    sel = strategies.speed(fg, op_types=frozenset({"Relu", "Tanh"}), min_saving_fraction=0.0)
-    assert names(fg, sel.checkpoints) == ["tanh1:0", "relu:0"]
+    sel = plan("speed", fg, op_types=frozenset({"Relu", "Tanh"}), min_saving_fraction=0.0)
+    assert names(fg, sel.checkpoint_ids) == ["tanh1:0", "relu:0"]
 
 
 def test_collection_keeps_tagged_tensors_only():
     fg = _mixed_graph(tag=("bias1:0", "relu:0", "add:0"))
-    sel = strategies.get("collection")(fg)
-    assert names(fg, sel.checkpoints) == ["bias1:0", "relu:0", "add:0"]
-    assert set(sel.reasons.values()) == {"tagged"}
+    sel = plan("collection", fg)
+    assert names(fg, sel.checkpoint_ids) == ["bias1:0", "relu:0", "add:0"]
+    assert set(sel.reason_of.values()) == {"tagged"}
     assert sel.note == ""
 
 
 def test_collection_ignores_tagged_ys_and_untrainable_tensors():
     fg = _mixed_graph(tag=("shape:0", "mm3:0", "tanh1:0"))
-    assert names(fg, strategies.collection(fg).checkpoints) == ["tanh1:0"]
+    assert names(fg, plan("collection", fg).checkpoint_ids) == ["tanh1:0"]
 
 
 def test_collection_with_nothing_tagged_says_how_to_tag():
-    sel = strategies.collection(_mixed_graph())
-    assert sel.checkpoints == ()
+    sel = plan("collection", _mixed_graph())
+    assert sel.checkpoint_ids == ()
     assert "add_to_collection('checkpoints'" in sel.note
 
 
 # -- 'memory' ------------------------------------------------------------------
 
 
-def _producers(fg, sel: Selection) -> list[int]:
-    return [fg.tensors[t].producer for t in sel.checkpoints]
+def _producers(fg, sel) -> list[int]:
+    return [fg.tensors[t].producer for t in sel.checkpoint_ids]
 
 
 @pytest.mark.parametrize("n", [16, 36, 100, 400])
 def test_memory_spreads_about_sqrt_n_checkpoints_along_a_uniform_chain(n):
     fg = H.chain(n)
-    sel = strategies.get("memory")(fg)
-    k = len(sel.checkpoints)
+    sel = plan("memory", fg)
+    k = len(sel.checkpoint_ids)
     # Chen et al.'s balance: about sqrt(n) segments of about sqrt(n) ops.
     # (The simulator picks among greedy and evenly spread plans, so a few
     # more than sqrt(n) may win: each costs 1 MiB, each saves segment bytes.)
     assert math.sqrt(n) - 2 <= k <= 1.25 * math.sqrt(n) + 1, (n, k)
     pos = _producers(fg, sel)
     assert pos == sorted(set(pos)), "checkpoints must be distinct and in topological order"
-    assert set(sel.checkpoints) <= set(articulation_candidates(fg))
-    assert set(sel.reasons.values()) == {"articulation point"}
+    assert set(sel.checkpoint_ids) <= set(articulation_candidates(fg))
+    assert set(sel.reason_of.values()) == {"articulation point"}
     # Segment lengths (ops recomputed per segment) never grow toward the end:
     # more checkpoints are alive when the later segments run backprop first.
     seg = np.diff([-1, *pos, n - 1])
@@ -270,7 +279,7 @@ def test_memory_on_a_short_chain_is_exact():
     # 6, 5, 4, 1 (op5, op10, op14) and 10 MiB for the greedy 7, 5, 3, 1 split
     # (op6, op11, op14) of the old estimate, which left out the gradient
     # buffers and the seed gradient (a folded constant: resident).
-    assert names(fg, strategies.memory(fg).checkpoints) == ["op3:0", "op7:0", "op11:0"]
+    assert names(fg, plan("memory", fg).checkpoint_ids) == ["op3:0", "op7:0", "op11:0"]
 
 
 def test_memory_weights_positions_by_bytes_not_op_count():
@@ -283,7 +292,7 @@ def test_memory_weights_positions_by_bytes_not_op_count():
     for i in range(8):
         h = b.op(f"big{i}", "Tanh", [h], size_bytes=H.MiB)
     fg = b.build(["x"], [h])
-    chosen = names(fg, strategies.memory(fg).checkpoints)
+    chosen = names(fg, plan("memory", fg).checkpoint_ids)
     assert chosen and all(c.startswith("big") for c in chosen), chosen
 
 
@@ -297,18 +306,18 @@ def test_memory_weights_positions_by_bytes_not_op_count():
 )
 def test_memory_num_checkpoints_spreads_evenly(k, expected):
     fg = H.chain(100)
-    sel = strategies.get("memory")(fg, num_checkpoints=k)
-    assert names(fg, sel.checkpoints) == expected
+    sel = plan("memory", fg, num_checkpoints=k)
+    assert names(fg, sel.checkpoint_ids) == expected
 
 
 def test_memory_num_checkpoints_bounds():
     fg = H.chain(10)
     cands = articulation_candidates(fg)
-    assert strategies.memory(fg, num_checkpoints=0).checkpoints == ()
-    assert strategies.memory(fg, num_checkpoints=len(cands)).checkpoints == tuple(cands)
-    assert strategies.memory(fg, num_checkpoints=50).checkpoints == tuple(cands)
+    assert plan("memory", fg, num_checkpoints=0).checkpoint_ids == ()
+    assert plan("memory", fg, num_checkpoints=len(cands)).checkpoint_ids == tuple(cands)
+    assert plan("memory", fg, num_checkpoints=50).checkpoint_ids == tuple(cands)
     with pytest.raises(ValueError, match="num_checkpoints"):
-        strategies.memory(fg, num_checkpoints=-1)
+        plan("memory", fg, num_checkpoints=-1)
 
 
 def _cut_tensors(fg) -> set[int]:
@@ -318,7 +327,7 @@ def _cut_tensors(fg) -> set[int]:
 
 def test_memory_on_residual_and_unet_picks_only_cut_points():
     for fg in (H.residual_block(), H.unet()):
-        chosen = set(strategies.memory(fg, min_saving_fraction=0.0).checkpoints)
+        chosen = set(plan("memory", fg, min_saving_fraction=0.0).checkpoint_ids)
         assert chosen and chosen <= set(articulation_candidates(fg)) | _cut_tensors(fg)
 
 
@@ -345,30 +354,30 @@ def test_memory_plans_over_cuts_where_articulation_points_save_little():
     # each branch in short segments: 11 MiB.
     b, fg = _stem_and_two_branches()
     assert names(fg, articulation_candidates(fg)) == ["pre1:0", "pre2:0", "stem:0"]
-    sel = strategies.memory(fg, min_saving_fraction=0.0)
-    assert names(fg, sel.checkpoints) == [
+    sel = plan("memory", fg, min_saving_fraction=0.0)
+    assert names(fg, sel.checkpoint_ids) == [
         "stem:0", "q1:0", "p2:0", "p4:0", "q4:0", "p6:0", "q6:0"]
-    assert sel.reasons[b.ids["stem:0"]] == "articulation point"
-    assert sel.reasons[b.ids["q1:0"]] == strategies.CUT_REASON
+    assert sel.reason_of[b.ids["stem:0"]] == "articulation point"
+    assert sel.reason_of[b.ids["q1:0"]] == candidates.CUT_REASON
     costs = estimate_costs(fg)
-    peak = simulate(fg, build_schedule(fg, sel.checkpoints), costs, allocator=BFC,
+    peak = simulate(fg, build_schedule(fg, sel.checkpoint_ids), costs, model=MemoryModel(allocator=BFC),
                     timeline=False).peak_bytes
     assert peak == 11 * MiB
-    assert strategies.memory(fg).checkpoints == sel.checkpoints
-    assert strategies.memory(fg, num_checkpoints=1).checkpoints == (b.ids["stem:0"],)
+    assert plan("memory", fg).checkpoint_ids == sel.checkpoint_ids
+    assert plan("memory", fg, num_checkpoints=1).checkpoint_ids == (b.ids["stem:0"],)
 
 
 def test_memory_keeps_nothing_when_the_best_plan_saves_too_little():
     # The plan above saves 13 of the 22 MiB of working memory (x and the
     # seed gradient are resident): 59.1%.
     b, fg = _stem_and_two_branches()
-    sel = strategies.memory(fg, min_saving_fraction=0.6)
-    assert sel.checkpoints == ()
+    sel = plan("memory", fg, min_saving_fraction=0.6)
+    assert sel.checkpoint_ids == ()
     assert "from 25,165,824 to 11,534,336 bytes, a saving of 59.1%" in sel.note
     assert "min_saving_fraction=0.6" in sel.note
-    assert strategies.memory(fg, min_saving_fraction=0.59).checkpoints
+    assert plan("memory", fg, min_saving_fraction=0.59).checkpoint_ids
     with pytest.raises(ValueError, match="min_saving_fraction"):
-        strategies.memory(fg, min_saving_fraction=1.0)
+        plan("memory", fg, min_saving_fraction=1.0)
 
 
 def test_memory_without_articulation_points_keeps_the_tensors_crossing_cuts():
@@ -385,26 +394,26 @@ def test_memory_without_articulation_points_keeps_the_tensors_crossing_cuts():
     y = b.op("join", "AddV2", [p, q])
     fg = b.build(["x"], [y])
     assert articulation_candidates(fg) == []
-    sel = strategies.memory(fg)
-    assert sel.checkpoints
-    assert set(sel.reasons.values()) == {strategies.CUT_REASON}
+    sel = plan("memory", fg)
+    assert sel.checkpoint_ids
+    assert set(sel.reason_of.values()) == {candidates.CUT_REASON}
     # kept in pairs: a cut after p_i crosses q_{i-1} and p_i
     costs = estimate_costs(fg)
     cuts = {c.crossing for c in topological_cuts(fg, costs)}
-    assert set(sel.checkpoints) <= {t for c in cuts for t in c}
-    schedule = build_schedule(fg, sel.checkpoints)
+    assert set(sel.checkpoint_ids) <= {t for c in cuts for t in c}
+    schedule = build_schedule(fg, sel.checkpoint_ids)
     copied = [o for s in schedule.steps for o in s.ops]
     assert len(copied) == len(set(copied))  # no op recomputed twice
-    plain = simulate(fg, None, costs, allocator=BFC, timeline=False).peak_bytes
-    assert simulate(fg, schedule, costs, allocator=BFC, timeline=False).peak_bytes < 0.7 * plain
+    plain = simulate(fg, None, costs, model=MemoryModel(allocator=BFC), timeline=False).peak_bytes
+    assert simulate(fg, schedule, costs, model=MemoryModel(allocator=BFC), timeline=False).peak_bytes < 0.7 * plain
 
 
 def test_memory_with_nothing_to_keep_says_why():
     # One op between x and y: no activation to keep.
     b = Builder()
     y = b.op("only", "Tanh", [b.source("x")])
-    sel = strategies.memory(b.build(["x"], [y]))
-    assert sel.checkpoints == ()
+    sel = plan("memory", b.build(["x"], [y]))
+    assert sel.checkpoint_ids == ()
     assert "no tensor cuts the forward graph" in sel.note
 
 
@@ -456,13 +465,13 @@ def test_topological_cuts_of_a_dense_block():
 def test_memory_on_a_dense_block_keeps_features_and_recomputes_concatenations():
     b, fg = _dense_block(8)
     assert names(fg, articulation_candidates(fg)) == ["out:0"]  # the head only
-    sel = strategies.memory(fg)
-    assert sel.checkpoints and set(sel.reasons.values()) == {strategies.CUT_REASON}
-    kept_types = {fg.ops[fg.tensors[t].producer].type for t in sel.checkpoints}
+    sel = plan("memory", fg)
+    assert sel.checkpoint_ids and set(sel.reason_of.values()) == {candidates.CUT_REASON}
+    kept_types = {fg.ops[fg.tensors[t].producer].type for t in sel.checkpoint_ids}
     assert kept_types == {"Conv2D"}  # features, never a concatenation
     costs = estimate_costs(fg)
-    plain = simulate(fg, None, costs, allocator=BFC, timeline=False).peak_bytes
-    peak = simulate(fg, build_schedule(fg, sel.checkpoints), costs, allocator=BFC,
+    plain = simulate(fg, None, costs, model=MemoryModel(allocator=BFC), timeline=False).peak_bytes
+    peak = simulate(fg, build_schedule(fg, sel.checkpoint_ids), costs, model=MemoryModel(allocator=BFC),
                     timeline=False).peak_bytes
     assert peak < 0.71 * plain  # 0.708
 
@@ -485,17 +494,17 @@ def test_memory_on_inception_blocks_saves():
     # over topological cuts, keeping two of six blocks' outputs wins.
     fg = _inception(6)
     costs = estimate_costs(fg)
-    sel = strategies.memory(fg)
-    assert names(fg, sel.checkpoints) == ["b1_cat:0", "b3_cat:0"]
-    plain = simulate(fg, None, costs, allocator=BFC, timeline=False).peak_bytes
-    peak = simulate(fg, build_schedule(fg, sel.checkpoints), costs, allocator=BFC,
+    sel = plan("memory", fg)
+    assert names(fg, sel.checkpoint_ids) == ["b1_cat:0", "b3_cat:0"]
+    plain = simulate(fg, None, costs, model=MemoryModel(allocator=BFC), timeline=False).peak_bytes
+    peak = simulate(fg, build_schedule(fg, sel.checkpoint_ids), costs, model=MemoryModel(allocator=BFC),
                     timeline=False).peak_bytes
     assert peak < 0.65 * plain  # 0.643
 
 
 def _brute_force_cuts(fg, costs):
     """Every position's crossing activations by definition; keep the local minima."""
-    keep = set(strategies._candidates(fg))
+    keep = set(candidates.keepable(fg))
     crossing = []
     for i in range(len(fg.ops)):
         ts = sorted(
@@ -534,7 +543,7 @@ def test_branches_that_start_at_an_x_can_each_be_cut():
 def test_builtin_strategies_are_registered():
     assert {"collection", "memory", "speed"} <= set(strategies.available())
     assert strategies.available() == sorted(strategies.available())
-    assert strategies.get("memory") is strategies.memory
+    assert planners.get("memory") is memsave.planners.strategies.memory
 
 
 @pytest.mark.parametrize("bad", ["nope", "Memory", "", None, ["memory"]])
@@ -560,10 +569,10 @@ def test_register_custom_strategy(registry):
     assert "every_other" in strategies.available()
     fg = H.chain(6)
     assert strategies.get("every_other") is every_other
-    assert names(fg, strategies.get("every_other")(fg).checkpoints) == [
+    assert names(fg, plan("every_other", fg).checkpoint_ids) == [
         "op0:0", "op2:0", "op4:0",
     ]
-    assert names(fg, strategies.get("every_other")(fg, start=1).checkpoints) == [
+    assert names(fg, plan("every_other", fg, start=1).checkpoint_ids) == [
         "op1:0", "op3:0",
     ]
 
@@ -577,7 +586,7 @@ def test_register_duplicate_name_raises(registry):
         strategies.register("mine")(mine)
     with pytest.raises(ValueError, match="'memory' is registered already"):
         strategies.register("memory")(mine)
-    assert strategies.get("memory") is strategies.memory
+    assert planners.get("memory") is memsave.planners.strategies.memory
     assert strategies.get("mine") is mine
 
 
@@ -621,7 +630,7 @@ def _brute_force_candidates(fg) -> list[int]:
 
     Starts: ops reading an x or an external tensor and no recomputable op's
     output, else the piece's first op; end: the node joined to the ys, else
-    the piece's last op (the rules of ``strategies._piece_ends``).
+    the piece's last op (the rules of ``candidates._piece_ends``).
     """
     g = nx.Graph()
     g.add_node("sink")
@@ -673,9 +682,9 @@ def _brute_force_candidates(fg) -> list[int]:
 def test_articulation_candidates_match_brute_force_on_random_dags(seed):
     fg = _random_dag(seed)
     assert articulation_candidates(fg) == _brute_force_candidates(fg)
-    sel = strategies.memory(fg)
-    assert list(sel.checkpoints) == sorted(sel.checkpoints)
-    assert set(sel.checkpoints) <= set(articulation_candidates(fg)) | _cut_tensors(fg)
+    sel = plan("memory", fg)
+    assert list(sel.checkpoint_ids) == sorted(sel.checkpoint_ids)
+    assert set(sel.checkpoint_ids) <= set(articulation_candidates(fg)) | _cut_tensors(fg)
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -713,9 +722,9 @@ def test_a_scalar_bypass_does_not_hide_the_articulation_points():
 
 def test_the_schedule_keeps_what_a_scalar_bypass_needs():
     fg = _chain_with_scalar_bypass()
-    sel = strategies.memory(fg)
-    assert sel.checkpoints
-    sched = build_schedule(fg, sel.checkpoints)
+    sel = plan("memory", fg)
+    assert sel.checkpoint_ids
+    sched = build_schedule(fg, sel.checkpoint_ids)
     # op0 feeds both the main chain and the scalar: kept rather than
     # recomputed by two steps, so no op is copied twice.
     assert "op0:0" in names(fg, sched.kept)
@@ -734,8 +743,8 @@ def test_speed_drops_a_plan_that_saves_too_little_and_says_so():
     h = b.op("proj", "MatMul", [h], size_bytes=256)
     y = b.op("out", "Tanh", [h], size_bytes=256)
     fg = b.build(["x"], [y])
-    sel = strategies.speed(fg)
-    assert sel.checkpoints == ()
+    sel = plan("speed", fg)
+    assert sel.checkpoint_ids == ()
     assert "'speed''s plan (1 checkpoints)" in sel.note and "min_saving_fraction" in sel.note
     assert "checkpoints='memory'" in sel.note
-    assert names(fg, strategies.speed(fg, min_saving_fraction=0.0).checkpoints) == ["proj:0"]
+    assert names(fg, plan("speed", fg, min_saving_fraction=0.0).checkpoint_ids) == ["proj:0"]
