@@ -27,7 +27,7 @@ from memsave.errors import (
     OptionsError,
     UnknownStrategyError,
 )
-from memsave.gradients import (
+from memsave.api import (
     gradients,
     gradients_collection,
     gradients_memory,

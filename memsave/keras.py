@@ -31,8 +31,10 @@ Everything else ``fit`` does (callbacks, metrics, validation,
 ``steps_per_execution``, ``jit_compile``, distribution strategies, the
 optimizer's loss scaling) is Keras' own code, which calls the step.
 
-Every private Keras API this module uses is in the section "Private Keras
-API" at the end, checked against Keras 3.15; the step mirrors
+One module (some 750 lines) because it is one integration: the train step,
+its forecast and their validation share the step's code, and every private
+Keras API this module uses is in the section "Private Keras API" at the
+end, checked against Keras 3.15, in one place for a Keras upgrade to check; the step mirrors
 ``keras/src/backend/tensorflow/trainer.py`` ``TensorFlowTrainer.train_step``
 line for line, with ``tape.gradient`` replaced.
 
@@ -78,9 +80,9 @@ import tensorflow as tf
 
 from memsave import planners
 from memsave.errors import CheckpointError, EagerExecutionError, MemsaveError
-from memsave.gradients import device_model
-from memsave.gradients import gradients as _memsave_gradients
-from memsave.gradients import plan as _memsave_plan
+from memsave.api import device_model
+from memsave.api import gradients as _memsave_gradients
+from memsave.api import plan as _memsave_plan
 from memsave.memory_model import Allocator
 
 __all__ = ["checkpointed", "restore", "is_checkpointed", "plan", "KerasModelError"]

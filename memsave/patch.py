@@ -21,7 +21,7 @@ from typing import Any
 import tensorflow as tf
 
 from memsave import _tf_private
-from memsave.gradients import gradients as _memsave_gradients
+from memsave.api import gradients as _memsave_gradients
 
 __all__ = ["Patch", "patch", "unpatch"]
 
