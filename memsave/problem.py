@@ -179,6 +179,25 @@ class Problem:
                 forward=self.forward(model), extra_resident_bytes=self.extra_resident_bytes)
         return found
 
+    def floor(self, *, model: MemoryModel | None = None) -> int:
+        """Bytes every plan holds at the end of the step: a lower bound on any
+        plan's forecast peak (with the gradients kept, as planners compare).
+
+        The inputs and variables (resident from start to end), the extra
+        resident bytes, and the xs' gradients (the step's outputs): no
+        choice of checkpoints frees any of them.
+        """
+        model = self.model if model is None else model
+        return self._once(("floor", model), lambda: self._floor(model))
+
+    def _floor(self, model: MemoryModel) -> int:
+        fg, counted, tensor_bytes = self.fg, model.allocator.counted, self.costs.tensor_bytes
+        held = sum(counted(tensor_bytes[t.id]) for t in fg.tensors if t.kind != "internal")
+        reached = {t for targets in self.costs.gradient_targets for _, t in targets}
+        grads = sum(counted(tensor_bytes[x]) for x in dict.fromkeys(fg.xs)
+                    if x in reached and fg.tensors[x].kind != "internal")
+        return self.extra_resident_bytes + held + grads
+
     @property
     def simulations(self) -> int:
         """Distinct forecasts simulated so far (without timelines)."""

@@ -748,3 +748,52 @@ def test_speed_drops_a_plan_that_saves_too_little_and_says_so():
     assert "'speed''s plan (1 checkpoints)" in sel.note and "min_saving_fraction" in sel.note
     assert "checkpoints='memory'" in sel.note
     assert names(fg, plan("speed", fg, min_saving_fraction=0.0).checkpoint_ids) == ["proj:0"]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_floor_bounds_every_plan_and_the_shortcut_loses_no_plan(seed):
+    # Problem.floor (inputs, variables, the xs' gradients) is below every
+    # plan's forecast peak; when it leaves plain tf.gradients no room to save
+    # min_saving_fraction, 'memory' keeps nothing without simulating its
+    # plans, and indeed none of them would have been kept.
+    import random
+
+    from memsave.planners.strategies import MIN_SAVING_FRACTION, can_save
+
+    rs = random.Random(seed)
+    for fg in (H.random_chain(rs, 40), H.random_dag(rs, 40), _weights_heavy_chain(rs)):
+        problem = Problem(fg)
+        judge = problem.judge
+        floor = problem.floor(model=judge)
+        base = problem.forecast(None, model=judge)
+        assert floor <= base.peak_bytes
+        peaks = [problem.peak(problem.schedule(c), model=judge) for c in problem.memory_plans()]
+        assert all(floor <= p for p in peaks)
+        if can_save(problem, min_saving_fraction=MIN_SAVING_FRACTION):
+            working = base.peak_bytes - base.resident_bytes
+            assert all((base.peak_bytes - p) / working < MIN_SAVING_FRACTION for p in peaks)
+            assert plan("memory", fg).checkpoint_ids == ()
+
+
+def test_weights_that_make_the_peak_leave_nothing_to_save():
+    import random
+
+    from memsave.planners.strategies import can_save
+
+    problem = Problem(_weights_heavy_chain(random.Random(0)))
+    assert "no plan can save" in can_save(problem, min_saving_fraction=0.1)
+    p = planners.run("memory", problem)
+    assert p.checkpoint_ids == () and "the xs' gradients" in p.note
+    assert problem.simulations == 1  # plain tf.gradients only: no plan was simulated
+    assert can_save(Problem(H.chain(36)), min_saving_fraction=0.1) == ""
+
+
+def _weights_heavy_chain(rs, n=30):
+    """A chain of matmuls whose weights (the xs) outweigh the activations."""
+    b = Builder()
+    h = b.external("data", size_bytes=MiB // 64)
+    for i in range(n):
+        w = b.source(f"w{i}", size_bytes=MiB)
+        h = b.op(f"mm{i}", "MatMul", [h, w], size_bytes=MiB // 64)
+        h = b.op(f"t{i}", "Tanh", [h], size_bytes=MiB // 64)
+    return b.build([f"w{i}" for i in range(n)], [h])

@@ -80,6 +80,31 @@ def _no_solver_options(solver: str, time_limit_s, who: str, api: str) -> None:
             f"planned; {who} got them without a memory_budget")
 
 
+def can_save(problem: Problem, *, min_saving_fraction: float) -> str:
+    """Empty when some plan may save ``min_saving_fraction`` of the working
+    memory, else why none can (without simulating any plan).
+
+    No plan's peak goes below :meth:`Problem.floor` (the inputs, variables
+    and the xs' gradients alive at the end of the step): when plain
+    ``tf.gradients`` already peaks within that fraction of it (small batches,
+    where the weights' gradients make the peak), no checkpoint can help.
+    """
+    if min_saving_fraction == 0.0:
+        return ""
+    judge = problem.judge
+    base = problem.forecast(None, model=judge)
+    floor = problem.floor(model=judge)
+    working = max(base.peak_bytes - base.resident_bytes, 1)
+    if (base.peak_bytes - floor) / working >= min_saving_fraction:
+        return ""
+    return (
+        f"tf.gradients' forecast peak (every buffer counted) is {base.peak_bytes:,} bytes, of "
+        f"which {floor:,} (the inputs, variables and the xs' gradients) stay alive to the end "
+        f"of the step whatever is recomputed: no plan can save min_saving_fraction="
+        f"{min_saving_fraction:g} of the {working:,} bytes of working memory (the gradients of "
+        "the weights make the peak: a larger batch would leave something to save); ")
+
+
 def worth_it(problem: Problem, plan: Plan, *, min_saving_fraction: float, who: str) -> Plan:
     """``plan``, or an empty one when it saves too little.
 
@@ -247,6 +272,9 @@ def memory(
         idx = spread([cum[c.position] for c in cuts], total, min(num_checkpoints, len(cuts)))
         return _plan(problem, "memory", [t for i in idx for t in cuts[i].crossing], reason)
 
+    hopeless = can_save(problem, min_saving_fraction=min_saving_fraction)
+    if hopeless:
+        return problem.plan("memory", (), {}, note=hopeless + _CHOOSE_YOURSELF)
     judge = problem.judge
     plans = problem.memory_plans(segment_live_fraction=segment_live_fraction,
                                  small_tensor_fraction=small_tensor_fraction)
