@@ -36,6 +36,7 @@ from memsave.planners.strategies import given
 from memsave.problem import Problem
 from memsave.record import Plan
 from memsave.rewrite import aggregate, rewrite
+from memsave.simulate import paused_gc
 
 __all__ = [
     "gradients",
@@ -248,6 +249,7 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options, *,
 
 
 @tf.autograph.experimental.do_not_convert
+@paused_gc()
 def plan(
     ys,
     xs,
@@ -292,6 +294,7 @@ def plan(
 
 
 @tf.autograph.experimental.do_not_convert
+@paused_gc()  # a burst of Python objects with no cycles: see memsave.simulate.paused_gc
 def gradients(
     ys,
     xs,

@@ -628,11 +628,12 @@ def paused_gc():
     """Pause Python's cyclic garbage collector for a burst of allocations.
 
     Building and replaying a program allocates tens of thousands of small
-    lists and tuples, which triggers full collections; in a process holding
-    a TensorFlow graph each one walks every Python object of that graph
-    (measured: a third of ``memsave.plan``'s time on a 1000-op chain). The
-    program holds no reference cycles, so nothing is left for the collector;
-    its previous state is restored on exit.
+    lists and tuples, and the rewrite thousands of TensorFlow objects, which
+    trigger full collections; in a process holding a TensorFlow graph each
+    one walks every Python object of that graph (measured: a third of
+    ``memsave.plan``'s time on a 1000-op chain). What memsave builds holds
+    no cycles for the collector to find: it runs again, if it must, after
+    the burst. Its previous state is restored on exit; works as a decorator.
     """
     was_enabled = gc.isenabled()
     gc.disable()
