@@ -29,7 +29,13 @@ from typing import Any, Union
 import tensorflow as tf
 
 from memsave import _tf_private, planners
-from memsave.errors import CheckpointError, EagerExecutionError, GraphMismatchError, OptionsError
+from memsave.errors import (
+    ArgumentError,
+    CheckpointError,
+    EagerExecutionError,
+    GraphMismatchError,
+    OptionsError,
+)
 from memsave.extract import Extraction, extract
 from memsave.memory_model import BFC, CPU_ONEDNN, Allocator, MemoryModel
 from memsave.planners.strategies import given
@@ -103,7 +109,7 @@ def _normalize(ys, xs, grad_ys, stop_gradients, checkpoints) -> tuple:
     ys = _as_list(ys)
     xs = _as_list(xs)
     if not ys:
-        raise ValueError("memsave.gradients: ys is empty; pass at least one tensor")
+        raise ArgumentError("memsave.gradients: ys is empty; pass at least one tensor")
     for y in ys:
         if _is_eager(y):
             raise EagerExecutionError(
@@ -132,7 +138,7 @@ def _normalize(ys, xs, grad_ys, stop_gradients, checkpoints) -> tuple:
     else:
         grad_ys = _as_list(grad_ys)
         if len(grad_ys) != len(ys):
-            raise ValueError(
+            raise ArgumentError(
                 f"memsave.gradients: passed {len(grad_ys)} grad_ys for {len(ys)} ys; "
                 "pass one per y (None for the default ones)"
             )
@@ -362,7 +368,7 @@ def gradients(
     try:
         unconnected = tf.UnconnectedGradients(unconnected_gradients)
     except ValueError:
-        raise ValueError(
+        raise ArgumentError(
             f"memsave.gradients: unconnected_gradients={unconnected_gradients!r}; use one of "
             f"{[u.value for u in tf.UnconnectedGradients]}"
         ) from None

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 
+from memsave.errors import ArgumentError
 from memsave.graph import Body, ForwardGraph, GradientUse
 
 __all__ = [
@@ -218,7 +219,7 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None,
     One pass over tensors and ops: linear in the graph size.
     """
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError(f"memsave: batch_size must be a positive int, got {batch_size!r}")
+        raise ArgumentError(f"memsave: batch_size must be a positive int, got {batch_size!r}")
     tensor_bytes = []
     guessed: dict[str, list[str]] = {"batch": [], "other": [], "rank": []}
     for node in fg.tensors:

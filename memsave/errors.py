@@ -17,6 +17,8 @@ __all__ = [
     "UnknownStrategyError",
     "MemoryBudgetError",
     "OptionsError",
+    "ArgumentError",
+    "PatchError",
 ]
 
 
@@ -47,9 +49,19 @@ class UnknownStrategyError(MemsaveError, ValueError):
     """``checkpoints=`` names no registered strategy."""
 
 
-class OptionsError(MemsaveError, TypeError):
-    """``strategy_options=`` holds options the chosen planner does not take,
-    or an option that needs another one (a solver without a budget)."""
+class OptionsError(MemsaveError, TypeError, ValueError):
+    """``strategy_options=`` (or a planner's keyword) holds an option the
+    planner does not take, a value it cannot use, or an option that needs
+    another one (a solver without a budget)."""
+
+
+class ArgumentError(MemsaveError, ValueError, TypeError):
+    """An argument of a memsave call is invalid (an empty ``ys``, a batch size
+    that is not a positive int, ...): the message says what is allowed."""
+
+
+class PatchError(MemsaveError, RuntimeError):
+    """``memsave.patch`` was undone out of order (patches nest like with-blocks)."""
 
 
 class MemoryBudgetError(MemsaveError, ValueError):

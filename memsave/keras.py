@@ -79,7 +79,13 @@ import keras
 import tensorflow as tf
 
 from memsave import planners
-from memsave.errors import CheckpointError, EagerExecutionError, MemsaveError
+from memsave.errors import (
+    ArgumentError,
+    CheckpointError,
+    EagerExecutionError,
+    MemsaveError,
+    OptionsError,
+)
 from memsave.api import device_model
 from memsave.api import gradients as _memsave_gradients
 from memsave.api import plan as _memsave_plan
@@ -306,7 +312,7 @@ def plan(
         raise EagerExecutionError(_EAGER_MESSAGE.format(name=model.name))
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                    or batch_size < 1):
-        raise ValueError(f"{api}: batch_size={batch_size!r}; pass a positive int, or None to "
+        raise ArgumentError(f"{api}: batch_size={batch_size!r}; pass a positive int, or None to "
                          "take the batch size from x")
     config = _Config(
         strategy=_check_checkpoints(checkpoints, api),
@@ -381,7 +387,7 @@ def _batch_spec(data: tuple, batch_size: int | None, api: str) -> tuple:
             try:
                 t = leaf if isinstance(leaf, tf.Tensor) else tf.convert_to_tensor(leaf)
             except (TypeError, ValueError) as e:
-                raise TypeError(
+                raise ArgumentError(
                     f"{api}: cannot read the shape of a batch entry of type "
                     f"{type(leaf).__name__} ({e}); pass arrays, tensors or tf.TensorSpec"
                 ) from None
@@ -390,7 +396,7 @@ def _batch_spec(data: tuple, batch_size: int | None, api: str) -> tuple:
             dtype = floatx
         if batch_size is not None:
             if shape.rank is None or shape.rank == 0:
-                raise ValueError(f"{api}: batch_size={batch_size} needs every batch entry to have "
+                raise ArgumentError(f"{api}: batch_size={batch_size} needs every batch entry to have "
                                  f"a leading (batch) dimension; got shape {shape}")
             shape = tf.TensorShape([batch_size]).concatenate(shape[1:])
         return tf.TensorSpec(shape, dtype)
@@ -606,12 +612,12 @@ def _check_strategy_options(options, checkpoints, api: str = "memsave.keras.chec
     if options is None:
         return None
     if not isinstance(checkpoints, str):
-        raise TypeError(
+        raise OptionsError(
             f"{api}: strategy_options apply to a strategy name only, "
             f"not to checkpoints={checkpoints!r}"
         )
     if not isinstance(options, Mapping):
-        raise TypeError(
+        raise OptionsError(
             f"{api}: strategy_options={options!r}; pass a mapping "
             "such as {'num_checkpoints': 8}"
         )

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from memsave.errors import OptionsError
+
 __all__ = ["Allocator", "CPU_ONEDNN", "BFC", "MemoryModel"]
 
 
@@ -118,7 +120,7 @@ class MemoryModel:
 
     def __post_init__(self) -> None:
         if self.weight_gradient_overlap < 0:
-            raise ValueError(
+            raise OptionsError(
                 f"memsave.MemoryModel: weight_gradient_overlap={self.weight_gradient_overlap}; "
                 "pass 0 (no overlap) or a positive number of instructions")
 

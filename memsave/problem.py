@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping
 
 from memsave import candidates as _candidates
 from memsave.costs import Costs, estimate_costs
+from memsave.errors import ArgumentError
 from memsave.graph import ForwardGraph
 from memsave.memory_model import MemoryModel
 from memsave.schedule import Schedule, build_schedule
@@ -71,7 +72,7 @@ class Problem:
                  extra_resident_bytes: int = 0) -> None:
         if isinstance(extra_resident_bytes, bool) or not isinstance(extra_resident_bytes, int) \
                 or extra_resident_bytes < 0:
-            raise ValueError(
+            raise ArgumentError(
                 f"memsave: extra_resident_bytes={extra_resident_bytes!r}; pass a number of bytes >= 0")
         self.fg = fg
         self.model = model

@@ -74,6 +74,7 @@ from collections.abc import Sequence
 
 from memsave.bodies import body_figures
 from memsave.costs import Costs
+from memsave.errors import ArgumentError
 from memsave.graph import ForwardGraph
 from memsave.memory_model import BFC, CPU_ONEDNN, Allocator, MemoryModel
 from memsave.schedule import Schedule
@@ -459,7 +460,7 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, model: Mem
     if forward is None:
         forward = ForwardProgram(fg, costs, model)
     elif forward.fg is not fg or forward.costs is not costs or forward.model != model:
-        raise ValueError(
+        raise ArgumentError(
             "memsave.simulate: forward= was built for another graph, costs or memory model")
     b = _Builder(fg, costs, model, forward)
     p = b.p

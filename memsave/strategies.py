@@ -16,7 +16,7 @@ import inspect
 from collections.abc import Callable
 
 from memsave import planners
-from memsave.errors import CheckpointError
+from memsave.errors import ArgumentError, CheckpointError
 from memsave.planners.strategies import EXPENSIVE_OP_TYPES, MIN_SAVING_FRACTION
 
 __all__ = ["Selection", "register", "unregister", "get", "available", "EXPENSIVE_OP_TYPES",
@@ -77,7 +77,7 @@ def _as_planner(name: str, fn: Strategy):
             options["costs"] = problem.costs
         sel = fn(problem.fg, **options)
         if not isinstance(sel, Selection):
-            raise TypeError(
+            raise ArgumentError(
                 f"memsave: strategy {name!r} returned {type(sel).__name__}; a strategy registered "
                 "with memsave.strategies.register returns a memsave.strategies.Selection")
         return problem.plan(name, sel.checkpoints, sel.reasons, note=sel.note)

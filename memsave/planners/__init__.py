@@ -33,7 +33,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from memsave.errors import OptionsError, UnknownStrategyError
+from memsave.errors import ArgumentError, OptionsError, UnknownStrategyError
 from memsave.simulate import paused_gc
 
 __all__ = ["Planner", "register", "unregister", "get", "available", "run"]
@@ -51,9 +51,9 @@ def register(name: str, planner: Planner | None = None):
 
     def deco(fn: Planner) -> Planner:
         if not isinstance(name, str) or not name:
-            raise ValueError(f"memsave.planners.register: name={name!r}; pass a non-empty string")
+            raise ArgumentError(f"memsave.planners.register: name={name!r}; pass a non-empty string")
         if name in _REGISTRY:
-            raise ValueError(f"memsave.planners.register: {name!r} is registered already; "
+            raise ArgumentError(f"memsave.planners.register: {name!r} is registered already; "
                              "unregister it first")
         _REGISTRY[name] = fn
         return fn

@@ -32,6 +32,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from memsave.costs import is_activation
+from memsave.errors import ArgumentError
 from memsave.problem import Problem
 from memsave.schedule import Schedule
 
@@ -108,7 +109,7 @@ class Segments:
             candidates = problem.keepable()
         for t in candidates:
             if not is_activation(fg, t):
-                raise ValueError(
+                raise ArgumentError(
                     f"memsave.planners.Segments: candidate {fg.tensors[t].name!r} is not an "
                     "activation (internal, differentiable, from a recomputable op)"
                 )

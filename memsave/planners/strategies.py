@@ -70,7 +70,7 @@ def _plan(problem: Problem, name: str, chosen: Iterable[int], reason: Callable[[
 
 def _check_fraction(name: str, value: float, api: str) -> None:
     if not 0.0 <= value < 1.0:
-        raise ValueError(f"{api}: {name} must be in [0, 1), got {value}")
+        raise OptionsError(f"{api}: {name} must be in [0, 1), got {value}")
 
 
 def _no_solver_options(solver: str, time_limit_s, who: str, api: str) -> None:
@@ -254,7 +254,7 @@ def memory(
     _no_solver_options(solver, time_limit_s, "'memory'", api)
     _check_fraction("min_saving_fraction", min_saving_fraction, api)
     if num_checkpoints is not None and num_checkpoints < 0:
-        raise ValueError(f"{api}: num_checkpoints must be >= 0, got {num_checkpoints}")
+        raise OptionsError(f"{api}: num_checkpoints must be >= 0, got {num_checkpoints}")
     fg = problem.fg
     points = problem.articulation_points(small_tensor_fraction=small_tensor_fraction)
     on_point = set(points)
