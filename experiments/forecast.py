@@ -29,9 +29,10 @@ Measurements are cached (``--measured``, JSON, keyed by model, mode and
 method, with each model's configuration) so that calibrating the
 simulator re-predicts without re-measuring: ``--predict-only`` never
 measures; otherwise only missing (or stale) entries are measured, and
-``--processes 3`` tops every entry up to three processes. The cache is
-copied to ``--share`` (default /work/briefs/forecast_measured.json) for
-the engineer calibrating the simulator.
+``--processes 3`` tops every entry up to three processes. The cache
+lives in the repository's ``results/`` by default; ``--share PATH`` also
+copies it to PATH after each update (to hand measurements to another
+checkout).
 
 It also times ``memsave.plan`` on graphs of about 1000 ops, a tanh chain
 and a ResNet (target < 1 s; ``--timing-only`` runs just that).
@@ -47,7 +48,7 @@ Usage::
     .venv/bin/python experiments/forecast.py --predict-only    # re-predict against the cache
     .venv/bin/python experiments/forecast.py --models zoo_mlp resnet20 --methods plain memory
     # two runs in parallel on other models, then one table
-    .venv/bin/python experiments/forecast.py --models keras_resnet50 --measured b.json --share ''
+    .venv/bin/python experiments/forecast.py --models keras_resnet50 --measured b.json
     .venv/bin/python experiments/forecast.py --merge b.json --predict-only
 """
 
@@ -90,7 +91,6 @@ REPEATS = 3
 WORKER_TIMEOUT_S = 1200
 
 DEFAULT_CACHE = REPO_ROOT / "results" / "forecast_measured.json"
-DEFAULT_SHARE = Path("/work/briefs/forecast_measured.json")
 
 #: Layers of the tanh chain whose plan is timed: 3 ops a layer (MatMul,
 #: Add, Tanh) plus the loss make about 1000 forward ops.
@@ -751,8 +751,8 @@ def _parse(argv):
                     default=[FUNCTION, SESSION, FIT])
     ap.add_argument("--quick", action="store_true", help="only the models marked quick")
     ap.add_argument("--measured", type=Path, default=DEFAULT_CACHE, help="the measurement cache (JSON)")
-    ap.add_argument("--share", default=str(DEFAULT_SHARE),
-                    help="also copy the cache here ('' for nowhere)")
+    ap.add_argument("--share", type=Path, default=None,
+                    help="also copy the cache to this path after each update (default: nowhere)")
     ap.add_argument("--merge", nargs="+", type=Path, metavar="CACHE",
                     help="first copy these caches' entries into --measured (runs made in parallel)")
     ap.add_argument("--predict-only", action="store_true", help="never measure; use the cache")
@@ -785,7 +785,7 @@ def main(argv=None) -> int:
         return 0
     names = args.models or [n for n, e in MODELS.items() if e.quick or not args.quick]
     selected = [(n, mode) for n in names for mode in MODELS[n].modes if mode in args.modes]
-    share = Path(args.share) if args.share else None
+    share = args.share
     cache = _load_cache(args.measured)
     for other in args.merge or []:  # caches of runs made in parallel, on other models
         cache["entries"].update(_load_cache(other)["entries"])

@@ -67,6 +67,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 
 from allocator import PRESPLIT_MIB, presplit_cpu_pool
 
@@ -186,7 +187,14 @@ def main() -> None:
                               a.presplit_mib)))
         return
 
-    tmp = f"/tmp/xla_cnn_{os.getpid()}"
+    # Each configuration's first process dumps its gradients into a temporary
+    # directory, compared with plain's there; it goes once the table is printed.
+    with tempfile.TemporaryDirectory(prefix="xla_cnn_") as tmpdir:
+        _print_table(a, os.path.join(tmpdir, "grads"))
+
+
+def _print_table(a: argparse.Namespace, tmp: str) -> None:
+    """Measure every configuration of ``a`` and print one row each; gradients go to ``tmp``_*.npy."""
     print("| XLA | batch | method | peak MiB | resident MiB | above MiB | peak ratio | above ratio | grad rel err |")
     print("|---|---|---|---|---|---|---|---|---|")
     for xla_name in a.xla:
