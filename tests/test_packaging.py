@@ -17,8 +17,9 @@ reports the file of every memsave module it loaded, and each must be in the
 install directory.
 
 Checked by breaking the packaging: with ``packages = ["memsave"]`` in place
-of the package discovery in pyproject.toml, the wheel lacks memsave/solvers
-and both the file-list test and the installed run fail.
+of the package discovery in pyproject.toml, the wheel lacks memsave/planners
+(memsave/solvers before it) and both the file-list test and the installed
+run fail.
 
 Also here: the declared dependencies are exactly the third-party modules
 memsave imports, and the changelog, ``memsave.__version__`` and the
@@ -192,7 +193,7 @@ INSTALLED_RUN = textwrap.dedent("""
 @pytest.mark.slow
 def test_wheel_and_sdist_hold_every_package_file(built):
     expected = package_files()
-    assert "memsave/py.typed" in expected and "memsave/solvers/__init__.py" in expected
+    assert "memsave/py.typed" in expected and "memsave/planners/__init__.py" in expected
     with zipfile.ZipFile(built["wheel"]) as z:
         in_wheel = {n for n in z.namelist() if n.startswith("memsave/")}
     assert in_wheel == expected, (
@@ -213,7 +214,7 @@ def test_installed_wheel_imports_and_checkpoints_outside_the_checkout(installed)
     assert Path(report["file"]).resolve().is_relative_to(target), report["file"]
     outside = [f for f in report["modules"] if not Path(f).resolve().is_relative_to(target)]
     assert not outside, f"memsave modules loaded from outside the install: {outside}"
-    assert any("/memsave/solvers/" in f for f in report["modules"])
+    assert any("/memsave/planners/" in f for f in report["modules"])
     # The rewrite ran: recomputed copies of forward Tanh ops (tf.gradients'
     # own gradient adds none), checkpoints chosen, and the budget met.
     assert report["reference_copies"] == 0
