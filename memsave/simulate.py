@@ -78,6 +78,7 @@ from memsave.errors import ArgumentError
 from memsave.graph import ForwardGraph
 from memsave.memory_model import BFC, CPU_ONEDNN, Allocator, MemoryModel
 from memsave.schedule import Schedule
+from memsave.xla import XlaModel, breadth_first_order
 
 __all__ = [
     "MemoryModel",
@@ -208,11 +209,20 @@ class _Builder:
         self.resident_bytes = 0
         self.constant: set[int] = set()  # gradient values Grappler folds into constants
         self.xs = set(fg.xs)
+        # Under XLA: what the compiled step holds besides (memsave.xla): where
+        # in an op's early values its forward run put XLA's, each op's
+        # transformed kernel, and whether a recompute step's copies are
+        # being differentiated.
+        self.xla_forward_of: dict[int, tuple[int, int]] = {}
+        self.xla_kernel_of: dict[int, int] = {}
+        self.recomputing = False
         if forward is not None:  # the state after its forward pass (which it built once)
             self.feeds_x = forward.feeds_x
             self.gradient_targets = forward.gradient_targets
+            self.xla_model = forward.xla_model
             forward.restore(self)
             return
+        self.xla_model = XlaModel(fg, costs) if fg.xla else None
         # An x, or the read of one (an op whose inputs are all xs, e.g.
         # ReadVariableOp): its gradient is the x's, passed through.
         self.feeds_x = [
@@ -243,6 +253,16 @@ class _Builder:
             lists = p.value(figures.stored_bytes)
             writes += [(saved, ()), (lists, ()), (p.value(figures.forward_bytes), ())]
         early = costs.gradient[i].early_bytes
+        if self.xla_model is not None:
+            # What XLA makes for the gradient when the op runs (memsave.xla).
+            xla_early = self.xla_model.early(i, recomputed=phase is Event.RECOMPUTE)
+            if xla_early and phase is Event.FORWARD:
+                self.xla_forward_of[i] = len(early), len(xla_early)
+            early = early + xla_early
+            kernel = self.xla_model.kernel(i) if phase is Event.FORWARD else None
+            if kernel is not None:
+                self.xla_kernel_of[i] = p.value(kernel[1])
+                writes.append((self.xla_kernel_of[i], ()))
         if early and costs.gradient[i].has_gradient:
             # Gradient values computed from this op's values alone: they run
             # right after it and wait for its gradient.
@@ -310,6 +330,8 @@ class _Builder:
             reads += [vmap(t) for t in read_outs]
             if i in self.early_of:
                 reads += self.early_of[i]
+            if i in self.xla_kernel_of:
+                reads.append(self.xla_kernel_of[i])
             writes = []
             if costs.scratch and costs.scratch[i]:
                 # Each input's gradient is a kernel of the same type, run one
@@ -317,6 +339,10 @@ class _Builder:
                 # the other operand, the largest input at most.
                 writes.append((p.value(max(tensor_bytes[t] for t in op.outputs)), ()))
                 writes.append((p.value(max((tensor_bytes[t] for t in inputs), default=0)), ()))
+            if self.xla_model is not None:
+                scratch = self.xla_model.gradient_scratch(i, recomputed=self.recomputing)
+                if scratch:
+                    writes.append((p.value(scratch), ()))
             if op.body is not None:
                 if i in self.saved_of:
                     reads.append(self.saved_of[i])
@@ -436,6 +462,9 @@ class ForwardProgram:
         self.early_of = dict(b.early_of)
         self.resident_bytes = b.resident_bytes
         self.constant = set(b.constant)
+        self.xla_model = b.xla_model
+        self.xla_forward_of = dict(b.xla_forward_of)
+        self.xla_kernel_of = dict(b.xla_kernel_of)
 
     def restore(self, b: _Builder) -> None:
         """Put ``b`` (fresh, for the same graph) in the state after the forward pass."""
@@ -446,6 +475,8 @@ class ForwardProgram:
         b.early_of = dict(self.early_of)
         b.resident_bytes = self.resident_bytes
         b.constant = set(self.constant)
+        b.xla_forward_of = self.xla_forward_of
+        b.xla_kernel_of = dict(self.xla_kernel_of)
 
 
 def forward_program(fg: ForwardGraph, costs: Costs,
@@ -479,15 +510,19 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, model: Mem
         for i, v in b.saved_of.items():
             if i not in differentiated:
                 p.size[v] = 0
+    if b.xla_model is not None and schedule is not None:
+        _drop_recomputed_xla_values(b, schedule)
     backward_start = len(p.reads)
 
     # Seeds: grad_ys = ones_like(y), a folded constant when y's shape is static.
+    # (Under XLA memsave's seeds read the ys, memsave.rewrite._after_forward.)
+    xla_seeds = fg.xla and schedule is not None
     for y in dict.fromkeys(fg.ys):
-        if b.foldable(y):
+        if b.foldable(y) and not xla_seeds:
             v = b.constant_value(y)
         else:
             v = p.value(costs.tensor_bytes[y])
-            p.instr((Event.SEED, y), [], [(v, ())])
+            p.instr((Event.SEED, y), [orig[y]] if xla_seeds else [], [(v, ())])
         b.grads.setdefault(y, []).append(v)
 
     xs = set(fg.xs)
@@ -513,13 +548,29 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, model: Mem
                 gated = set()
             for t in step.boundary:
                 src = orig[t]
-                if t in gated:
+                if t in gated and b.xla_model is not None:
+                    # XLA fuses the gated add with t's elementwise producers:
+                    # it reads what t is computed from (memsave.xla.fused_sources),
+                    # and the gate (the heads' gradients).
+                    v = p.value(tensor_bytes[t])
+                    p.instr((Event.PROXY, t), [orig[u] for u in b.xla_model.fused_sources(t)]
+                            + [g for h in step.heads for g in grads.get(h, ())], [(v, ())])
+                elif t in gated:
                     v = p.value(tensor_bytes[t])
                     p.instr((Event.PROXY, t), [src], [(v, (src,))])
                 else:
                     v = p.value(tensor_bytes[t], alias=src)
                     p.instr((Event.PROXY, t), [src], [(v, ())])
                 local[t] = v
+            if b.xla_model is not None:
+                # XLA transforms the step's kernels as soon as their gate opens.
+                for i in step.ops:
+                    kernel = b.xla_model.kernel(i)
+                    if kernel is not None:
+                        w = kernel[0]
+                        v = p.value(kernel[1])
+                        p.instr((Event.PROXY, w), [local.get(w, orig[w])], [(v, ())])
+                        b.xla_kernel_of[i] = v
 
             def vmap(t: int, local=local) -> int:
                 v = local.get(t)
@@ -532,13 +583,33 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, model: Mem
             b.bind = bind_local
             for i in _needed_copies(fg, costs, step.ops):
                 b.run_op(i, vmap, Event.RECOMPUTE)
+            b.recomputing = True
             b.backward(step.ops, vmap, heads, boundary)
+            b.recomputing = False
     # The xs' gradients are the step's outputs.
     for x in dict.fromkeys(fg.xs):
         g = b.accumulate(x, b.grads.pop(x, []))
         if g is not None:
             p.pinned.append(g)
     return p, b.resident_bytes, backward_start
+
+
+def _drop_recomputed_xla_values(b: _Builder, schedule: Schedule) -> None:
+    """Under XLA, drop the forward pass's XLA values of ops ``schedule`` recomputes.
+
+    An op whose gradient a recompute step takes on its copy makes its XLA
+    values (a transposed input, a transformed kernel: memsave.xla) in that
+    step, not in the forward pass.
+    """
+    size, early_of = b.p.size, b.early_of
+    recomputed = {i for step in schedule.steps if step.kind == "recompute" for i in step.ops}
+    for i, (start, n) in b.xla_forward_of.items():
+        if i in recomputed:
+            for v in early_of[i][start:start + n]:
+                size[v] = 0
+    for i, v in b.xla_kernel_of.items():
+        if i in recomputed:
+            size[v] = 0
 
 
 def _needed_copies(fg: ForwardGraph, costs: Costs, ops: Sequence[int]) -> list[int]:
@@ -650,6 +721,14 @@ def _simulate(fg, schedule, costs, model, timeline, forward, gradients_kept,
     p, resident_bytes, backward_start = _build(fg, schedule, costs, model, forward)
     allocator = model.allocator
     reads, writes, size, alias = p.reads, p.writes, p.size, p.alias
+    labels = p.labels
+    if fg.xla:
+        # XLA runs the instructions breadth-first (memsave.xla).
+        order = breadth_first_order(reads, writes, len(size))
+        reads = [reads[k] for k in order]
+        writes = [writes[k] for k in order]
+        labels = [labels[k] for k in order]
+        backward_start = next((j for j, k in enumerate(order) if k >= backward_start), len(order))
     n_instr = len(reads)
     n_val = len(size)
     # Each value's last reader, or where it is made if nothing reads it.
@@ -660,6 +739,9 @@ def _simulate(fg, schedule, costs, model, timeline, forward, gradients_kept,
     for k, rs in enumerate(reads):
         for r in rs:
             last[r] = k
+    # Under XLA with the update in the step, each gradient is consumed by
+    # its update (MemoryModel.xla_update_in_step): as gradients_kept=False.
+    gradients_kept = gradients_kept and not (fg.xla and model.xla_update_in_step)
     if gradients_kept:
         for v in p.pinned:
             last[v] = n_instr  # past the last instruction: the step's outputs
@@ -710,7 +792,7 @@ def _simulate(fg, schedule, costs, model, timeline, forward, gradients_kept,
         if alive > peak:
             peak, peak_k = alive, k
         if timeline:
-            events.append((alive, _label(fg, p.labels[k])))
+            events.append((alive, _label(fg, labels[k])))
         for v in dies:
             r = root[v]
             refs[r] -= 1
@@ -720,7 +802,7 @@ def _simulate(fg, schedule, costs, model, timeline, forward, gradients_kept,
         peak_bytes=peak,
         resident_bytes=resident_counted,
         timeline=tuple(events),
-        peak_event=_label(fg, p.labels[peak_k]) if peak_k >= 0 else "start",
+        peak_event=_label(fg, labels[peak_k]) if peak_k >= 0 else "start",
         backward_start=backward_start,
         end_bytes=alive,
     )
