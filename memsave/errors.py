@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointError",
     "UnknownStrategyError",
     "MemoryBudgetError",
+    "DeviceProfileError",
 ]
 
 
@@ -59,3 +60,7 @@ class MemoryBudgetError(MemsaveError, ValueError):
     def __init__(self, message: str, min_peak_bytes: int | None = None) -> None:
         super().__init__(message)
         self.min_peak_bytes = min_peak_bytes
+
+
+class DeviceProfileError(MemsaveError, ValueError):
+    """A :class:`memsave.timemodel.DeviceProfile` was given an invalid figure."""

@@ -1,0 +1,374 @@
+"""How good is memsave's time model (``memsave.timemodel``)?
+
+Three checks, on the study's models (``models.py``):
+
+1. **Per op type** (``--models``): the model's plain SGD step in a
+   ``tf.compat.v1`` Session, one kernel at a time (inter-op threads 1),
+   each kernel's time read from TensorFlow's step stats (minimum over
+   ``--repeats`` traced runs, ``memsave.calibrate.kernel_seconds``) and
+   assigned to the forward op it is named after or to the op whose
+   gradient name scope it is in (``memsave.calibrate.attribute``). Table:
+   op type, count, measured and forecast milliseconds of the forward
+   kernels and of the gradients, their ratio; the gradient sums (AddN),
+   what the model does not cover (the optimizer's updates, constants), and
+   totals for the forward pass, the backward pass and the step.
+2. **Kernel-time ratios** (``--plans``, Session as above): for each plan
+   (``checkpoints='memory'``, ``'speed'``, ``memory_budget=`` fractions),
+   the sum of the checkpointed step's kernel times over the plain step's
+   (``tf.gradients``), next to the forecast ``StepTime.ratio``, and the
+   measured kernel seconds of the recomputed copies next to the forecast
+   ``recompute_s``. Kernel sums are the executor's work without its
+   overlap of independent kernels: the cleanest measure of what the model
+   forecasts.
+3. **Step-time ratios** (``--plans``, as ``study.py`` times them): each
+   method a ``tf.function`` SGD step, default threads, methods interleaved
+   round-robin (``--rounds``, order rotated each round), median step time;
+   the ratio to ``tf.gradients``' step (and GradientTape's) next to the
+   forecast ratio.
+
+Forecasts are printed for the default profile (``timemodel.CPU_DEFAULT``)
+and for a profile calibrated in the same process just before measuring
+(``memsave.calibrate.calibrate``, median of ``--calibrations`` runs).
+The plan's forward graph, costs and schedule are read with memsave's
+internal ``_prepare`` (the Plan record does not carry op ids yet).
+
+Usage::
+
+    .venv/bin/python experiments/time_model.py                        # everything (~6 min)
+    .venv/bin/python experiments/time_model.py --models resnet --plans none
+    .venv/bin/python experiments/time_model.py --models none --plans memory speed budget-0.5
+
+Results (2-core AMD EPYC shared with other jobs, TF 2.21 oneDNN): see the
+end of this docstring after a run is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import memsave  # noqa: E402
+import models  # noqa: E402
+from memsave import calibrate, timemodel  # noqa: E402
+from memsave.gradients import _prepare  # noqa: E402
+
+log = logging.getLogger("time_model")
+
+#: (model, size, batch) of each model checked: the study's ResNet-110 and
+#: U-Net-64 at batch 32, and its deepest MLP at its batch.
+CASES = {"resnet": ("resnet", 18, 32), "unet": ("unet", 8, 32), "mlp": ("mlp", 128, 1024)}
+
+#: Plans of checks 2 and 3: name -> gradients() keywords.
+PLANS = {
+    "memory": dict(checkpoints="memory"),
+    "speed": dict(checkpoints="speed"),
+    "budget-0.2": dict(memory_budget=0.2),
+    "budget-0.35": dict(memory_budget=0.35),
+    "budget-0.5": dict(memory_budget=0.5),
+    "budget-0.75": dict(memory_budget=0.75),
+}
+
+MS = 1e3
+
+
+@tf.autograph.experimental.do_not_convert
+def _plan_parts(loss, variables, plan):
+    """The forward graph, costs and schedule memsave plans for ``loss`` (schedule None: plain)."""
+    kw = PLANS.get(plan, {})
+    p = _prepare([loss], variables, None, kw.get("checkpoints", "memory" if plan else "collection"),
+                 None, None, memory_budget=kw.get("memory_budget"))
+    return p.ex.fg, p.costs, (p.schedule if plan else None)
+
+
+def _gradients(loss, variables, plan):
+    if plan is None:
+        return tf.gradients(loss, variables)
+    return memsave.gradients(loss, variables, **PLANS[plan])
+
+
+def _session_step(case, plan, lr=0.0):
+    """A tf.compat.v1 graph of one SGD step; returns (graph, fetches, fg, costs, schedule)."""
+    name, size, batch = case
+    model = models.MODELS[name]
+    init = model.init(size, 0)
+    x_np, y_np = model.batch(batch, 0)
+    g = tf.Graph()
+    with g.as_default():
+        params = {k: tf.Variable(v, name=k.replace("/", "_")) for k, v in init.items()}
+        variables = list(params.values())
+        loss = model.loss(size, params, tf.constant(x_np), tf.constant(y_np), models.Arch())
+        fg, costs, schedule = _plan_parts(loss, variables, plan)
+        grads = _gradients(loss, variables, plan)
+        train = tf.group([v.assign_sub(lr * d) for v, d in zip(variables, grads)])
+        init_op = tf.compat.v1.global_variables_initializer()
+    return g, init_op, [train, loss], fg, costs, schedule
+
+
+def _kernels(case, plans, repeats):
+    """Per plan (None: plain): (kernel times, fg, costs, schedule).
+
+    The Sessions' traced runs are interleaved round-robin (order rotated
+    each round) and each kernel's minimum is kept, so that a burst of load
+    from other jobs does not fall on one plan only.
+    """
+    built = {}
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
+    for plan in plans:
+        g, init_op, fetches, fg, costs, schedule = _session_step(case, plan)
+        s = tf.compat.v1.Session(graph=g, config=config)
+        s.run(init_op)
+        s.run(fetches)
+        built[plan] = (s, fetches, fg, costs, schedule)
+    best = {plan: {} for plan in plans}
+    for r in range(repeats):
+        order = plans[r % len(plans):] + plans[:r % len(plans)]
+        for plan in order:
+            s, fetches = built[plan][:2]
+            for name, (kind, sec) in calibrate.kernel_seconds(
+                    s, fetches, repeats=1, warmup=False).items():
+                if name not in best[plan] or sec < best[plan][name][1]:
+                    best[plan][name] = (kind, sec)
+    out = {}
+    for plan, (s, _, fg, costs, schedule) in built.items():
+        s.close()
+        out[plan] = (best[plan], fg, costs, schedule)
+    return out
+
+
+def _profiles(n: int):
+    out = {"default": timemodel.CPU_DEFAULT}
+    if n:
+        runs = [calibrate.calibrate() for _ in range(n)]
+        out["calibrated"] = calibrate.median_profile(runs) if n > 1 else runs[0]
+    return out
+
+
+def _describe(p: timemodel.DeviceProfile) -> str:
+    effs = ", ".join(f"{c} {e.compute:.3g}/{e.memory:.3g}/{e.gradient:.3g}"
+                     for c, e in sorted(p.efficiency.items()))
+    return (f"{p.name}: peak {p.peak_flops_per_s / 1e9:.0f} GFLOP/s, {p.bytes_per_s / 1e9:.0f} GB/s, "
+            f"overhead {p.overhead_s * 1e6:.2f} us, gemm_half_k {p.gemm_half_k:g}; "
+            f"efficiency compute/memory/gradient: {effs}")
+
+
+# -- check 1: per op type -----------------------------------------------------------------
+
+
+def op_table(case, profiles, repeats):
+    times, fg, costs, _ = _kernels(case, [None], repeats)[None]
+    measured = calibrate.attribute(fg, times)
+    label = models.MODELS[case[0]].label(case[1])
+    print(f"\n### {label}, batch {case[2]}: plain step, kernels by forward op type\n")
+    for pname, profile in profiles.items():
+        sec = timemodel.op_seconds(fg, costs, profile)
+        rows = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
+        for op in fg.ops:
+            r = rows[op.type]
+            r[0] += 1
+            r[1] += measured.forward[op.index] or 0.0
+            r[2] += sec.forward[op.index]
+            r[3] += measured.gradient[op.index]
+            r[4] += sec.gradient[op.index]
+        print(f"Forecast: {pname} profile.\n")
+        print("| op type | n | fwd measured ms | fwd forecast ms | x | grad measured ms | "
+              "grad forecast ms | x |")
+        print("|---|---|---|---|---|---|---|---|")
+        for t, (n, mf, ff, mg, fgr) in sorted(rows.items(), key=lambda kv: -(kv[1][1] + kv[1][3])):
+            if mf + ff + mg + fgr < 1e-5:
+                continue
+            print(f"| {t} | {n} | {mf * MS:.2f} | {ff * MS:.2f} | {_x(ff, mf)} | {mg * MS:.2f} | "
+                  f"{fgr * MS:.2f} | {_x(fgr, mg)} |")
+        sums_m = measured.other.get("AddN", 0.0)
+        sums_f = sum(sec.accumulate)
+        rest = sum(v for k, v in measured.other.items() if k != "AddN")
+        fw_m = sum(v or 0.0 for v in measured.forward)
+        bw_m = sum(measured.gradient) + sums_m
+        print(f"| gradient sums (AddN) | | | | | {sums_m * MS:.2f} | {sums_f * MS:.2f} | "
+              f"{_x(sums_f, sums_m)} |")
+        print(f"| not modelled (optimizer update, constants: "
+              f"{', '.join(k for k, _ in collections.Counter(measured.other).most_common(3) if k != 'AddN')}) "
+              f"| | {rest * MS:.2f} | | | | | |")
+        print(f"| **forward** | | {fw_m * MS:.1f} | {sec.forward_s * MS:.1f} | "
+              f"{_x(sec.forward_s, fw_m)} | | | |")
+        print(f"| **backward** | | | | | {bw_m * MS:.1f} | {sec.backward_s * MS:.1f} | "
+              f"{_x(sec.backward_s, bw_m)} |")
+        step_f = sec.forward_s + sec.backward_s
+        print(f"| **step (kernel sum)** | | {(fw_m + bw_m + rest) * MS:.1f} | {step_f * MS:.1f} | "
+              f"{_x(step_f, fw_m + bw_m + rest)} | | | |")
+        print(f"\nforward / step: measured {fw_m / (fw_m + bw_m):.3f}, forecast "
+              f"{sec.forward_s / step_f:.3f}\n")
+
+
+def _x(forecast, measured):
+    return f"{forecast / measured:.2f}" if measured > 0 else "-"
+
+
+# -- check 2: kernel-time ratios ----------------------------------------------------------
+
+
+def kernel_ratios(case, plans, profiles, repeats):
+    label = models.MODELS[case[0]].label(case[1])
+    runs = _kernels(case, [None] + list(plans), repeats)
+    base_times, fg, costs, _ = runs[None]
+    base = _split(calibrate.attribute(fg, base_times))
+    names = list(profiles)
+    print(f"\n### {label}, batch {case[2]}: kernel-time sums (one kernel at a time), "
+          f"checkpointed over plain tf.gradients\n")
+    print(f"Plain: forward {base['forward'] * MS:.1f} ms, gradients {base['gradient'] * MS:.1f} ms, "
+          f"other kernels (sums, optimizer) {base['other'] * MS:.1f} ms, total "
+          f"{base['total'] * MS:.1f} ms. Copies: the recomputed ops' kernels; gates: the "
+          f"other kernels beyond plain's (the rewrite's gates and proxies, extra sums).\n")
+    print("| plan | copies run | measured ratio | "
+          + " | ".join(f"forecast ({n}) | err" for n in names)
+          + " | copies ms: measured | " + " | ".join(f"({n})" for n in names)
+          + " | gates ms: measured | " + " | ".join(f"({n})" for n in names)
+          + " | gradients ms (x plain) |")
+    print("|---|---|---|" + "---|---|" * len(names) + "---|" + "---|" * len(names)
+          + "---|" + "---|" * len(names) + "---|")
+    rows = []
+    for plan in plans:
+        times, pfg, pcosts, schedule = runs[plan]
+        parts = _split(calibrate.attribute(pfg, times))
+        fc = {n: timemodel.step_time(pfg, pcosts, schedule, profile=p) for n, p in profiles.items()}
+        ratio = parts["total"] / base["total"]
+        cells = " | ".join(f"{fc[n].ratio:.3f} | {fc[n].ratio / ratio - 1:+.1%}" for n in names)
+        rec = " | ".join(f"{fc[n].recompute_s * MS:.1f}" for n in names)
+        gates = " | ".join(f"{fc[n].rewrite_s * MS:.1f}" for n in names)
+        print(f"| {plan} | {fc[names[0]].recomputed_ops} | {ratio:.3f} | {cells} | "
+              f"{parts['recompute'] * MS:.1f} | {rec} | {(parts['other'] - base['other']) * MS:.1f} "
+              f"| {gates} | {parts['gradient'] * MS:.1f} ({parts['gradient'] / base['gradient']:.2f}) |")
+        rows.append((plan, ratio, fc))
+    return rows
+
+
+def _split(a: "calibrate.Attribution") -> dict:
+    out = {"forward": sum(v or 0.0 for v in a.forward), "recompute": sum(a.recompute),
+           "gradient": sum(a.gradient), "other": sum(a.other.values())}
+    out["total"] = sum(out.values())
+    return out
+
+
+# -- check 3: step-time ratios (as study.py times them) -----------------------------------
+
+
+def wall_ratios(case, plans, profiles, rounds, steps):
+    name, size, batch = case
+    model = models.MODELS[name]
+    init = model.init(size, 0)
+    x_np, y_np = model.batch(batch, 0)
+    params = {k: tf.Variable(v, name=k.replace("/", "_")) for k, v in init.items()}
+    variables = list(params.values())
+    x, y = tf.constant(x_np), tf.constant(y_np)
+    lr = tf.Variable(0.0, trainable=False)
+    forecasts = {}
+
+    def make(method):
+        def step(x, y):
+            if method == "GradientTape":
+                with tf.GradientTape() as tape:
+                    loss = model.loss(size, params, x, y, models.Arch())
+                grads = tape.gradient(loss, variables)
+            else:
+                loss = model.loss(size, params, x, y, models.Arch())
+                plan = None if method == "tf.gradients" else method
+                if plan is not None:
+                    fg, costs, schedule = _plan_parts(loss, variables, plan)
+                    forecasts[method] = {n: timemodel.step_time(fg, costs, schedule, profile=p)
+                                         for n, p in profiles.items()}
+                grads = _gradients(loss, variables, plan)
+            for v, d in zip(variables, grads):
+                v.assign_sub(lr * d)
+            return loss
+        return tf.function(step)
+
+    methods = ["GradientTape", "tf.gradients"] + list(plans)
+    fns = {}
+    for m in methods:
+        t0 = time.perf_counter()
+        fns[m] = make(m)
+        fns[m](x, y).numpy()
+        log.info("%s: built and ran in %.1f s", m, time.perf_counter() - t0)
+    times = {m: [] for m in methods}
+    for r in range(rounds):
+        order = methods[r % len(methods):] + methods[:r % len(methods)]
+        for m in order:
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                fns[m](x, y).numpy()
+                times[m].append(time.perf_counter() - t0)
+    med = {m: statistics.median(t) for m, t in times.items()}
+    label = model.label(size)
+    names = list(profiles)
+    print(f"\n### {label}, batch {batch}: step time (tf.function, default threads, "
+          f"{rounds} interleaved rounds x {steps} steps, median)\n")
+    print(f"tf.gradients {med['tf.gradients'] * MS:.0f} ms, GradientTape "
+          f"{med['GradientTape'] * MS:.0f} ms\n")
+    print("| plan | step ms | x tf.gradients | x GradientTape | "
+          + " | ".join(f"forecast ({n}) | err" for n in names) + " |")
+    print("|---|---|---|---|" + "---|---|" * len(names))
+    out = []
+    for m in plans:
+        ratio = med[m] / med["tf.gradients"]
+        cells = " | ".join(f"{forecasts[m][n].ratio:.3f} | {forecasts[m][n].ratio / ratio - 1:+.1%}"
+                           for n in names)
+        print(f"| {m} | {med[m] * MS:.0f} | {ratio:.3f} | {med[m] / med['GradientTape']:.3f} | "
+              f"{cells} |")
+        out.append((m, ratio, forecasts[m]))
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=list(CASES), help="check 1: 'none' to skip")
+    p.add_argument("--plans", nargs="+", default=list(PLANS), help="checks 2, 3: 'none' to skip")
+    p.add_argument("--plan-models", nargs="+", default=["resnet"], choices=list(CASES))
+    p.add_argument("--size", type=int, help="override the models' size (a quick look)")
+    p.add_argument("--repeats", type=int, default=5, help="traced runs per Session step")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--steps", type=int, default=2, help="timed steps per method per round")
+    p.add_argument("--calibrations", type=int, default=3,
+                   help="calibration runs (median); 0: default profile only")
+    p.add_argument("--no-wall", action="store_true", help="skip check 3")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("memsave").setLevel(logging.WARNING)
+    plans = [] if a.plans == ["none"] else a.plans
+    if a.size:
+        for k, (m, _, b) in list(CASES.items()):
+            CASES[k] = (m, a.size, b)
+    cases = [] if a.models == ["none"] else a.models
+
+    t0 = time.perf_counter()
+    profiles = _profiles(a.calibrations)
+    log.info("calibrated in %.1f s", time.perf_counter() - t0)
+    print("## memsave time model: forecast vs measured\n")
+    print(f"TensorFlow {tf.__version__}, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f} at start.\n")
+    for n, prof in profiles.items():
+        print(f"- profile {n}: {_describe(prof)}")
+    for c in cases:
+        op_table(CASES[c], profiles, a.repeats)
+    for c in a.plan_models if plans else []:
+        kernel_ratios(CASES[c], plans, profiles, a.repeats)
+        if not a.no_wall:
+            wall_ratios(CASES[c], plans, profiles, a.rounds, a.steps)
+    print(f"\nload average {os.getloadavg()[0]:.1f} at the end; {time.perf_counter() - t0:.0f} s.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
