@@ -58,7 +58,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import memsave  # noqa: E402
@@ -127,8 +126,13 @@ def _kernels(case, plans, repeats):
     """
     built = {}
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
-    for plan in plans:
-        g, init_op, fetches, fg, costs, schedule = _session_step(case, plan)
+    for plan in list(plans):
+        try:
+            g, init_op, fetches, fg, costs, schedule = _session_step(case, plan)
+        except memsave.MemoryBudgetError as e:
+            _infeasible(case, plan, e)
+            plans = [p for p in plans if p != plan]
+            continue
         s = tf.compat.v1.Session(graph=g, config=config)
         s.run(init_op)
         s.run(fetches)
@@ -240,7 +244,7 @@ def kernel_ratios(case, plans, profiles, repeats):
     print("|---|---|---|" + "---|---|" * len(names) + "---|" + "---|" * len(names)
           + "---|" + "---|" * len(names) + "---|")
     rows = []
-    for plan in plans:
+    for plan in [p for p in plans if p in runs]:
         times, pfg, pcosts, schedule = runs[plan]
         parts = _split(calibrate.attribute(pfg, times))
         fc = {n: timemodel.step_time(pfg, pcosts, schedule, profile=p) for n, p in profiles.items()}
@@ -255,6 +259,11 @@ def kernel_ratios(case, plans, profiles, repeats):
     return rows
 
 
+def _infeasible(case, plan, e):
+    label = models.MODELS[case[0]].label(case[1])
+    print(f"\n{label} {plan}: not run: {str(e).split(': ', 1)[-1]}")
+
+
 def _split(a: "calibrate.Attribution") -> dict:
     out = {"forward": sum(v or 0.0 for v in a.forward), "recompute": sum(a.recompute),
            "gradient": sum(a.gradient), "other": sum(a.other.values())}
@@ -265,7 +274,7 @@ def _split(a: "calibrate.Attribution") -> dict:
 # -- check 3: step-time ratios (as study.py times them) -----------------------------------
 
 
-def wall_ratios(case, plans, profiles, rounds, steps):
+def wall_ratios(case, plans, profiles, rounds, steps, threads=0):
     name, size, batch = case
     model = models.MODELS[name]
     init = model.init(size, 0)
@@ -297,11 +306,17 @@ def wall_ratios(case, plans, profiles, rounds, steps):
 
     methods = ["GradientTape", "tf.gradients"] + list(plans)
     fns = {}
-    for m in methods:
+    for m in list(methods):
         t0 = time.perf_counter()
-        fns[m] = make(m)
-        fns[m](x, y).numpy()
+        try:
+            fns[m] = make(m)
+            fns[m](x, y).numpy()
+        except memsave.MemoryBudgetError as e:
+            _infeasible(case, m, e)
+            methods.remove(m)
+            continue
         log.info("%s: built and ran in %.1f s", m, time.perf_counter() - t0)
+    plans = [p for p in plans if p in methods]
     times = {m: [] for m in methods}
     for r in range(rounds):
         order = methods[r % len(methods):] + methods[:r % len(methods)]
@@ -313,20 +328,22 @@ def wall_ratios(case, plans, profiles, rounds, steps):
     med = {m: statistics.median(t) for m, t in times.items()}
     label = model.label(size)
     names = list(profiles)
-    print(f"\n### {label}, batch {batch}: step time (tf.function, default threads, "
-          f"{rounds} interleaved rounds x {steps} steps, median)\n")
+    print(f"\n### {label}, batch {batch}: step time (tf.function, "
+          f"{threads or 'default'} threads, {rounds} interleaved rounds x {steps} steps, median)\n")
     print(f"tf.gradients {med['tf.gradients'] * MS:.0f} ms, GradientTape "
           f"{med['GradientTape'] * MS:.0f} ms\n")
+    print("The forecast ratio is to plain tf.gradients; err: forecast / measured - 1, to "
+          "tf.gradients' step and to GradientTape's.\n")
     print("| plan | step ms | x tf.gradients | x GradientTape | "
-          + " | ".join(f"forecast ({n}) | err" for n in names) + " |")
-    print("|---|---|---|---|" + "---|---|" * len(names))
+          + " | ".join(f"forecast ({n}) | err | err (tape)" for n in names) + " |")
+    print("|---|---|---|---|" + "---|---|---|" * len(names))
     out = []
     for m in plans:
         ratio = med[m] / med["tf.gradients"]
-        cells = " | ".join(f"{forecasts[m][n].ratio:.3f} | {forecasts[m][n].ratio / ratio - 1:+.1%}"
-                           for n in names)
-        print(f"| {m} | {med[m] * MS:.0f} | {ratio:.3f} | {med[m] / med['GradientTape']:.3f} | "
-              f"{cells} |")
+        tape = med[m] / med["GradientTape"]
+        cells = " | ".join(f"{forecasts[m][n].ratio:.3f} | {forecasts[m][n].ratio / ratio - 1:+.1%} | "
+                           f"{forecasts[m][n].ratio / tape - 1:+.1%}" for n in names)
+        print(f"| {m} | {med[m] * MS:.0f} | {ratio:.3f} | {tape:.3f} | {cells} |")
         out.append((m, ratio, forecasts[m]))
     return out
 
@@ -342,9 +359,17 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=2, help="timed steps per method per round")
     p.add_argument("--calibrations", type=int, default=3,
                    help="calibration runs (median); 0: default profile only")
+    p.add_argument("--no-kernel-sums", action="store_true", help="skip check 2")
     p.add_argument("--no-wall", action="store_true", help="skip check 3")
+    p.add_argument("--threads", type=int, default=0,
+                   help="check 3's intra- and inter-op threads (0: TensorFlow's default); "
+                        "1 is far less sensitive to other jobs on the machine")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if a.threads:
+        # Before TensorFlow runs anything; the Sessions of checks 1-2 set their own.
+        tf.config.threading.set_intra_op_parallelism_threads(a.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(a.threads)
     logging.getLogger("memsave").setLevel(logging.WARNING)
     plans = [] if a.plans == ["none"] else a.plans
     if a.size:
@@ -363,9 +388,10 @@ def main(argv=None):
     for c in cases:
         op_table(CASES[c], profiles, a.repeats)
     for c in a.plan_models if plans else []:
-        kernel_ratios(CASES[c], plans, profiles, a.repeats)
+        if not a.no_kernel_sums:
+            kernel_ratios(CASES[c], plans, profiles, a.repeats)
         if not a.no_wall:
-            wall_ratios(CASES[c], plans, profiles, a.rounds, a.steps)
+            wall_ratios(CASES[c], plans, profiles, a.rounds, a.steps, a.threads)
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end; {time.perf_counter() - t0:.0f} s.")
     return 0
 

@@ -44,7 +44,7 @@ from memsave.timemodel import CPU_DEFAULT, DeviceProfile, Efficiency, op_class, 
 
 __all__ = ["calibrate", "device_profile", "kernel_seconds", "attribute", "Attribution",
            "BENCHMARK_OPERAND_B", "OVERHEAD_CHAIN_OPS",
-           "OVERHEAD_CHAIN_ELEMENTS", "SAMPLES", "median_profile",
+           "OVERHEAD_CHAIN_ELEMENTS", "SAMPLES", "SMALL_OPERAND_B", "median_profile",
            "CLASSES_MEASURED"]
 
 #: Bytes of each operand of the memory-bound benchmarks: activations of the
@@ -52,6 +52,11 @@ __all__ = ["calibrate", "device_profile", "kernel_seconds", "attribute", "Attrib
 #: holds a benchmark's traffic at this size as it holds theirs. Tensors of
 #: hundreds of MiB stream from DRAM, slower than the profile says.
 BENCHMARK_OPERAND_B = 2 << 20
+
+#: Bytes of each operand of the memory-bound benchmarks' second, smaller copy:
+#: an eighth, so that the line through the two sizes has its intercept (the
+#: class's fixed cost) near the origin, at tensors models have (256 KiB).
+SMALL_OPERAND_B = BENCHMARK_OPERAND_B // 8
 
 #: Copies of each benchmark in the graph; each figure is the median of what
 #: the copies give (on a shared machine one copy's kernels may all have been
@@ -250,7 +255,7 @@ def _measure_overhead(repeats: int) -> float:
         with tf.compat.v1.Session(graph=g, config=config) as s:
             s.run(out, {x: values})
             best = float("inf")
-            for _ in range(repeats * 4):
+            for _ in range(max(repeats, 5)):
                 t0 = time.perf_counter()
                 s.run(out, {x: values})
                 best = min(best, time.perf_counter() - t0)
@@ -260,13 +265,16 @@ def _measure_overhead(repeats: int) -> float:
     return max(0.0, (wall(n) - wall(1)) / (2 * (n - 1)))
 
 
-def calibrate(*, repeats: int = 20, base: DeviceProfile = CPU_DEFAULT, seed: int = 0) -> DeviceProfile:
+def calibrate(*, repeats: int = 20, samples: int = SAMPLES, base: DeviceProfile = CPU_DEFAULT,
+              seed: int = 0) -> DeviceProfile:
     """Measure the time model's parameters on this process's default device.
 
     Parameters
     ----------
     repeats : int
         Traced runs of the benchmark graph; each kernel's minimum is used.
+    samples : int
+        Copies of each benchmark in the graph (see :data:`SAMPLES`).
     base : DeviceProfile
         Where the figures not measured come from (``gemm_half_k``, and the
         efficiency of classes without a benchmark).
@@ -303,29 +311,31 @@ def calibrate(*, repeats: int = 20, base: DeviceProfile = CPU_DEFAULT, seed: int
     only if some run was not disturbed: repeat more, or take the
     :func:`median_profile` of several calibrations.
     """
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"memsave.calibrate.calibrate: repeats={repeats!r}; pass an int >= 1")
-    rng = np.random.default_rng(seed)
+    for name, v in (("repeats", repeats), ("samples", samples)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"memsave.calibrate.calibrate: {name}={v!r}; pass an int >= 1")
+    made = [0]
 
-    def var(shape, scale=1.0):
-        return tf.Variable(rng.normal(0.0, scale, shape).astype(np.float32))
+    def var(shape, scale=1.0):  # initialized in the graph: no large constants to build
+        made[0] += 1
+        return tf.Variable(tf.random.stateless_normal(shape, (seed, made[0]), stddev=scale))
 
-    big = BENCHMARK_OPERAND_B // 4
+    big = BENCHMARK_OPERAND_B // 4  # float32 elements
     scopes = [(c, c, big) for c in _COMPUTE_BOUND + _MEMORY_BOUND]
-    scopes += [(c + _SMALL, c, big // 8) for c in _MEMORY_BOUND]
+    scopes += [(c + _SMALL, c, SMALL_OPERAND_B // 4) for c in _MEMORY_BOUND]
     g = tf.Graph()
     with g.as_default():
         outs, variables = [], []
         for scope, cls, n in scopes:
             with tf.name_scope(scope):
-                for k in range(SAMPLES):
+                for k in range(samples):
                     with tf.name_scope(f"s{k}"):
                         y, vs = _benchmark(cls, n, var)
                     outs.append(y)
                     variables += vs
         # Incoming gradients Grappler cannot fold (it would fold a Sum's or a
         # Transpose's gradient of constant ones into a constant).
-        grad_ys = [tf.Variable(np.ones(y.shape, np.float32)).read_value() for y in outs]
+        grad_ys = [tf.Variable(tf.ones(y.shape)).read_value() for y in outs]
         ex = extract(outs, _tf_private.convert_xs(variables))
         grads = tf.gradients(outs, variables, grad_ys=grad_ys)
         init = tf.compat.v1.global_variables_initializer()
@@ -361,7 +371,7 @@ def calibrate(*, repeats: int = 20, base: DeviceProfile = CPU_DEFAULT, seed: int
         return max(sum(measured.forward[i] for i in ops[scope, k]), 1e-9)
 
     def median(f):
-        return statistics.median(f(k) for k in range(SAMPLES))
+        return statistics.median(f(k) for k in range(samples))
 
     def line(cls, k):
         """(seconds per byte, fixed seconds per kernel) of ``cls`` over its two sizes."""
@@ -405,7 +415,7 @@ def calibrate(*, repeats: int = 20, base: DeviceProfile = CPU_DEFAULT, seed: int
         return got / modelled if modelled > 0 and got > 0 else float("nan")
 
     for cls in CLASSES_MEASURED:
-        found = [c for c in (correction(cls, k) for k in range(SAMPLES)) if math.isfinite(c)]
+        found = [c for c in (correction(cls, k) for k in range(samples)) if math.isfinite(c)]
         if found:
             efficiency[cls] = dataclasses.replace(efficiency[cls],
                                                   gradient=statistics.median(found))

@@ -25,29 +25,33 @@ The model of one op
 A roofline with a launch cost (Williams et al., "Roofline: an insightful
 visual performance model", CACM 2009)::
 
-    seconds = overhead_s + max(flops / (peak_flops_per_s * compute * gemm(k)),
-                               bytes / (bytes_per_s * memory))
+    seconds = overhead_s + fixed_s
+              + max(flops / (peak_flops_per_s * compute * gemm(k)),
+                    bytes / (bytes_per_s * memory))
 
 * ``flops``: ``Costs.op_flops`` (TensorFlow's registered count, else the
   elements produced); ``bytes``: what the kernel reads and writes, each
   distinct input once plus every output (resource handles and variants
   count 0; ops of the ``"movement"`` class read at most what they write,
   so a Slice of a large tensor reads the slice).
-* ``compute`` and ``memory``: the op class's :class:`Efficiency`, from
-  :data:`OP_CLASSES` (convolutions, products, elementwise, transcendental,
-  normalization, reductions, data movement, softmax, pooling). The peak
-  figures are those of a large matrix product and of a unary elementwise
-  op; a class's factors say how far its kernels fall from them.
+* ``compute``, ``memory`` and ``fixed_s``: the op class's
+  :class:`Efficiency` (classes in :data:`OP_CLASSES`: products,
+  convolutions, elementwise, transcendental, normalization, reductions,
+  data movement, softmax, pooling). ``peak_flops_per_s`` is a large
+  matrix product's rate, ``bytes_per_s`` an add and a ReLU's; a class's
+  factors say how far its kernels fall from them, ``fixed_s`` what each
+  of its kernels costs whatever its size.
 * ``gemm(k) = k / (k + gemm_half_k)``: products and convolutions with a
   short reduction (``k = flops / (2 * output elements)``: the inner
   dimension of a MatMul, ``kh * kw * c_in`` of a Conv2D) reach a smaller
   fraction of peak (a 3-channel stem convolution runs at a third of the
   rate of a 64-channel one).
 * Views (:data:`memsave.costs.ALIAS_OP_TYPES`: Identity, Reshape,
-  ReadVariableOp, ...) cost nothing. So do activations Grappler's remapper
-  fuses into their producer's kernel (:func:`fused_into_producer`: a Relu
-  after a FusedBatchNorm, a BiasAdd after a MatMul or Conv2D): their work
-  is in the producer's time.
+  ReadVariableOp, ...) cost nothing. So do, in the forward pass,
+  activations Grappler's remapper fuses into their producer's kernel
+  (:func:`fused_into_producer`: a Relu after a FusedBatchNorm, a BiasAdd
+  after a MatMul or Conv2D): their work is in the producer's time. Their
+  copies in a recompute step are not fused (:attr:`OpSeconds.recompute`).
 
 The model of a gradient
 -----------------------
@@ -59,20 +63,27 @@ writes nothing). Products and convolutions compute one product of the
 forward's size per operand that needs a gradient. That roofline, on the
 efficiency of the class's gradient kernels (:data:`GRADIENT_CLASSES`: the
 gradient of ``tanh`` is algebraic, not transcendental), times the class's
-``Efficiency.gradient`` correction, plus one launch. Where an op's output
-feeds several ops, the backward pass sums their gradients (an AddN):
-:func:`step_time` counts those sums.
+``Efficiency.gradient`` correction, plus a launch and the class's fixed
+cost per kernel. Where an op's output feeds several ops, the backward pass
+sums their gradients (an AddN): :attr:`OpSeconds.accumulate`.
+
+A step
+------
+Plain: every op's forward, gradient and sums. Checkpointed: the same plus,
+per recompute step, the copies that run (those its gradients read, as
+:mod:`memsave.simulate` decides) and the rewrite's gates
+(:func:`step_time`). The gradients themselves are the same either way.
 
 Accuracy
 --------
-``experiments/time_model.py`` compares these forecasts with kernel times
-TensorFlow measures (step stats) on the study's models, per op type, and
-the forecast step ratios of checkpointed plans with measured ones. The
-figures are in its docstring. Known limits: the executor's overlap of
-independent kernels (two cores) is not modelled (a step is the sum of its
-ops); per-shape kernel quirks (oneDNN picks different algorithms) are
-averaged into one factor per class; caches are not modelled (a tensor that
-fits in L2 streams faster than the profile's bandwidth).
+``experiments/time_model.py`` compares these forecasts with the kernel
+times TensorFlow measures (step stats) on the study's models, per op
+type, and the forecast step ratios of checkpointed plans with measured
+ones; its docstring has the figures. Known limits: the executor's overlap
+of independent kernels (two cores) is not modelled (a step is the sum of
+its kernels); per-shape kernel differences (oneDNN picks algorithms by
+shape) are averaged into one factor per class; caches are not modelled (a
+tensor a kernel has just written streams faster than one read from DRAM).
 """
 
 from __future__ import annotations
@@ -88,6 +99,7 @@ from memsave.errors import DeviceProfileError
 from memsave.graph import Body, ForwardGraph, OpNode
 from memsave.schedule import Schedule
 from memsave.simulate import _needed_copies  # the one rule for which copies run
+from memsave.simulate import paused_gc
 
 __all__ = [
     "Efficiency",
@@ -160,12 +172,12 @@ class DeviceProfile:
     peak_flops_per_s : float
         FLOP/s of a large float32 matrix product (the roofline's roof).
     bytes_per_s : float
-        Bytes/s read plus written by a large unary elementwise op (the
-        roofline's slope).
+        Bytes/s read plus written by elementwise ops on MiB-sized tensors:
+        an add of two operands read from memory and the in-place ReLU of
+        its result, together (the roofline's slope).
     overhead_s : float
         Seconds every kernel costs besides its work: the executor's
-        dispatch and the kernel's fixed cost (measured on a chain of tiny
-        ops).
+        dispatch (measured on a chain of small ops).
     gemm_half_k : float
         Reduction length at which a product or convolution reaches half of
         its class's compute efficiency (see module docstring).
@@ -303,6 +315,9 @@ _BIAS_ADDS = frozenset({"BiasAdd", "BiasAddV1", "Add", "AddV2"})
 #: each (memsave.rewrite._gate).
 GATE_OPS = 8
 
+#: Dtypes whose tensors a kernel does not stream: a resource handle's bytes
+#: (``Costs.tensor_B`` counts the variable behind it) are read by the
+#: ReadVariableOp, a view; variants and strings have no fixed size.
 _SKIPPED_DTYPES = frozenset({"resource", "variant", "string"})
 
 
@@ -422,6 +437,11 @@ def op_seconds(fg: ForwardGraph, costs: Costs, profile: DeviceProfile | None = N
     >>> s.recompute_s(schedule.steps[0].ops) / (s.forward_s + s.backward_s)  # doctest: +SKIP
     """
     profile = CPU_DEFAULT if profile is None else profile
+    with paused_gc():
+        return _op_seconds(fg, costs, profile)
+
+
+def _op_seconds(fg: ForwardGraph, costs: Costs, profile: DeviceProfile) -> OpSeconds:
     consumers = fg.consumers()
     ys = set(fg.ys)
     forward = []
@@ -665,8 +685,12 @@ def _gated(fg: ForwardGraph, t: int) -> bool:
 #: :func:`memsave.calibrate.calibrate` runs on the reference machine (2
 #: cores of an AMD EPYC, Zen 5 with AVX-512, 32 MiB L3; TensorFlow 2.21 with
 #: oneDNN; default threads), rounded. Measure your device with
-#: ``memsave.calibrate.device_profile()``. Transcendental ``memory`` is not
-#: measured (their kernels are compute-bound).
+#: ``memsave.calibrate.device_profile()``. Not calibrated: transcendental
+#: ``memory`` (their kernels are compute-bound), and ``gemm_half_k``,
+#: fitted by hand to the convolutions measured in the study's models (3
+#: input channels, k = 27: about 100 GFLOP/s; 16 channels, k = 144: 140-230;
+#: 64 channels, k = 576: about 240): a fit of two benchmark convolutions
+#: per calibration ranged from 0 to 370 on this shared machine.
 CPU_DEFAULT = DeviceProfile(
     name="CPU default (2-core AMD EPYC, TF 2.21 oneDNN)",
     peak_flops_per_s=250e9,
