@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 import random
+import subprocess
+import sys
 
 import pytest
 
+import memsave
 from handgraphs import MiB, Builder, chain, random_dag, residual_block
 from memsave.costs import estimate_costs
 from memsave.errors import DeviceProfileError, MemsaveError
@@ -320,3 +324,26 @@ def test_calibration_measures_sane_figures():
     s = op_seconds(residual_block(), estimate_costs(residual_block()), p)
     assert all(math.isfinite(v) and v >= 0 for v in s.forward + s.gradient)
     assert s.forward_s > 0 and s.backward_s > 0
+
+
+def test_the_time_model_imports_no_tensorflow():
+    """memsave.timemodel (and what it reads) loads without TensorFlow; only
+    memsave.calibrate needs it. The package's __init__, which checks for
+    TensorFlow, is bypassed."""
+    import pathlib
+    import subprocess
+    import sys
+
+    import memsave
+
+    code = (
+        "import sys, types\n"
+        "pkg = types.ModuleType('memsave')\n"
+        f"pkg.__path__ = [{str(pathlib.Path(memsave.__file__).parent)!r}]\n"
+        "sys.modules['memsave'] = pkg\n"
+        "import memsave.timemodel\n"
+        "print('tensorflow' in sys.modules, 'memsave.calibrate' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.split() == ["False", "False"]
