@@ -10,7 +10,9 @@ plain backprop or for a checkpointed :class:`~memsave.schedule.Schedule`
 a plan can report its forecast step time as a ratio to plain's. Nothing here
 touches TensorFlow: :mod:`memsave.calibrate` measures a profile on the
 current device (TensorFlow microbenchmarks), :data:`CPU_DEFAULT` is what it
-measured on the reference machine.
+measured on the reference machine. One module, though long: the op
+classes, the per-op roofline, the step sum and the default profile are one
+model, each constant beside the reason for it.
 
 Why seconds and not FLOPs
 -------------------------
