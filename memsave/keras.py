@@ -211,6 +211,7 @@ def plan(
     checkpoints: str | Sequence[LayerRef] = "memory",
     strategy_options: Mapping[str, Any] | None = None,
     batch_size: int | None = None,
+    memory_budget: int | float | None = None,
 ):
     """Forecast one ``fit`` train step's peak memory, plain and checkpointed, before training.
 
@@ -243,6 +244,9 @@ def plan(
         every leaf of ``x`` and ``y``. Without it, the leading dimension of
         ``x`` is the batch size (an unknown one is reported in the Plan's
         assumptions).
+    memory_budget : int or float, optional
+        As for :func:`checkpointed`: the checkpoints are planned to this
+        budget of the step's gradient computation.
 
     Returns
     -------
@@ -292,6 +296,7 @@ def plan(
         layers=_resolve_layers(model, checkpoints, api),
         gradient_options=dict(
             strategy_options=_check_strategy_options(strategy_options, checkpoints, api),
+            **({} if memory_budget is None else {"memory_budget": memory_budget}),
         ),
     )
     data = _batch_spec((x, y) if y is not None else (x,), batch_size, api)
@@ -299,9 +304,10 @@ def plan(
 
     planned = []
 
-    def planning_gradients(loss, weights, *, checkpoints, strategy_options):
+    def planning_gradients(loss, weights, *, checkpoints, strategy_options, memory_budget=None):
         planned.append(_memsave_plan(loss, weights, checkpoints=checkpoints,
-                                     strategy_options=strategy_options, batch_size=batch_size))
+                                     strategy_options=strategy_options, batch_size=batch_size,
+                                     memory_budget=memory_budget))
         raise _Planned
 
     def step(data):
@@ -744,3 +750,6 @@ class _private:
     @staticmethod
     def metric_variables(model) -> list:
         return [v for m in model.metrics for v in m.variables]
+
+
+from memsave.capacity import max_batch_size  # noqa: E402,F401  (re-exported: "will it fit?")
