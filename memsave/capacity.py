@@ -45,23 +45,26 @@ logger = logging.getLogger(__name__)
 
 #: The forecast's known error, covered: a batch fits when its forecast peak
 #: times ``1 + margin`` is at most the memory. The margin of plain ``fit``'s
-#: forecast: measured within 11% of one real ``fit`` step's allocator peak
-#: (its data iterator's copies of the batch included) on MobileNetV2 96x96,
-#: a 4-block Transformer encoder and a 48-layer MLP at their largest
-#: batches (experiments/will_it_fit.py); the largest shortfall across the
-#: forecast's test models is a real peak of 1.24x the forecast (a Keras
-#: Transformer's plain step at batch 16, experiments/forecast.py).
+#: forecast. One real ``fit`` step (its data iterator's copies of the batch
+#: included) at the largest batch found peaked at 1.07-1.20x the forecast
+#: on MobileNetV2 96x96, a 4-block Transformer encoder and a 48-layer MLP
+#: (three runs of experiments/will_it_fit.py; the Transformer varies most
+#: from process to process), 1.05x and 1.10x on ResNet50 and
+#: EfficientNetB0 64x64 (held out); the largest shortfall among the
+#: forecast's own test models is 1.24x (a Keras Transformer's plain step
+#: at batch 16, experiments/forecast.py).
 FORECAST_MARGIN_PLAIN = 0.25
 
-#: The margin of memsave's (checkpointed) forecast, measured less accurate
-#: at large batches on the same three models: real ``fit`` steps peaked at
-#: 1.22-1.30x (MLP), up to 1.36x (Transformer: the executor holds one or
-#: two more attention-sized tensors than the forecast's order, varying from
-#: call to call) and 1.40x (MobileNetV2: Grappler's memory optimizer
+#: The margin of memsave's (checkpointed) forecast, less accurate at large
+#: batches: on the same runs real steps peaked at 1.22-1.30x (MLP),
+#: 1.25-1.36x (Transformer: the executor holds one or two more
+#: attention-sized tensors than the forecast's order, varying from call to
+#: call) and 1.37-1.41x (MobileNetV2: Grappler's memory optimizer
 #: (SchedulingPass) turns an AddN of three or more gradients in a recomputed
 #: segment into a TemporaryVariable accumulator, and constant folding turns
 #: its ZerosLike initial value into a batch-sized constant that the step
-#: function holds, 108 MiB at batch 128) the forecast.
+#: function holds, 108 MiB at batch 128) the forecast; 1.34x and 1.12x on
+#: ResNet50 and EfficientNetB0 (held out).
 FORECAST_MARGIN_CHECKPOINTED = 0.45
 
 #: The largest batch :func:`max_batch_size` reports: TensorFlow computes
