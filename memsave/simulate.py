@@ -69,7 +69,6 @@ import contextlib
 import dataclasses
 import enum
 import gc
-import itertools
 from collections.abc import Sequence
 
 from memsave.bodies import body_figures
@@ -141,233 +140,253 @@ class MemoryTrace:
 class _Program:
     """Values (buffers or views of buffers) and instructions reading/writing them."""
 
-    __slots__ = ("size", "alias", "resident", "reads", "writes", "labels", "pinned", "xs_grads",
-                 "lingering")
+    __slots__ = ("size", "alias", "resident_ids", "reads", "writes", "labels", "pinned",
+                 "xs_grads", "lingering")
 
     def __init__(self) -> None:
         self.size: list[int] = []
         self.alias: list[int] = []  # value it views, or -1
-        self.resident: list[bool] = []
+        self.resident_ids: list[int] = []  # values alive from before the step to its end
         self.reads: list[list[int]] = []
         self.writes: list[list[tuple[int, tuple[int, ...]]]] = []
-        self.labels: list[tuple] = []
+        self.labels: list[tuple[Event, int]] = []
         self.pinned: list[int] = []
         self.xs_grads: list[int] = []  # gradients of the xs and of their reads
         # (allocating instructions left, values): values still read by a
         # kernel that runs beside the next instructions (weight_gradient_overlap).
         self.lingering: list[tuple[int, list[int]]] = []
 
+    @property
+    def resident(self) -> list[bool]:
+        """Per value: whether it is alive from before the step to its end."""
+        flags = [False] * len(self.size)
+        for v in self.resident_ids:
+            flags[v] = True
+        return flags
+
     def value(self, size: int, alias: int = -1, resident: bool = False) -> int:
+        v = len(self.size)
         self.size.append(size)
         self.alias.append(alias)
-        self.resident.append(resident)
-        return len(self.size) - 1
+        if resident:
+            self.resident_ids.append(v)
+        return v
 
     def instr(self, label: tuple, reads: list[int], writes: list[tuple[int, tuple[int, ...]]],
               kernels: bool = False) -> None:
         """Append an instruction. ``kernels``: each new buffer it writes is
         the output of a kernel of its own (an op's input gradients)."""
-        if self.lingering and any(self.alias[v] < 0 for v, _ in writes):
-            # A kernel that writes a buffer: the one run beside the lingering one.
-            ending = [v for left, values in self.lingering if left == 1 for v in values]
-            going = [v for left, values in self.lingering if left > 1 for v in values]
-            self.lingering = [(left - 1, values) for left, values in self.lingering if left > 1]
-            new = [w for w in writes if self.alias[w[0]] < 0 and not w[1]]
-            if ending and kernels and len(new) > 1:
-                # An op's gradient writing several new buffers is one kernel
-                # each (a concat's: one Slice per input); the lingering kernel
-                # runs beside the first (the largest, as the worst case).
-                first = max(new, key=lambda w: self.size[w[0]])
-                self.reads.append(reads + ending + going)
-                self.writes.append([first])
-                self.labels.append(label)
-                writes = [w for w in writes if w is not first]
-                ending = []
-            reads = reads + ending + going
-        elif self.lingering:
-            reads = reads + [v for _, values in self.lingering for v in values]
+        lingering = self.lingering
+        if lingering:
+            alias = self.alias
+            if any(alias[v] < 0 for v, _ in writes):
+                # A kernel that writes a buffer: the one run beside the lingering one.
+                ending: list[int] = []
+                going: list[int] = []
+                still = []
+                for left, values in lingering:
+                    if left == 1:
+                        ending += values
+                    else:
+                        going += values
+                        still.append((left - 1, values))
+                self.lingering = still
+                new = [w for w in writes if alias[w[0]] < 0 and not w[1]]
+                if ending and kernels and len(new) > 1:
+                    # An op's gradient writing several new buffers is one kernel
+                    # each (a concat's: one Slice per input); the lingering kernel
+                    # runs beside the first (the largest, as the worst case).
+                    size = self.size
+                    first = max(new, key=lambda w: size[w[0]])
+                    self.reads.append(reads + ending + going)
+                    self.writes.append([first])
+                    self.labels.append(label)
+                    writes = [w for w in writes if w is not first]
+                    ending = []
+                reads = reads + ending + going
+            else:
+                reads = reads + [v for _, values in lingering for v in values]
         self.reads.append(reads)
         self.writes.append(writes)
         self.labels.append(label)
 
 
 class _Builder:
-    """Builds the program of one step (see module docstring)."""
+    """Builds the program of one step (see module docstring).
 
-    def __init__(self, fg: ForwardGraph, costs: Costs, model: MemoryModel,
-                 forward: ForwardProgram | None = None) -> None:
-        self.fg = fg
-        self.costs = costs
-        self.model = model
-        self.saved_of: dict[int, int] = {}  # op with a body -> what its gradient keeps
-        self.early_of: dict[int, list[int]] = {}  # op -> gradient values run in the forward
+    The per-op facts every run and gradient reads come precomputed from the
+    :class:`ForwardProgram` (``copy_plans``, ``gradient_plans``): building a
+    schedule's program is then list appends and lookups, op by op.
+    """
+
+    def __init__(self, fp: ForwardProgram) -> None:
+        self.fp = fp
         self.p = _Program()
         self.grads: dict[int, list[int]] = {}  # tensor id -> gradient values received
-        self.orig: list[int] = [-1] * len(fg.tensors)
+        self.orig: list[int] = [-1] * len(fp.fg.tensors)  # tensor id -> its forward value
         self.resident_bytes = 0
         self.constant: set[int] = set()  # gradient values Grappler folds into constants
-        self.xs = set(fg.xs)
-        if forward is not None:  # the state after its forward pass (which it built once)
-            self.feeds_x = forward.feeds_x
-            self.gradient_targets = forward.gradient_targets
-            forward.restore(self)
-            return
-        # An x, or the read of one (an op whose inputs are all xs, e.g.
-        # ReadVariableOp): its gradient is the x's, passed through.
-        self.feeds_x = [
-            node.id in self.xs or (node.producer is not None and bool(fg.ops[node.producer].inputs)
-                              and all(u in self.xs for u in fg.ops[node.producer].inputs))
-            for node in fg.tensors
-        ]
-        for node in fg.tensors:
-            if node.kind != "internal":
-                self.orig[node.id] = self.p.value(costs.tensor_bytes[node.id], resident=True)
-                self.resident_bytes += costs.tensor_bytes[node.id]
+        self.saved_of: dict[int, int] = {}  # op with a body -> what its gradient keeps
+        self.early_of: dict[int, list[int]] = {}  # op -> gradient values run in the forward
+
+    def restore(self) -> None:
+        """Put this (fresh) builder in the state after the forward pass."""
+        fp, p = self.fp, self.p
+        p.size, p.alias, p.resident_ids, p.reads, p.writes, p.labels = (
+            list(x) for x in fp.program)
+        self.orig[:] = fp.orig
+        self.saved_of = dict(fp.saved_of)
+        self.early_of = {i: list(v) for i, v in fp.early_of.items()}
+        self.resident_bytes = fp.resident_bytes
+        self.constant = set(fp.constant)
 
     # -- forward ----------------------------------------------------------
 
-    def run_op(self, i: int, vmap, phase: Event) -> None:
-        fg, costs, p = self.fg, self.costs, self.p
-        op = fg.ops[i]
-        reads = [vmap(t) for t in op.inputs]
+    def run_op(self, i: int, cur: list[int], phase: Event, boundary=(), touched=None) -> None:
+        """Run op ``i`` reading the values ``cur`` maps its inputs to, and map
+        its outputs there: always in the forward pass (``touched`` None); in a
+        recompute step, all but the ``boundary``'s, noted in ``touched``."""
+        inputs, figures, early, scratch, outputs = self.fp.copy_plans[i]
+        p = self.p
+        value = p.value
+        reads = [cur[t] for t in inputs]
         writes = []
         lists = -1
-        if op.body is not None:
-            figures = body_figures(op.body, self.model)
+        if figures is not None:
             # What the gradient keeps (alive until it runs), what the loop's
             # TensorLists hold (alive while the lists are), and the body's
             # own transient peak (freed when the op ends).
-            saved = p.value(figures.saved_bytes)
+            saved = value(figures.saved_bytes)
             self.saved_of[i] = saved
-            lists = p.value(figures.stored_bytes)
-            writes += [(saved, ()), (lists, ()), (p.value(figures.forward_bytes), ())]
-        early = costs.gradient[i].early_bytes
-        if early and costs.gradient[i].has_gradient:
+            lists = value(figures.stored_bytes)
+            writes += [(saved, ()), (lists, ()), (value(figures.forward_bytes), ())]
+        if early:
             # Gradient values computed from this op's values alone: they run
             # right after it and wait for its gradient.
-            values = [p.value(b) for b in early]
+            values = [value(b) for b in early]
             self.early_of[i] = values
             writes += [(v, ()) for v in values]
-        if costs.scratch and costs.scratch[i]:
+        if scratch:
             # The kernel's temporaries (freed when it ends): one per operand.
-            writes += [(p.value(costs.tensor_bytes[t]), ()) for t in op.inputs]
-        for t in op.outputs:
-            src = costs.alias_of[t]
-            if lists >= 0 and self.fg.tensors[t].dtype == "variant":
-                writes.append((p.value(costs.tensor_bytes[t], alias=lists), ()))
-                self.bind(t, writes[-1][0])
-                continue
-            if src is not None:
-                v = p.value(costs.tensor_bytes[t], alias=vmap(src))
+            writes += [(value(b), ()) for b in scratch]
+        for t, nbytes, src, in_lists, same_size in outputs:
+            if in_lists and lists >= 0:
+                v = value(nbytes, alias=lists)
+                writes.append((v, ()))
+            elif src is not None:
+                v = value(nbytes, alias=cur[src])
                 writes.append((v, ()))
             else:
-                v = p.value(costs.tensor_bytes[t])
-                cands = ()
-                if costs.inplace[i]:
-                    cands = tuple(r for r, t_in in zip(reads, op.inputs)
-                                  if costs.tensor_bytes[t_in] == costs.tensor_bytes[t])
-                writes.append((v, cands))
-            self.bind(t, v)
+                v = value(nbytes)
+                writes.append((v, tuple([reads[j] for j in same_size]) if same_size else ()))
+            if touched is None:
+                cur[t] = v
+            elif t not in boundary:
+                cur[t] = v
+                touched.append(t)
         p.instr((phase, i), reads, writes)
 
     # -- backward ---------------------------------------------------------
 
-    def backward(self, ops: Sequence[int], vmap, heads, boundary) -> None:
-        """Differentiate ``ops`` (reverse order). Gradients of ``heads`` come
-        from (and of ``boundary`` go to) ``self.grads``; others stay local."""
-        fg, costs, p = self.fg, self.costs, self.p
+    def backward(self, ops: Sequence[int], cur: list[int], heads, boundary) -> None:
+        """Differentiate ``ops`` (reverse order), reading forward values
+        through ``cur``. Gradients of ``heads`` come from (and of
+        ``boundary`` go to) ``self.grads``; others stay local."""
+        fp, p = self.fp, self.p
         # Hot loop (every op of every simulated plan): names bound once.
-        tensors, gradient, tensor_bytes, inplace = fg.tensors, costs.gradient, costs.tensor_bytes, costs.inplace
-        grads, xs, constant, feeds_x = self.grads, self.xs, self.constant, self.feeds_x
-        size = p.size
+        plans, is_x = fp.gradient_plans, fp.is_x
+        grads, constant, saved_of, early_of = self.grads, self.constant, self.saved_of, self.early_of
+        size, alias, xs_grads = p.size, p.alias, p.xs_grads
+        overlap = fp.overlap
         local: dict[int, list[int]] = {}
         for i in reversed(ops):
-            op = fg.ops[i]
-            use = gradient[i]
+            (outputs, has_gradient, read_tensors, has_early, scratch, loop_constants,
+             body_bytes, targets, static_fold, inplace, kernels) = plans[i]
             out_grads: list[int | None] = []
             any_grad = False
-            for t in op.outputs:
-                got = local.pop(t, [])
-                if t in heads or t in xs:
-                    got += grads.pop(t, [])
+            for t in outputs:
+                got = local.pop(t, None)
+                if t in heads or is_x[t]:
+                    more = grads.pop(t, None)
+                    if more:
+                        got = more if got is None else got + more
                 if not got:
                     out_grads.append(None)
                     continue
                 g = got[0] if len(got) == 1 else self.accumulate(t, got)
-                if t in xs:
+                if is_x[t]:
                     # An x produced in the graph (an activation given as x):
                     # its gradient is a result of the step and flows on.
                     grads[t] = [g]
                 out_grads.append(g)
                 any_grad = True
-            if not any_grad or not use.has_gradient:
+            if not any_grad or not has_gradient:
                 continue
-            inputs, n_in = op.inputs, len(op.inputs)
             reads = [g for g in out_grads if g is not None]
-            read_ins, read_outs = costs.gradient_reads[i]
-            reads += [vmap(t) for t in read_ins]
-            reads += [vmap(t) for t in read_outs]
-            if i in self.early_of:
-                reads += self.early_of[i]
+            reads += [cur[t] for t in read_tensors]
+            if has_early:
+                reads += early_of[i]
             writes = []
-            if costs.scratch and costs.scratch[i]:
+            if scratch:
                 # Each input's gradient is a kernel of the same type, run one
                 # after the other: temporaries of the incoming gradient and
                 # the other operand, the largest input at most.
-                writes.append((p.value(max(tensor_bytes[t] for t in op.outputs)), ()))
-                writes.append((p.value(max((tensor_bytes[t] for t in inputs), default=0)), ()))
-            if op.body is not None:
-                if i in self.saved_of:
-                    reads.append(self.saved_of[i])
-                if op.body.loop:
-                    # The gradient loop sums a loop invariant's gradient from
-                    # zeros_like(it): a constant Grappler folds when the shape is static.
-                    # while_v2 differentiates every floating loop input, used or not.
-                    for j in op.body.invariant:
-                        t = inputs[j] if j < n_in else None
-                        if (t is not None and tensors[t].trainable
-                                and tensors[t].dtype not in ("resource", "variant")
-                                and self.foldable(t)):
-                            self.constant_value(t)
-                writes.append((p.value(body_figures(op.body, self.model).backward_bytes), ()))
+                writes += [(self.p.value(b), ()) for b in scratch]
+            if body_bytes is not None:
+                if i in saved_of:
+                    reads.append(saved_of[i])
+                # The gradient loop sums a loop invariant's gradient from
+                # zeros_like(it): a constant Grappler folds when the shape is static.
+                # while_v2 differentiates every floating loop input, used or not.
+                for t in loop_constants:
+                    self.constant_value(t)
+                writes.append((p.value(body_bytes), ()))
             to_weight = flows_on = False
-            aliases = use.aliases
             folded = None  # whether Grappler folds this gradient (computed when first asked)
-            for j, t, internal in self.gradient_targets[i]:
+            for t, internal, k, nbytes, feeds_x, foldable in targets:
                 if not internal and t not in boundary:
                     continue
-                k = aliases[j] if j < len(aliases) else None
-                if k is not None and out_grads[k] is not None:
-                    v = p.value(tensor_bytes[t], alias=out_grads[k])
+                g = out_grads[k] if k is not None else None
+                if g is not None:
+                    v = len(size)
+                    size.append(nbytes)
+                    alias.append(g)
                     writes.append((v, ()))
-                    if out_grads[k] in constant:
+                    if g in constant:
                         constant.add(v)
                 else:
                     if folded is None:
-                        folded = (not use.reads_outputs
-                                  and all(tensors[inputs[j]].constant for j in use.reads_inputs
-                                          if j < n_in)
-                                  and all(g in constant for g in out_grads if g is not None))
-                    if folded and self.foldable(t):
+                        folded = static_fold and all(g in constant for g in out_grads
+                                                     if g is not None)
+                    if folded and foldable:
                         v = self.constant_value(t)
                     else:
-                        v = p.value(tensor_bytes[t])
-                        cands = ()
-                        if inplace[i]:
-                            cands = tuple(r for r in reads if size[r] == tensor_bytes[t])
-                        writes.append((v, cands))
-                (grads if t in boundary else local).setdefault(t, []).append(v)
-                if feeds_x[t]:
-                    p.xs_grads.append(v)
+                        v = len(size)
+                        size.append(nbytes)
+                        alias.append(-1)
+                        writes.append((v, tuple([r for r in reads if size[r] == nbytes])
+                                       if inplace else ()))
+                if t in boundary:
+                    found = grads.get(t)
+                    if found is None:
+                        grads[t] = [v]
+                    else:
+                        found.append(v)
+                else:
+                    found = local.get(t)
+                    if found is None:
+                        local[t] = [v]
+                    else:
+                        found.append(v)
+                if feeds_x:
+                    xs_grads.append(v)
                     to_weight = True
                 else:
                     flows_on = True
             # A call's or loop's gradient, or a kernel's temporaries, are not
             # one kernel per buffer.
-            p.instr((Event.GRADIENT, i), reads, writes,
-                    kernels=op.body is None and not (costs.scratch and costs.scratch[i]))
-            overlap = self.model.weight_gradient_overlap
-            if to_weight and flows_on and overlap and not fg.xla:
+            p.instr((Event.GRADIENT, i), reads, writes, kernels=kernels)
+            if to_weight and flows_on and overlap:
                 # The weight's gradient kernel (Conv2DBackpropFilter, the
                 # MatMul of x^T and dy) is ready with the input's, but nothing
                 # downstream waits for it: the executor runs it beside the
@@ -375,15 +394,12 @@ class _Builder:
                 # it reads (the layer's input, the incoming gradient).
                 p.lingering.append((overlap, reads))
 
-    def foldable(self, t: int) -> bool:
-        return (self.fg.tensors[t].size_known
-                and self.costs.tensor_bytes[t] <= self.model.constant_folding_max_bytes)
-
     def constant_value(self, t: int) -> int:
         """A gradient Grappler folds: resident from before the step."""
-        v = self.p.value(self.costs.tensor_bytes[t], resident=True)
+        nbytes = self.fp.costs.tensor_bytes[t]
+        v = self.p.value(nbytes, resident=True)
         self.constant.add(v)
-        self.resident_bytes += self.costs.tensor_bytes[t]
+        self.resident_bytes += nbytes
         return v
 
     def accumulate(self, t: int, got: list[int]) -> int | None:
@@ -391,14 +407,11 @@ class _Builder:
             return None
         if len(got) == 1:
             return got[0]
-        if all(g in self.constant for g in got) and self.foldable(t):
+        if all(g in self.constant for g in got) and self.fp.foldable[t]:
             return self.constant_value(t)
-        v = self.p.value(self.costs.tensor_bytes[t])
+        v = self.p.value(self.fp.costs.tensor_bytes[t])
         self.p.instr((Event.SUM, t), list(got), [(v, tuple(got))])
         return v
-
-    def bind(self, t: int, v: int) -> None:
-        pass  # replaced per stage
 
 
 class ForwardProgram:
@@ -407,44 +420,160 @@ class ForwardProgram:
     Build it once (:func:`forward_program`) and pass it to :func:`simulate`
     as ``forward=`` to simulate many schedules of one graph (a planner's
     candidate plans, the budget solvers) without rebuilding it;
-    :class:`memsave.problem.Problem` keeps one per memory model.
+    :class:`memsave.problem.Problem` keeps one per memory model. Besides the
+    forward program it holds what every simulation of the graph reads per
+    op (what running a copy of it writes, what its gradient reads and
+    writes) and per value (its last reader in the forward pass), computed
+    here once.
     """
 
     def __init__(self, fg: ForwardGraph, costs: Costs, model: MemoryModel) -> None:
-        b = _Builder(fg, costs, model)
-        orig = b.orig
-
-        def bind_orig(t: int, v: int) -> None:
-            orig[t] = v
-
-        b.bind = bind_orig
-        for i in range(len(fg.ops)):
-            b.run_op(i, orig.__getitem__, Event.FORWARD)
         self.fg, self.costs, self.model = fg, costs, model
-        p = b.p
-        # Instruction lists are never changed once made: shared, not copied.
-        self.program = (list(p.size), list(p.alias), list(p.resident), list(p.reads),
-                        list(p.writes), list(p.labels))
-        self.orig = list(b.orig)
-        self.feeds_x = b.feeds_x
-        # Per op, (position, tensor, internal) of the inputs its gradient writes.
-        internal = [node.kind == "internal" for node in fg.tensors]
-        self.gradient_targets = [tuple((j, t, internal[t]) for j, t in targets)
-                                 for targets in costs.gradient_targets]
-        self.saved_of = dict(b.saved_of)
-        self.early_of = dict(b.early_of)
-        self.resident_bytes = b.resident_bytes
-        self.constant = set(b.constant)
+        tensors, tensor_bytes = fg.tensors, costs.tensor_bytes
+        xs = set(fg.xs)
+        self.is_x = [node.id in xs for node in tensors]
+        max_folded = model.constant_folding_max_bytes
+        self.foldable = [node.size_known and tensor_bytes[node.id] <= max_folded
+                         for node in tensors]
+        self.overlap = 0 if fg.xla else model.weight_gradient_overlap
+        self._plan_ops()
 
-    def restore(self, b: _Builder) -> None:
-        """Put ``b`` (fresh, for the same graph) in the state after the forward pass."""
+        b = _Builder(self)
         p = b.p
-        p.size, p.alias, p.resident, p.reads, p.writes, p.labels = (list(x) for x in self.program)
-        b.orig[:] = self.orig
-        b.saved_of = dict(self.saved_of)
-        b.early_of = dict(self.early_of)
-        b.resident_bytes = self.resident_bytes
-        b.constant = set(self.constant)
+        for node in tensors:
+            if node.kind != "internal":
+                b.orig[node.id] = p.value(tensor_bytes[node.id], resident=True)
+                b.resident_bytes += tensor_bytes[node.id]
+        orig = b.orig
+        for i in range(len(fg.ops)):
+            b.run_op(i, orig, Event.FORWARD)
+        # Instruction lists are never changed once made: shared, not copied.
+        self.program = (p.size, p.alias, p.resident_ids, p.reads, p.writes, p.labels)
+        self.orig = orig
+        self.saved_of = b.saved_of
+        self.early_of = b.early_of
+        self.resident_bytes = b.resident_bytes
+        self.constant = b.constant
+        # Each forward value's last reader in the forward pass (or where it
+        # is made): a simulation adds the backward's readers.
+        last = [-1] * len(p.size)
+        for k, ws in enumerate(p.writes):
+            for v, _ in ws:
+                last[v] = k
+        for k, rs in enumerate(p.reads):
+            for r in rs:
+                last[r] = k
+        self.last = last
+        self.counted = _Counted(model.allocator)
+        self._forward_labels: list[str] | None = None
+
+    def _plan_ops(self) -> None:
+        """Per op, what running a copy of it and differentiating it read and write."""
+        fg, costs, model = self.fg, self.costs, self.model
+        tensors, tensor_bytes, alias_of = fg.tensors, costs.tensor_bytes, costs.alias_of
+        scratch_ops = costs.scratch or (False,) * len(fg.ops)
+        feeds_x = [
+            self.is_x[node.id] or (node.producer is not None and bool(fg.ops[node.producer].inputs)
+                                   and all(self.is_x[u] for u in fg.ops[node.producer].inputs))
+            for node in tensors
+        ]  # an x, or the read of one (e.g. ReadVariableOp): its gradient is the x's
+        copy_plans = []
+        gradient_plans = []
+        needs = []
+        always_copied = []
+        for i, op in enumerate(fg.ops):
+            use = costs.gradient[i]
+            inputs, n_in = op.inputs, len(op.inputs)
+            figures = body_figures(op.body, model) if op.body is not None else None
+            copy_plans.append((
+                inputs,
+                figures,
+                use.early_bytes if use.has_gradient else (),
+                tuple(tensor_bytes[t] for t in inputs) if scratch_ops[i] else (),
+                tuple((t, tensor_bytes[t], alias_of[t],
+                       figures is not None and tensors[t].dtype == "variant",
+                       tuple(j for j, t_in in enumerate(inputs)
+                             if tensor_bytes[t_in] == tensor_bytes[t]) if costs.inplace[i] else ())
+                      for t in op.outputs),
+            ))
+            read_ins, read_outs = costs.gradient_reads[i]
+            loop_constants = ()
+            if op.body is not None and op.body.loop:
+                loop_constants = tuple(
+                    inputs[j] for j in op.body.invariant
+                    if j < n_in and tensors[inputs[j]].trainable
+                    and tensors[inputs[j]].dtype not in ("resource", "variant")
+                    and self.foldable[inputs[j]])
+            aliases = use.aliases
+            gradient_plans.append((
+                op.outputs,
+                use.has_gradient,
+                read_ins + read_outs,
+                bool(use.early_bytes) and use.has_gradient,
+                (max(tensor_bytes[t] for t in op.outputs),
+                 max((tensor_bytes[t] for t in inputs), default=0)) if scratch_ops[i] else (),
+                loop_constants,
+                figures.backward_bytes if figures is not None else None,
+                tuple((t, internal, aliases[j] if j < len(aliases) else None, tensor_bytes[t],
+                       feeds_x[t], self.foldable[t])
+                      for j, t in costs.gradient_targets[i]
+                      for internal in (tensors[t].kind == "internal",)),
+                not use.reads_outputs and all(tensors[inputs[j]].constant
+                                              for j in use.reads_inputs if j < n_in),
+                costs.inplace[i],
+                op.body is None and not scratch_ops[i],
+            ))
+            needs.append(read_ins + read_outs)
+            always_copied.append((op.body is not None and bool(op.body.saved))
+                                 or bool(use.early_bytes))
+        self.copy_plans, self.gradient_plans = copy_plans, gradient_plans
+        self.needs, self.always_copied = needs, always_copied
+
+    def needed_copies(self, ops: Sequence[int]) -> list[int]:
+        """The ops of a recompute step whose copies run: those a gradient reads
+        (through other copies). The rest, e.g. the copy of the loss itself, feed
+        nothing that is fetched, and TensorFlow prunes them."""
+        need: set[int] = set()
+        needs, always, fg_ops = self.needs, self.always_copied, self.fg.ops
+        for i in ops:
+            need.update(needs[i])
+        live = []
+        for i in reversed(ops):
+            op = fg_ops[i]
+            if always[i] or not need.isdisjoint(op.outputs):
+                live.append(i)
+                need.update(op.inputs)
+        live.reverse()
+        return live
+
+    def label(self, label: tuple[Event, int]) -> str:
+        """An event's name (``"run dense/MatMul"``)."""
+        kind, ref = label
+        return _PREFIX[kind] + (self.fg.ops[ref].name if kind in _OF_OP
+                                else self.fg.tensors[ref].name)
+
+    def labels(self, labels: Sequence[tuple[Event, int]]) -> list[str]:
+        """The events' names; the forward pass's are made once."""
+        if self._forward_labels is None:
+            self._forward_labels = [self.label(label) for label in self.program[5]]
+        n = len(self._forward_labels)
+        return self._forward_labels + [self.label(label) for label in labels[n:]]
+
+
+_PREFIX = {kind: kind.value for kind in Event}
+_OF_OP = frozenset(kind for kind in Event if kind.of_op)
+
+
+class _Counted(dict):
+    """Bytes an allocator counts, per buffer size (a graph has few distinct sizes)."""
+
+    def __init__(self, allocator: Allocator) -> None:
+        super().__init__()
+        self.allocator = allocator
+
+    def __missing__(self, nbytes: int) -> int:
+        found = self[nbytes] = self.allocator.counted(nbytes)
+        return found
 
 
 def forward_program(fg: ForwardGraph, costs: Costs,
@@ -454,21 +583,30 @@ def forward_program(fg: ForwardGraph, costs: Costs,
         return ForwardProgram(fg, costs, model)
 
 
-def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, model: MemoryModel,
-           forward: ForwardProgram | None = None) -> tuple[_Program, int, int]:
+def _forward_of(fg: ForwardGraph, costs: Costs, model: MemoryModel,
+                forward: ForwardProgram | None) -> ForwardProgram:
     if forward is None:
-        forward = ForwardProgram(fg, costs, model)
-    elif forward.fg is not fg or forward.costs is not costs or forward.model != model:
+        return ForwardProgram(fg, costs, model)
+    if forward.fg is not fg or forward.costs is not costs or forward.model != model:
         raise ValueError(
             "memsave.simulate: forward= was built for another graph, costs or memory model")
-    b = _Builder(fg, costs, model, forward)
+    return forward
+
+
+def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, model: MemoryModel,
+           forward: ForwardProgram | None = None) -> tuple[_Program, int, int]:
+    """The program of ``schedule``, the bytes resident before the step, and
+    the index of the first backward instruction."""
+    return _build_program(_forward_of(fg, costs, model, forward), schedule)
+
+
+def _build_program(forward: ForwardProgram, schedule: Schedule | None) -> tuple[_Program, int, int]:
+    fg, costs = forward.fg, forward.costs
+    b = _Builder(forward)
+    b.restore()
     p = b.p
-    orig = b.orig
-
-    def bind_orig(t: int, v: int) -> None:
-        orig[t] = v
-
-    b.bind = bind_orig
+    cur = b.orig  # tensor id -> the value read for it (a recompute step's copies and proxies)
+    orig = forward.orig
     if schedule is not None:
         # TensorFlow adds what a call's or loop's gradient keeps (the forward
         # function's extra outputs, while_v2's accumulators) only to the op
@@ -482,27 +620,25 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, model: Mem
 
     # Seeds: grad_ys = ones_like(y), a folded constant when y's shape is static.
     for y in dict.fromkeys(fg.ys):
-        if b.foldable(y):
+        if forward.foldable[y]:
             v = b.constant_value(y)
         else:
             v = p.value(costs.tensor_bytes[y])
             p.instr((Event.SEED, y), [], [(v, ())])
         b.grads.setdefault(y, []).append(v)
 
-    xs = set(fg.xs)
     if schedule is None:
-        b.backward(range(len(fg.ops)), orig.__getitem__, set(fg.ys), xs)
+        b.backward(range(len(fg.ops)), cur, set(fg.ys), set(fg.xs))
     else:
         tensor_bytes, grads, constant = costs.tensor_bytes, b.grads, b.constant
         for step in schedule.steps:
             heads = set(step.heads)
             boundary = set(step.boundary)
             if step.kind == "backprop":
-                b.backward(step.ops, orig.__getitem__, heads, boundary)
+                b.backward(step.ops, cur, heads, boundary)
                 continue
             if not any(grads.get(h) for h in step.heads):
                 continue
-            local = dict()
             gated = set(step.gated)
             if not fg.xla and all(g in constant for h in step.heads for g in grads.get(h, ())):
                 # The heads' gradients are constants (the seeds ones_like(y)):
@@ -510,6 +646,7 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, model: Mem
                 # (step stats: the first step's gated proxy of a U-Net's 3 MiB
                 # concat ran as Identity, allocating nothing).
                 gated = set()
+            touched: list[int] = []  # tensors whose value is the step's own
             for t in step.boundary:
                 src = orig[t]
                 if t in gated:
@@ -518,48 +655,19 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, model: Mem
                 else:
                     v = p.value(tensor_bytes[t], alias=src)
                     p.instr((Event.PROXY, t), [src], [(v, ())])
-                local[t] = v
-
-            def vmap(t: int, local=local) -> int:
-                v = local.get(t)
-                return orig[t] if v is None else v
-
-            def bind_local(t: int, v: int, local=local, boundary=boundary) -> None:
-                if t not in boundary:
-                    local[t] = v
-
-            b.bind = bind_local
-            for i in _needed_copies(fg, costs, step.ops):
-                b.run_op(i, vmap, Event.RECOMPUTE)
-            b.backward(step.ops, vmap, heads, boundary)
+                cur[t] = v
+                touched.append(t)
+            for i in forward.needed_copies(step.ops):
+                b.run_op(i, cur, Event.RECOMPUTE, boundary, touched)
+            b.backward(step.ops, cur, heads, boundary)
+            for t in touched:
+                cur[t] = orig[t]
     # The xs' gradients are the step's outputs.
     for x in dict.fromkeys(fg.xs):
         g = b.accumulate(x, b.grads.pop(x, []))
         if g is not None:
             p.pinned.append(g)
     return p, b.resident_bytes, backward_start
-
-
-def _needed_copies(fg: ForwardGraph, costs: Costs, ops: Sequence[int]) -> list[int]:
-    """The ops of a recompute step whose copies run: those a gradient reads
-    (through other copies). The rest, e.g. the copy of the loss itself, feed
-    nothing that is fetched, and TensorFlow prunes them."""
-    need: set[int] = set()
-    gradient_reads = costs.gradient_reads
-    for i in ops:
-        read_ins, read_outs = gradient_reads[i]
-        need.update(read_ins)
-        need.update(read_outs)
-    live = []
-    gradient = costs.gradient
-    for i in reversed(ops):
-        op = fg.ops[i]
-        if (any(t in need for t in op.outputs) or (op.body is not None and op.body.saved)
-                or gradient[i].early_bytes):
-            live.append(i)
-            need.update(op.inputs)
-    live.reverse()
-    return live
 
 
 def simulate(
@@ -645,23 +753,23 @@ def paused_gc():
 
 def _simulate(fg, schedule, costs, model, timeline, forward, gradients_kept,
               extra_resident_bytes) -> MemoryTrace:
-    p, resident_bytes, backward_start = _build(fg, schedule, costs, model, forward)
-    allocator = model.allocator
+    forward = _forward_of(fg, costs, model, forward)
+    p, resident_bytes, backward_start = _build_program(forward, schedule)
     reads, writes, size, alias = p.reads, p.writes, p.size, p.alias
     n_instr = len(reads)
     n_val = len(size)
-    # Each value's last reader, or where it is made if nothing reads it.
-    last = [-1] * n_val
-    for k, ws in enumerate(writes):
-        for v, _ in ws:
+    # Each value's last reader, or where it is made if nothing reads it: the
+    # forward pass's are known, the backward's readers come after them.
+    last = forward.last + [-1] * (n_val - len(forward.last))
+    for k in range(backward_start, n_instr):
+        for v, _ in writes[k]:
             last[v] = k
-    for k, rs in enumerate(reads):
-        for r in rs:
+        for r in reads[k]:
             last[r] = k
     if gradients_kept:
         for v in p.pinned:
             last[v] = n_instr  # past the last instruction: the step's outputs
-    resident = list(itertools.compress(range(n_val), p.resident))
+    resident = p.resident_ids
     for v in resident:
         last[v] = n_instr  # alive before and after the step
     dying: list[list[int]] = [[] for _ in range(n_instr)]
@@ -670,8 +778,7 @@ def _simulate(fg, schedule, costs, model, timeline, forward, gradients_kept,
             dying[k].append(v)
     # A view holds a reference to its buffer's root; a buffer is freed when
     # the last value on it (base or view) has had its last reader.
-    counted_of = {n: allocator.counted(n) for n in set(size)}  # few distinct sizes
-    counted = [counted_of[n] for n in size]
+    counted = list(map(forward.counted.__getitem__, size))
     if not gradients_kept:
         for v in p.xs_grads:
             counted[v] = 0  # consumed by the update as soon as written
@@ -684,7 +791,7 @@ def _simulate(fg, schedule, costs, model, timeline, forward, gradients_kept,
     resident_counted = alive
     peak = alive
     peak_k = -1
-    events: list[tuple[int, str]] = []
+    events: list[int] = []
     for k, dies in enumerate(dying):
         for v, cands in writes[k]:
             a = alias[v]
@@ -693,22 +800,19 @@ def _simulate(fg, schedule, costs, model, timeline, forward, gradients_kept,
                 root[v] = r
                 refs[r] += 1
                 continue
-            chosen = -1
             for c in cands:
                 r = root[c]
                 if last[c] == k and refs[r] == 1 and size[r] == size[v]:
-                    chosen = r
+                    root[v] = r
+                    refs[r] += 1
                     break
-            if chosen >= 0:
-                root[v] = chosen
-                refs[chosen] += 1
             else:
                 refs[v] = 1
                 alive += counted[v]
         if alive > peak:
             peak, peak_k = alive, k
         if timeline:
-            events.append((alive, _label(fg, p.labels[k])))
+            events.append(alive)
         for v in dies:
             r = root[v]
             refs[r] -= 1
@@ -717,14 +821,8 @@ def _simulate(fg, schedule, costs, model, timeline, forward, gradients_kept,
     return MemoryTrace(
         peak_bytes=peak,
         resident_bytes=resident_counted,
-        timeline=tuple(events),
-        peak_event=_label(fg, p.labels[peak_k]) if peak_k >= 0 else "start",
+        timeline=tuple(zip(events, forward.labels(p.labels))) if timeline else (),
+        peak_event=forward.label(p.labels[peak_k]) if peak_k >= 0 else "start",
         backward_start=backward_start,
         end_bytes=alive,
     )
-
-
-def _label(fg: ForwardGraph, label: tuple) -> str:
-    kind, ref = label
-    name = fg.ops[ref].name if kind.of_op else fg.tensors[ref].name
-    return kind.value + name
