@@ -65,10 +65,13 @@ to a few MiB and varies from run to run with the order of the ops.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import enum
 import gc
+import itertools
+import operator
 from collections.abc import Sequence
 
 from memsave.bodies import body_figures
@@ -179,20 +182,29 @@ class _Program:
         lingering = self.lingering
         if lingering:
             alias = self.alias
-            if any(alias[v] < 0 for v, _ in writes):
-                # A kernel that writes a buffer: the one run beside the lingering one.
-                ending: list[int] = []
-                going: list[int] = []
-                still = []
-                for left, values in lingering:
-                    if left == 1:
-                        ending += values
-                    else:
-                        going += values
-                        still.append((left - 1, values))
-                self.lingering = still
+            for v, _ in writes:
+                if alias[v] < 0:
+                    break  # a kernel that writes a buffer: the one run beside the lingering one
+            else:
+                for _, values in lingering:
+                    reads = reads + values
+                self.reads.append(reads)
+                self.writes.append(writes)
+                self.labels.append(label)
+                return
+            ending: list[int] = []
+            going: list[int] = []
+            still = []
+            for left, values in lingering:
+                if left == 1:
+                    ending += values
+                else:
+                    going += values
+                    still.append((left - 1, values))
+            lingering[:] = still  # in place: the hot loops hold this list
+            if ending and kernels and len(writes) > 1:
                 new = [w for w in writes if alias[w[0]] < 0 and not w[1]]
-                if ending and kernels and len(new) > 1:
+                if len(new) > 1:
                     # An op's gradient writing several new buffers is one kernel
                     # each (a concat's: one Slice per input); the lingering kernel
                     # runs beside the first (the largest, as the worst case).
@@ -203,9 +215,7 @@ class _Program:
                     self.labels.append(label)
                     writes = [w for w in writes if w is not first]
                     ending = []
-                reads = reads + ending + going
-            else:
-                reads = reads + [v for _, values in lingering for v in values]
+            reads = reads + ending + going
         self.reads.append(reads)
         self.writes.append(writes)
         self.labels.append(label)
@@ -242,49 +252,92 @@ class _Builder:
 
     # -- forward ----------------------------------------------------------
 
-    def run_op(self, i: int, cur: list[int], phase: Event, boundary=(), touched=None) -> None:
-        """Run op ``i`` reading the values ``cur`` maps its inputs to, and map
-        its outputs there: always in the forward pass (``touched`` None); in a
-        recompute step, all but the ``boundary``'s, noted in ``touched``."""
-        inputs, figures, early, scratch, outputs = self.fp.copy_plans[i]
+    def run_ops(self, ops: Sequence[int], cur: list[int], boundary=(),
+                touched: list[int] | None = None) -> None:
+        """Run ``ops`` (in order), reading the values ``cur`` maps their inputs
+        to, and map their outputs there: in the forward pass (``touched``
+        None), all; in a recompute step (copies of the ops), all but the
+        ``boundary``'s, noted in ``touched``."""
         p = self.p
-        value = p.value
-        reads = [cur[t] for t in inputs]
-        writes = []
-        lists = -1
-        if figures is not None:
-            # What the gradient keeps (alive until it runs), what the loop's
-            # TensorLists hold (alive while the lists are), and the body's
-            # own transient peak (freed when the op ends).
-            saved = value(figures.saved_bytes)
-            self.saved_of[i] = saved
-            lists = value(figures.stored_bytes)
-            writes += [(saved, ()), (lists, ()), (value(figures.forward_bytes), ())]
-        if early:
-            # Gradient values computed from this op's values alone: they run
-            # right after it and wait for its gradient.
-            values = [value(b) for b in early]
-            self.early_of[i] = values
-            writes += [(v, ()) for v in values]
-        if scratch:
-            # The kernel's temporaries (freed when it ends): one per operand.
-            writes += [(value(b), ()) for b in scratch]
-        for t, nbytes, src, in_lists, same_size in outputs:
-            if in_lists and lists >= 0:
-                v = value(nbytes, alias=lists)
-                writes.append((v, ()))
-            elif src is not None:
-                v = value(nbytes, alias=cur[src])
-                writes.append((v, ()))
-            else:
-                v = value(nbytes)
-                writes.append((v, tuple([reads[j] for j in same_size]) if same_size else ()))
+        # Hot loop (every op copy of every simulated plan): names bound once.
+        plans, saved_of, early_of = self.fp.copy_plans, self.saved_of, self.early_of
+        size, alias, value = p.size, p.alias, p.value
+        all_reads, all_writes, all_labels, lingering = p.reads, p.writes, p.labels, p.lingering
+        read = cur.__getitem__
+        for i in ops:
+            label, inputs, figures, early, scratch, outputs = plans[i]
+            reads = list(map(read, inputs))
+            writes = []
+            lists = -1
+            if figures is not None:
+                # What the gradient keeps (alive until it runs), what the loop's
+                # TensorLists hold (alive while the lists are), and the body's
+                # own transient peak (freed when the op ends).
+                saved = value(figures.saved_bytes)
+                saved_of[i] = saved
+                lists = value(figures.stored_bytes)
+                writes += [(saved, ()), (lists, ()), (value(figures.forward_bytes), ())]
+            if early:
+                # Gradient values computed from this op's values alone: they run
+                # right after it and wait for its gradient.
+                values = [value(b) for b in early]
+                early_of[i] = values
+                writes += [(v, ()) for v in values]
+            if scratch:
+                # The kernel's temporaries (freed when it ends): one per operand.
+                writes += [(value(b), ()) for b in scratch]
+            for t, nbytes, src, in_lists, same_size in outputs:
+                v = len(size)
+                size.append(nbytes)
+                if in_lists and lists >= 0:
+                    alias.append(lists)
+                    writes.append((v, ()))
+                elif src is not None:
+                    alias.append(cur[src])
+                    writes.append((v, ()))
+                else:
+                    alias.append(-1)
+                    writes.append((v, tuple([reads[j] for j in same_size]) if same_size else ()))
+                if touched is None:
+                    cur[t] = v
+                elif t not in boundary:
+                    cur[t] = v
+                    touched.append(t)
             if touched is None:
-                cur[t] = v
-            elif t not in boundary:
-                cur[t] = v
-                touched.append(t)
-        p.instr((phase, i), reads, writes)
+                label = (Event.FORWARD, i)
+            if lingering:
+                p.instr(label, reads, writes)
+            else:  # (p.instr, inlined)
+                all_reads.append(reads)
+                all_writes.append(writes)
+                all_labels.append(label)
+
+    def proxies(self, boundary: Sequence[int], gated, cur: list[int], touched: list[int]) -> None:
+        """A recompute step's proxies of its ``boundary`` (``t + gate`` for the
+        ``gated``: a new buffer unless the original dies there; identities
+        otherwise), mapped in ``cur`` and noted in ``touched``."""
+        p, orig, tensor_bytes = self.p, self.fp.orig, self.fp.costs.tensor_bytes
+        size, alias = p.size, p.alias
+        all_reads, all_writes, all_labels, lingering = p.reads, p.writes, p.labels, p.lingering
+        labels = self.fp.proxy_labels
+        for t in boundary:
+            src = orig[t]
+            v = len(size)
+            size.append(tensor_bytes[t])
+            if t in gated:
+                alias.append(-1)
+                writes = [(v, (src,))]
+            else:
+                alias.append(src)
+                writes = [(v, ())]
+            if lingering:
+                p.instr(labels[t], [src], writes)
+            else:  # (p.instr, inlined)
+                all_reads.append([src])
+                all_writes.append(writes)
+                all_labels.append(labels[t])
+            cur[t] = v
+            touched.append(t)
 
     # -- backward ---------------------------------------------------------
 
@@ -297,13 +350,15 @@ class _Builder:
         plans, is_x = fp.gradient_plans, fp.is_x
         grads, constant, saved_of, early_of = self.grads, self.constant, self.saved_of, self.early_of
         size, alias, xs_grads = p.size, p.alias, p.xs_grads
+        all_reads, all_writes, all_labels, lingering = p.reads, p.writes, p.labels, p.lingering
+        read = cur.__getitem__
         overlap = fp.overlap
         local: dict[int, list[int]] = {}
         for i in reversed(ops):
-            (outputs, has_gradient, read_tensors, has_early, scratch, loop_constants,
+            (label, outputs, has_gradient, read_tensors, has_early, scratch, loop_constants,
              body_bytes, targets, static_fold, inplace, kernels) = plans[i]
             out_grads: list[int | None] = []
-            any_grad = False
+            reads = []  # the gradients received, then what the gradient reads
             for t in outputs:
                 got = local.pop(t, None)
                 if t in heads or is_x[t]:
@@ -319,11 +374,10 @@ class _Builder:
                     # its gradient is a result of the step and flows on.
                     grads[t] = [g]
                 out_grads.append(g)
-                any_grad = True
-            if not any_grad or not has_gradient:
+                reads.append(g)
+            if not reads or not has_gradient:
                 continue
-            reads = [g for g in out_grads if g is not None]
-            reads += [cur[t] for t in read_tensors]
+            reads += map(read, read_tensors)
             if has_early:
                 reads += early_of[i]
             writes = []
@@ -331,7 +385,7 @@ class _Builder:
                 # Each input's gradient is a kernel of the same type, run one
                 # after the other: temporaries of the incoming gradient and
                 # the other operand, the largest input at most.
-                writes += [(self.p.value(b), ()) for b in scratch]
+                writes += [(p.value(b), ()) for b in scratch]
             if body_bytes is not None:
                 if i in saved_of:
                     reads.append(saved_of[i])
@@ -342,30 +396,27 @@ class _Builder:
                     self.constant_value(t)
                 writes.append((p.value(body_bytes), ()))
             to_weight = flows_on = False
-            folded = None  # whether Grappler folds this gradient (computed when first asked)
             for t, internal, k, nbytes, feeds_x, foldable in targets:
                 if not internal and t not in boundary:
                     continue
                 g = out_grads[k] if k is not None else None
-                if g is not None:
+                if g is not None:  # the incoming gradient's buffer (a pass-through)
                     v = len(size)
                     size.append(nbytes)
                     alias.append(g)
                     writes.append((v, ()))
                     if g in constant:
                         constant.add(v)
+                elif static_fold and foldable and all(g in constant for g in out_grads
+                                                      if g is not None):
+                    # Computed from constants only: Grappler folds it.
+                    v = self.constant_value(t)
                 else:
-                    if folded is None:
-                        folded = static_fold and all(g in constant for g in out_grads
-                                                     if g is not None)
-                    if folded and foldable:
-                        v = self.constant_value(t)
-                    else:
-                        v = len(size)
-                        size.append(nbytes)
-                        alias.append(-1)
-                        writes.append((v, tuple([r for r in reads if size[r] == nbytes])
-                                       if inplace else ()))
+                    v = len(size)
+                    size.append(nbytes)
+                    alias.append(-1)
+                    writes.append((v, tuple([r for r in reads if size[r] == nbytes])
+                                   if inplace else ()))
                 if t in boundary:
                     found = grads.get(t)
                     if found is None:
@@ -383,16 +434,21 @@ class _Builder:
                     to_weight = True
                 else:
                     flows_on = True
-            # A call's or loop's gradient, or a kernel's temporaries, are not
-            # one kernel per buffer.
-            p.instr((Event.GRADIENT, i), reads, writes, kernels=kernels)
+            if lingering:
+                # A call's or loop's gradient, or a kernel's temporaries, are
+                # not one kernel per buffer.
+                p.instr(label, reads, writes, kernels)
+            else:  # (p.instr, inlined)
+                all_reads.append(reads)
+                all_writes.append(writes)
+                all_labels.append(label)
             if to_weight and flows_on and overlap:
                 # The weight's gradient kernel (Conv2DBackpropFilter, the
                 # MatMul of x^T and dy) is ready with the input's, but nothing
                 # downstream waits for it: the executor runs it beside the
                 # next gradient ops, which allocate while it still holds what
                 # it reads (the layer's input, the incoming gradient).
-                p.lingering.append((overlap, reads))
+                lingering.append((overlap, reads))
 
     def constant_value(self, t: int) -> int:
         """A gradient Grappler folds: resident from before the step."""
@@ -445,8 +501,7 @@ class ForwardProgram:
                 b.orig[node.id] = p.value(tensor_bytes[node.id], resident=True)
                 b.resident_bytes += tensor_bytes[node.id]
         orig = b.orig
-        for i in range(len(fg.ops)):
-            b.run_op(i, orig, Event.FORWARD)
+        b.run_ops(range(len(fg.ops)), orig)
         # Instruction lists are never changed once made: shared, not copied.
         self.program = (p.size, p.alias, p.resident_ids, p.reads, p.writes, p.labels)
         self.orig = orig
@@ -486,6 +541,7 @@ class ForwardProgram:
             inputs, n_in = op.inputs, len(op.inputs)
             figures = body_figures(op.body, model) if op.body is not None else None
             copy_plans.append((
+                (Event.RECOMPUTE, i),
                 inputs,
                 figures,
                 use.early_bytes if use.has_gradient else (),
@@ -506,6 +562,7 @@ class ForwardProgram:
                     and self.foldable[inputs[j]])
             aliases = use.aliases
             gradient_plans.append((
+                (Event.GRADIENT, i),
                 op.outputs,
                 use.has_gradient,
                 read_ins + read_outs,
@@ -528,21 +585,21 @@ class ForwardProgram:
                                  or bool(use.early_bytes))
         self.copy_plans, self.gradient_plans = copy_plans, gradient_plans
         self.needs, self.always_copied = needs, always_copied
+        self.inputs = [op.inputs for op in fg.ops]
+        self.proxy_labels = [(Event.PROXY, t) for t in range(len(fg.tensors))]
+        self.outputs = [op.outputs for op in fg.ops]
 
     def needed_copies(self, ops: Sequence[int]) -> list[int]:
         """The ops of a recompute step whose copies run: those a gradient reads
         (through other copies). The rest, e.g. the copy of the loss itself, feed
         nothing that is fetched, and TensorFlow prunes them."""
-        need: set[int] = set()
-        needs, always, fg_ops = self.needs, self.always_copied, self.fg.ops
-        for i in ops:
-            need.update(needs[i])
+        needs, always, inputs, outputs = self.needs, self.always_copied, self.inputs, self.outputs
+        need = set(itertools.chain.from_iterable(map(needs.__getitem__, ops)))
         live = []
         for i in reversed(ops):
-            op = fg_ops[i]
-            if always[i] or not need.isdisjoint(op.outputs):
+            if always[i] or not need.isdisjoint(outputs[i]):
                 live.append(i)
-                need.update(op.inputs)
+                need.update(inputs[i])
         live.reverse()
         return live
 
@@ -559,6 +616,18 @@ class ForwardProgram:
         n = len(self._forward_labels)
         return self._forward_labels + [self.label(label) for label in labels[n:]]
 
+
+def _consume(iterator) -> None:
+    """Run ``iterator`` to its end (in C)."""
+    collections.deque(iterator, maxlen=0)
+
+
+def _flat_repeat(values, counts):
+    """Each of ``values`` repeated its count of ``counts`` times, in one iterator."""
+    return itertools.chain.from_iterable(map(itertools.repeat, values, counts))
+
+
+_first = operator.itemgetter(0)
 
 _PREFIX = {kind: kind.value for kind in Event}
 _OF_OP = frozenset(kind for kind in Event if kind.of_op)
@@ -630,7 +699,7 @@ def _build_program(forward: ForwardProgram, schedule: Schedule | None) -> tuple[
     if schedule is None:
         b.backward(range(len(fg.ops)), cur, set(fg.ys), set(fg.xs))
     else:
-        tensor_bytes, grads, constant = costs.tensor_bytes, b.grads, b.constant
+        grads, constant = b.grads, b.constant
         for step in schedule.steps:
             heads = set(step.heads)
             boundary = set(step.boundary)
@@ -647,26 +716,17 @@ def _build_program(forward: ForwardProgram, schedule: Schedule | None) -> tuple[
                 # concat ran as Identity, allocating nothing).
                 gated = set()
             touched: list[int] = []  # tensors whose value is the step's own
-            for t in step.boundary:
-                src = orig[t]
-                if t in gated:
-                    v = p.value(tensor_bytes[t])
-                    p.instr((Event.PROXY, t), [src], [(v, (src,))])
-                else:
-                    v = p.value(tensor_bytes[t], alias=src)
-                    p.instr((Event.PROXY, t), [src], [(v, ())])
-                cur[t] = v
-                touched.append(t)
-            for i in forward.needed_copies(step.ops):
-                b.run_op(i, cur, Event.RECOMPUTE, boundary, touched)
+            b.proxies(step.boundary, gated, cur, touched)
+            b.run_ops(forward.needed_copies(step.ops), cur, boundary, touched)
             b.backward(step.ops, cur, heads, boundary)
             for t in touched:
                 cur[t] = orig[t]
     # The xs' gradients are the step's outputs.
+    grads, pinned = b.grads, p.pinned
     for x in dict.fromkeys(fg.xs):
-        g = b.accumulate(x, b.grads.pop(x, []))
-        if g is not None:
-            p.pinned.append(g)
+        got = grads.pop(x, None)
+        if got:
+            pinned.append(got[0] if len(got) == 1 else b.accumulate(x, got))
     return p, b.resident_bytes, backward_start
 
 
@@ -754,75 +814,92 @@ def paused_gc():
 def _simulate(fg, schedule, costs, model, timeline, forward, gradients_kept,
               extra_resident_bytes) -> MemoryTrace:
     forward = _forward_of(fg, costs, model, forward)
-    p, resident_bytes, backward_start = _build_program(forward, schedule)
+    p, _, backward_start = _build_program(forward, schedule)
+    return _replay(forward, p, backward_start, timeline, gradients_kept, extra_resident_bytes)
+
+
+def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline: bool,
+            gradients_kept: bool, extra_resident_bytes: int) -> MemoryTrace:
     reads, writes, size, alias = p.reads, p.writes, p.size, p.alias
     n_instr = len(reads)
     n_val = len(size)
     # Each value's last reader, or where it is made if nothing reads it: the
     # forward pass's are known, the backward's readers come after them.
+    # (Assigned in C: each value's index, then each read's, in instruction
+    # order, so that the latest reader is what stays.)
     last = forward.last + [-1] * (n_val - len(forward.last))
-    for k in range(backward_start, n_instr):
-        for v, _ in writes[k]:
-            last[v] = k
-        for r in reads[k]:
-            last[r] = k
+    set_last = last.__setitem__
+    backward = range(backward_start, n_instr)
+    backward_writes = writes[backward_start:]
+    _consume(map(set_last, map(_first, itertools.chain.from_iterable(backward_writes)),
+                  _flat_repeat(backward, map(len, backward_writes))))
+    backward_reads = reads[backward_start:]
+    _consume(map(set_last, itertools.chain.from_iterable(backward_reads),
+                  _flat_repeat(backward, map(len, backward_reads))))
     if gradients_kept:
         for v in p.pinned:
             last[v] = n_instr  # past the last instruction: the step's outputs
     resident = p.resident_ids
     for v in resident:
         last[v] = n_instr  # alive before and after the step
-    dying: list[list[int]] = [[] for _ in range(n_instr)]
-    for v, k in enumerate(last):
-        if 0 <= k < n_instr:
-            dying[k].append(v)
-    # A view holds a reference to its buffer's root; a buffer is freed when
-    # the last value on it (base or view) has had its last reader.
     counted = list(map(forward.counted.__getitem__, size))
     if not gradients_kept:
         for v in p.xs_grads:
             counted[v] = 0  # consumed by the update as soon as written
+    alive = extra_resident_bytes + sum([counted[v] for v in resident])
+
+    # Buffers: a value is a new buffer, or a view of another value's buffer,
+    # or written into a candidate's buffer (in place) when that candidate
+    # dies here and is the only value still on it. A buffer lives from the
+    # instruction that makes it to the last reader of any value on it.
+    # ``top`` is that last reader so far, ``top_value`` the value it reads,
+    # ``second`` the latest last reader of the other values on it.
     root = list(range(n_val))
-    refs = [0] * n_val
-    alive = extra_resident_bytes
+    top = last[:]
+    top_value = list(range(n_val))
+    second = [-1] * n_val
     for v in resident:
-        refs[v] = 1 << 30
-        alive += counted[v]
-    resident_counted = alive
-    peak = alive
-    peak_k = -1
-    events: list[int] = []
-    for k, dies in enumerate(dying):
-        for v, cands in writes[k]:
+        second[v] = n_instr  # never written into
+    delta = [0] * (n_instr + 1)  # bytes made at each instruction, minus those freed before it
+    buffers = []
+    for k, ws in enumerate(writes):
+        for v, cands in ws:
             a = alias[v]
-            if a >= 0:
-                r = root[a]
-                root[v] = r
-                refs[r] += 1
-                continue
-            for c in cands:
-                r = root[c]
-                if last[c] == k and refs[r] == 1 and size[r] == size[v]:
-                    root[v] = r
-                    refs[r] += 1
-                    break
-            else:
-                refs[v] = 1
-                alive += counted[v]
-        if alive > peak:
-            peak, peak_k = alive, k
-        if timeline:
-            events.append(alive)
-        for v in dies:
-            r = root[v]
-            refs[r] -= 1
-            if not refs[r]:
-                alive -= counted[r]
+            if a < 0:
+                for c in cands:
+                    r = root[c]
+                    if (last[c] == k and top_value[r] == c and second[r] < k
+                            and size[r] == size[v]):
+                        a = c
+                        break
+                else:
+                    delta[k] += counted[v]
+                    buffers.append(v)
+                    continue
+            r = root[v] = root[a]
+            t = last[v]
+            if t > top[r]:
+                second[r] = top[r]
+                top[r] = t
+                top_value[r] = v
+            elif t > second[r]:
+                second[r] = t
+    for r in buffers:
+        t = top[r]
+        if t < n_instr:
+            delta[t + 1] -= counted[r]
+    events = list(itertools.accumulate(delta, initial=alive))[1:]
+    end = events.pop()  # after the last instruction
+    peak = max(events, default=alive)
+    if peak > alive:
+        peak_k = events.index(peak)
+    else:
+        peak, peak_k = alive, -1
     return MemoryTrace(
         peak_bytes=peak,
-        resident_bytes=resident_counted,
+        resident_bytes=alive,
         timeline=tuple(zip(events, forward.labels(p.labels))) if timeline else (),
         peak_event=forward.label(p.labels[peak_k]) if peak_k >= 0 else "start",
         backward_start=backward_start,
-        end_bytes=alive,
+        end_bytes=end,
     )
