@@ -65,13 +65,11 @@ to a few MiB and varies from run to run with the order of the ops.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import enum
 import gc
 import itertools
-import operator
 from collections.abc import Sequence
 
 from memsave.bodies import body_figures
@@ -203,17 +201,23 @@ class _Program:
                     still.append((left - 1, values))
             lingering[:] = still  # in place: the hot loops hold this list
             if ending and kernels and len(writes) > 1:
-                new = [w for w in writes if alias[w[0]] < 0 and not w[1]]
-                if len(new) > 1:
-                    # An op's gradient writing several new buffers is one kernel
-                    # each (a concat's: one Slice per input); the lingering kernel
-                    # runs beside the first (the largest, as the worst case).
-                    size = self.size
-                    first = max(new, key=lambda w: size[w[0]])
+                # An op's gradient writing several new buffers is one kernel
+                # each (a concat's: one Slice per input); the lingering kernel
+                # runs beside the first (the largest, as the worst case).
+                size = self.size
+                first = None
+                n_new = 0
+                for w in writes:
+                    if alias[w[0]] < 0 and not w[1]:
+                        n_new += 1
+                        if first is None or size[w[0]] > size[first[0]]:
+                            first = w
+                if n_new > 1:
                     self.reads.append(reads + ending + going)
                     self.writes.append([first])
                     self.labels.append(label)
-                    writes = [w for w in writes if w is not first]
+                    writes = writes[:]
+                    writes.remove(first)  # (values are unique: the same tuple)
                     ending = []
             reads = reads + ending + going
         self.reads.append(reads)
@@ -263,10 +267,11 @@ class _Builder:
         plans, saved_of, early_of = self.fp.copy_plans, self.saved_of, self.early_of
         size, alias, value = p.size, p.alias, p.value
         all_reads, all_writes, all_labels, lingering = p.reads, p.writes, p.labels, p.lingering
-        read = cur.__getitem__
         for i in ops:
             label, inputs, figures, early, scratch, outputs = plans[i]
-            reads = list(map(read, inputs))
+            reads = []
+            for t in inputs:
+                reads.append(cur[t])
             writes = []
             lists = -1
             if figures is not None:
@@ -297,7 +302,15 @@ class _Builder:
                     writes.append((v, ()))
                 else:
                     alias.append(-1)
-                    writes.append((v, tuple([reads[j] for j in same_size]) if same_size else ()))
+                    if not same_size:
+                        writes.append((v, ()))
+                    elif len(same_size) == len(reads):  # every input: in place candidates
+                        writes.append((v, tuple(reads)))
+                    else:
+                        cands = []
+                        for j in same_size:
+                            cands.append(reads[j])
+                        writes.append((v, tuple(cands)))
                 if touched is None:
                     cur[t] = v
                 elif t not in boundary:
@@ -351,12 +364,11 @@ class _Builder:
         grads, constant, saved_of, early_of = self.grads, self.constant, self.saved_of, self.early_of
         size, alias, xs_grads = p.size, p.alias, p.xs_grads
         all_reads, all_writes, all_labels, lingering = p.reads, p.writes, p.labels, p.lingering
-        read = cur.__getitem__
         overlap = fp.overlap
         local: dict[int, list[int]] = {}
         for i in reversed(ops):
             (label, outputs, has_gradient, read_tensors, has_early, scratch, loop_constants,
-             body_bytes, targets, static_fold, inplace, kernels) = plans[i]
+             body_bytes, targets, static_fold, kernels) = plans[i]
             out_grads: list[int | None] = []
             reads = []  # the gradients received, then what the gradient reads
             for t in outputs:
@@ -377,7 +389,8 @@ class _Builder:
                 reads.append(g)
             if not reads or not has_gradient:
                 continue
-            reads += map(read, read_tensors)
+            for t in read_tensors:
+                reads.append(cur[t])
             if has_early:
                 reads += early_of[i]
             writes = []
@@ -396,7 +409,7 @@ class _Builder:
                     self.constant_value(t)
                 writes.append((p.value(body_bytes), ()))
             to_weight = flows_on = False
-            for t, internal, k, nbytes, feeds_x, foldable in targets:
+            for t, internal, k, nbytes, feeds_x, foldable, in_place in targets:
                 if not internal and t not in boundary:
                     continue
                 g = out_grads[k] if k is not None else None
@@ -415,8 +428,16 @@ class _Builder:
                     v = len(size)
                     size.append(nbytes)
                     alias.append(-1)
-                    writes.append((v, tuple([r for r in reads if size[r] == nbytes])
-                                   if inplace else ()))
+                    if in_place is None:
+                        writes.append((v, ()))
+                    elif in_place:  # every value read has this size: all are candidates
+                        writes.append((v, tuple(reads)))
+                    else:  # the values read of this size
+                        cands = []
+                        for r in reads:
+                            if size[r] == nbytes:
+                                cands.append(r)
+                        writes.append((v, tuple(cands)))
                 if t in boundary:
                     found = grads.get(t)
                     if found is None:
@@ -561,6 +582,13 @@ class ForwardProgram:
                     and tensors[inputs[j]].dtype not in ("resource", "variant")
                     and self.foldable[inputs[j]])
             aliases = use.aliases
+            # The sizes of the values the gradient may read (None: not known
+            # here): a new buffer of one of them is written in place into
+            # one, when the op is elementwise.
+            read_sizes = None if figures is not None else {
+                *(tensor_bytes[t] for t in op.outputs), *(tensor_bytes[t] for t in read_ins),
+                *(tensor_bytes[t] for t in read_outs),
+                *(use.early_bytes if use.has_gradient else ())}
             gradient_plans.append((
                 (Event.GRADIENT, i),
                 op.outputs,
@@ -571,13 +599,13 @@ class ForwardProgram:
                  max((tensor_bytes[t] for t in inputs), default=0)) if scratch_ops[i] else (),
                 loop_constants,
                 figures.backward_bytes if figures is not None else None,
-                tuple((t, internal, aliases[j] if j < len(aliases) else None, tensor_bytes[t],
-                       feeds_x[t], self.foldable[t])
-                      for j, t in costs.gradient_targets[i]
-                      for internal in (tensors[t].kind == "internal",)),
+                tuple((t, tensors[t].kind == "internal", aliases[j] if j < len(aliases) else None,
+                       tensor_bytes[t], feeds_x[t], self.foldable[t],
+                       # In-place candidates: none, every value read, or those of its size.
+                       None if not costs.inplace[i] else read_sizes == {tensor_bytes[t]})
+                      for j, t in costs.gradient_targets[i]),
                 not use.reads_outputs and all(tensors[inputs[j]].constant
                                               for j in use.reads_inputs if j < n_in),
-                costs.inplace[i],
                 op.body is None and not scratch_ops[i],
             ))
             needs.append(read_ins + read_outs)
@@ -616,18 +644,6 @@ class ForwardProgram:
         n = len(self._forward_labels)
         return self._forward_labels + [self.label(label) for label in labels[n:]]
 
-
-def _consume(iterator) -> None:
-    """Run ``iterator`` to its end (in C)."""
-    collections.deque(iterator, maxlen=0)
-
-
-def _flat_repeat(values, counts):
-    """Each of ``values`` repeated its count of ``counts`` times, in one iterator."""
-    return itertools.chain.from_iterable(map(itertools.repeat, values, counts))
-
-
-_first = operator.itemgetter(0)
 
 _PREFIX = {kind: kind.value for kind in Event}
 _OF_OP = frozenset(kind for kind in Event if kind.of_op)
@@ -825,17 +841,12 @@ def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline:
     n_val = len(size)
     # Each value's last reader, or where it is made if nothing reads it: the
     # forward pass's are known, the backward's readers come after them.
-    # (Assigned in C: each value's index, then each read's, in instruction
-    # order, so that the latest reader is what stays.)
     last = forward.last + [-1] * (n_val - len(forward.last))
-    set_last = last.__setitem__
-    backward = range(backward_start, n_instr)
-    backward_writes = writes[backward_start:]
-    _consume(map(set_last, map(_first, itertools.chain.from_iterable(backward_writes)),
-                  _flat_repeat(backward, map(len, backward_writes))))
-    backward_reads = reads[backward_start:]
-    _consume(map(set_last, itertools.chain.from_iterable(backward_reads),
-                  _flat_repeat(backward, map(len, backward_reads))))
+    for k in range(backward_start, n_instr):
+        for v, _ in writes[k]:
+            last[v] = k
+        for r in reads[k]:
+            last[r] = k
     if gradients_kept:
         for v in p.pinned:
             last[v] = n_instr  # past the last instruction: the step's outputs
