@@ -190,16 +190,20 @@ class _Program:
                 self.writes.append(writes)
                 self.labels.append(label)
                 return
-            ending: list[int] = []
-            going: list[int] = []
-            still = []
-            for left, values in lingering:
-                if left == 1:
-                    ending += values
-                else:
-                    going += values
-                    still.append((left - 1, values))
-            lingering[:] = still  # in place: the hot loops hold this list
+            if len(lingering) == 1 and lingering[0][0] == 1:  # the usual case (overlap 1)
+                ending = lingering.pop()[1]
+                going: list[int] = []
+            else:
+                ending = []
+                going = []
+                still = []
+                for left, values in lingering:
+                    if left == 1:
+                        ending += values
+                    else:
+                        going += values
+                        still.append((left - 1, values))
+                lingering[:] = still  # in place: the hot loops hold this list
             if ending and kernels and len(writes) > 1:
                 # An op's gradient writing several new buffers is one kernel
                 # each (a concat's: one Slice per input); the lingering kernel
@@ -530,8 +534,9 @@ class ForwardProgram:
         self.early_of = b.early_of
         self.resident_bytes = b.resident_bytes
         self.constant = b.constant
-        # Each forward value's last reader in the forward pass (or where it
-        # is made): a simulation adds the backward's readers.
+        # What every replay starts from (see _replay): each forward value's
+        # last reader in the forward pass (or where it is made), and the
+        # bytes each value counts.
         last = [-1] * len(p.size)
         for k, ws in enumerate(p.writes):
             for v, _ in ws:
@@ -541,7 +546,16 @@ class ForwardProgram:
                 last[r] = k
         self.last = last
         self.counted = _Counted(model.allocator)
+        self.counted_values = list(map(self.counted.__getitem__, p.size))
+        self.resident_counted = sum([self.counted_values[v] for v in p.resident_ids])
+        self._identity: list[int] = []
         self._forward_labels: list[str] | None = None
+
+    def identity(self, n: int) -> list[int]:
+        """``list(range(n))``, copied from one made once (no new int objects)."""
+        if len(self._identity) < n:
+            self._identity = list(range(max(n, 2 * len(self._identity))))
+        return self._identity[:n]
 
     def _plan_ops(self) -> None:
         """Per op, what running a copy of it and differentiating it read and write."""
@@ -644,6 +658,9 @@ class ForwardProgram:
         n = len(self._forward_labels)
         return self._forward_labels + [self.label(label) for label in labels[n:]]
 
+
+#: The last reader of a value that outlives the step (resident, or one of its outputs).
+_NEVER = 1 << 62
 
 _PREFIX = {kind: kind.value for kind in Event}
 _OF_OP = frozenset(kind for kind in Event if kind.of_op)
@@ -841,7 +858,8 @@ def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline:
     n_val = len(size)
     # Each value's last reader, or where it is made if nothing reads it: the
     # forward pass's are known, the backward's readers come after them.
-    last = forward.last + [-1] * (n_val - len(forward.last))
+    n_forward = len(forward.last)
+    last = forward.last + [-1] * (n_val - n_forward)
     for k in range(backward_start, n_instr):
         for v, _ in writes[k]:
             last[v] = k
@@ -849,28 +867,33 @@ def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline:
             last[r] = k
     if gradients_kept:
         for v in p.pinned:
-            last[v] = n_instr  # past the last instruction: the step's outputs
-    resident = p.resident_ids
-    for v in resident:
-        last[v] = n_instr  # alive before and after the step
-    counted = list(map(forward.counted.__getitem__, size))
+            last[v] = _NEVER  # the step's outputs: alive after it
+    counted = forward.counted_values + list(map(forward.counted.__getitem__, size[n_forward:]))
+    for v in forward.saved_of.values():
+        counted[v] = forward.counted[size[v]]  # (zero when its op's copy is differentiated)
     if not gradients_kept:
         for v in p.xs_grads:
             counted[v] = 0  # consumed by the update as soon as written
-    alive = extra_resident_bytes + sum([counted[v] for v in resident])
+    # The resident values (the forward's, then the folded constants of the
+    # backward) are alive before and after the step.
+    resident = p.resident_ids
+    for v in resident:
+        last[v] = _NEVER
+    alive = extra_resident_bytes + forward.resident_counted
+    for v in resident[len(forward.program[2]):]:
+        alive += counted[v]
 
     # Buffers: a value is a new buffer, or a view of another value's buffer,
     # or written into a candidate's buffer (in place) when that candidate
     # dies here and is the only value still on it. A buffer lives from the
     # instruction that makes it to the last reader of any value on it.
     # ``top`` is that last reader so far, ``top_value`` the value it reads,
-    # ``second`` the latest last reader of the other values on it.
-    root = list(range(n_val))
+    # ``second`` the latest last reader of the other values on it. (A
+    # resident buffer's top is _NEVER: none of its values is written into.)
+    root = forward.identity(n_val)
     top = last[:]
-    top_value = list(range(n_val))
+    top_value = forward.identity(n_val)
     second = [-1] * n_val
-    for v in resident:
-        second[v] = n_instr  # never written into
     delta = [0] * (n_instr + 1)  # bytes made at each instruction, minus those freed before it
     buffers = []
     for k, ws in enumerate(writes):
