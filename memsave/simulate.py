@@ -546,16 +546,46 @@ class ForwardProgram:
                 last[r] = k
         self.last = last
         self.counted = _Counted(model.allocator)
-        self.counted_values = list(map(self.counted.__getitem__, p.size))
-        self.resident_counted = sum([self.counted_values[v] for v in p.resident_ids])
+        counted = self.counted_values = list(map(self.counted.__getitem__, p.size))
+        self.resident_counted = sum([counted[v] for v in p.resident_ids])
+        # The forward writes a replay need not look at: new buffers (made at
+        # their instruction whatever the schedule: ``alloc``, ``buffers``)
+        # and views of resident values (their buffer is known: ``root``).
+        # ``writes`` keeps the others, per instruction.
+        root = list(range(len(p.size)))
+        on_resident = [False] * len(p.size)
+        for v in p.resident_ids:
+            on_resident[v] = True
+        self.alloc = [0] * len(p.writes)
+        self.buffers = []
+        self.writes = []
+        saved = set(self.saved_of.values())
+        self.saved_at = {}  # what a call's gradient keeps -> its instruction
+        for k, ws in enumerate(p.writes):
+            left = []
+            for w in ws:
+                v, cands = w
+                a = p.alias[v]
+                if a < 0 and not cands:
+                    self.alloc[k] += counted[v]
+                    self.buffers.append(v)
+                    if v in saved:
+                        self.saved_at[v] = k
+                elif a >= 0 and on_resident[a]:
+                    root[v] = root[a]
+                    on_resident[v] = True
+                else:
+                    left.append(w)
+            self.writes.append(left)
+        self.root = root
         self._identity: list[int] = []
         self._forward_labels: list[str] | None = None
 
-    def identity(self, n: int) -> list[int]:
-        """``list(range(n))``, copied from one made once (no new int objects)."""
-        if len(self._identity) < n:
-            self._identity = list(range(max(n, 2 * len(self._identity))))
-        return self._identity[:n]
+    def identity(self, start: int, stop: int) -> list[int]:
+        """``list(range(start, stop))``, copied from one made once (no new int objects)."""
+        if len(self._identity) < stop:
+            self._identity = list(range(max(stop, 2 * len(self._identity))))
+        return self._identity[start:stop]
 
     def _plan_ops(self) -> None:
         """Per op, what running a copy of it and differentiating it read and write."""
@@ -869,8 +899,11 @@ def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline:
         for v in p.pinned:
             last[v] = _NEVER  # the step's outputs: alive after it
     counted = forward.counted_values + list(map(forward.counted.__getitem__, size[n_forward:]))
-    for v in forward.saved_of.values():
+    delta = forward.alloc + [0] * (n_instr + 1 - backward_start)  # bytes made at each
+    # instruction, minus those freed before it (the forward's new buffers already made)
+    for v, k in forward.saved_at.items():
         counted[v] = forward.counted[size[v]]  # (zero when its op's copy is differentiated)
+        delta[k] += counted[v] - forward.counted_values[v]
     if not gradients_kept:
         for v in p.xs_grads:
             counted[v] = 0  # consumed by the update as soon as written
@@ -890,13 +923,12 @@ def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline:
     # ``top`` is that last reader so far, ``top_value`` the value it reads,
     # ``second`` the latest last reader of the other values on it. (A
     # resident buffer's top is _NEVER: none of its values is written into.)
-    root = forward.identity(n_val)
+    root = forward.root + forward.identity(n_forward, n_val)
     top = last[:]
-    top_value = forward.identity(n_val)
+    top_value = forward.identity(0, n_val)
     second = [-1] * n_val
-    delta = [0] * (n_instr + 1)  # bytes made at each instruction, minus those freed before it
     buffers = []
-    for k, ws in enumerate(writes):
+    for k, ws in enumerate(itertools.chain(forward.writes, writes[backward_start:])):
         for v, cands in ws:
             a = alias[v]
             if a < 0:
@@ -918,7 +950,7 @@ def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline:
                 top_value[r] = v
             elif t > second[r]:
                 second[r] = t
-    for r in buffers:
+    for r in itertools.chain(forward.buffers, buffers):
         t = top[r]
         if t < n_instr:
             delta[t + 1] -= counted[r]
