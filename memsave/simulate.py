@@ -271,6 +271,7 @@ class _Builder:
         plans, saved_of, early_of = self.fp.copy_plans, self.saved_of, self.early_of
         size, alias, value = p.size, p.alias, p.value
         all_reads, all_writes, all_labels, lingering = p.reads, p.writes, p.labels, p.lingering
+        forward = Event.FORWARD
         for i in ops:
             label, inputs, figures, early, scratch, outputs = plans[i]
             reads = []
@@ -321,7 +322,7 @@ class _Builder:
                     cur[t] = v
                     touched.append(t)
             if touched is None:
-                label = (Event.FORWARD, i)
+                label = (forward, i)
             if lingering:
                 p.instr(label, reads, writes)
             else:  # (p.instr, inlined)
@@ -589,77 +590,95 @@ class ForwardProgram:
 
     def _plan_ops(self) -> None:
         """Per op, what running a copy of it and differentiating it read and write."""
-        fg, costs, model = self.fg, self.costs, self.model
+        fg, costs, model, is_x = self.fg, self.costs, self.model, self.is_x
         tensors, tensor_bytes, alias_of = fg.tensors, costs.tensor_bytes, costs.alias_of
         scratch_ops = costs.scratch or (False,) * len(fg.ops)
-        feeds_x = [
-            self.is_x[node.id] or (node.producer is not None and bool(fg.ops[node.producer].inputs)
-                                   and all(self.is_x[u] for u in fg.ops[node.producer].inputs))
-            for node in tensors
-        ]  # an x, or the read of one (e.g. ReadVariableOp): its gradient is the x's
+        # An x, or the read of one (an op whose inputs are all xs, e.g.
+        # ReadVariableOp): its gradient is the x's, passed through.
+        feeds_x = list(is_x)
+        for op in fg.ops:
+            if op.inputs:
+                for u in op.inputs:
+                    if not is_x[u]:
+                        break
+                else:
+                    for t in op.outputs:
+                        feeds_x[t] = True
+        internal = [node.kind == "internal" for node in tensors]
         copy_plans = []
         gradient_plans = []
-        needs = []
         always_copied = []
+        recompute, gradient = Event.RECOMPUTE, Event.GRADIENT  # (an Enum member lookup is slow)
         for i, op in enumerate(fg.ops):
             use = costs.gradient[i]
-            inputs, n_in = op.inputs, len(op.inputs)
+            inputs, outputs = op.inputs, op.outputs
             figures = body_figures(op.body, model) if op.body is not None else None
+            inplace = costs.inplace[i]
+            copied_outputs = []
+            for t in outputs:
+                nbytes = tensor_bytes[t]
+                # In-place candidates: the inputs of its size, by position.
+                same_size = (tuple([j for j, u in enumerate(inputs) if tensor_bytes[u] == nbytes])
+                             if inplace else ())
+                copied_outputs.append((t, nbytes, alias_of[t],
+                                       figures is not None and tensors[t].dtype == "variant",
+                                       same_size))
             copy_plans.append((
-                (Event.RECOMPUTE, i),
+                (recompute, i),
                 inputs,
                 figures,
                 use.early_bytes if use.has_gradient else (),
-                tuple(tensor_bytes[t] for t in inputs) if scratch_ops[i] else (),
-                tuple((t, tensor_bytes[t], alias_of[t],
-                       figures is not None and tensors[t].dtype == "variant",
-                       tuple(j for j, t_in in enumerate(inputs)
-                             if tensor_bytes[t_in] == tensor_bytes[t]) if costs.inplace[i] else ())
-                      for t in op.outputs),
+                tuple([tensor_bytes[t] for t in inputs]) if scratch_ops[i] else (),
+                tuple(copied_outputs),
             ))
+
             read_ins, read_outs = costs.gradient_reads[i]
             loop_constants = ()
             if op.body is not None and op.body.loop:
-                loop_constants = tuple(
-                    inputs[j] for j in op.body.invariant
-                    if j < n_in and tensors[inputs[j]].trainable
-                    and tensors[inputs[j]].dtype not in ("resource", "variant")
-                    and self.foldable[inputs[j]])
+                loop_constants = tuple([
+                    t for t in (inputs[j] for j in op.body.invariant if j < len(inputs))
+                    if tensors[t].trainable and tensors[t].dtype not in ("resource", "variant")
+                    and self.foldable[t]])
             aliases = use.aliases
             # The sizes of the values the gradient may read (None: not known
-            # here): a new buffer of one of them is written in place into
-            # one, when the op is elementwise.
-            read_sizes = None if figures is not None else {
-                *(tensor_bytes[t] for t in op.outputs), *(tensor_bytes[t] for t in read_ins),
-                *(tensor_bytes[t] for t in read_outs),
-                *(use.early_bytes if use.has_gradient else ())}
+            # here): when they are all a new buffer's, every value read is a
+            # candidate to write it into in place (an elementwise op's).
+            read_sizes = None
+            if inplace and figures is None:
+                read_sizes = {tensor_bytes[t] for t in (*outputs, *read_ins, *read_outs)}
+                read_sizes.update(use.early_bytes if use.has_gradient else ())
+            targets = []
+            for j, t in costs.gradient_targets[i]:
+                nbytes = tensor_bytes[t]
+                targets.append((
+                    t, internal[t], aliases[j] if j < len(aliases) else None, nbytes,
+                    feeds_x[t], self.foldable[t],
+                    # In-place candidates: none, every value read, or those of its size.
+                    None if not inplace else read_sizes == {nbytes}))
             gradient_plans.append((
-                (Event.GRADIENT, i),
-                op.outputs,
+                (gradient, i),
+                outputs,
                 use.has_gradient,
                 read_ins + read_outs,
                 bool(use.early_bytes) and use.has_gradient,
-                (max(tensor_bytes[t] for t in op.outputs),
-                 max((tensor_bytes[t] for t in inputs), default=0)) if scratch_ops[i] else (),
+                (max([tensor_bytes[t] for t in outputs]),
+                 max([tensor_bytes[t] for t in inputs], default=0)) if scratch_ops[i] else (),
                 loop_constants,
                 figures.backward_bytes if figures is not None else None,
-                tuple((t, tensors[t].kind == "internal", aliases[j] if j < len(aliases) else None,
-                       tensor_bytes[t], feeds_x[t], self.foldable[t],
-                       # In-place candidates: none, every value read, or those of its size.
-                       None if not costs.inplace[i] else read_sizes == {tensor_bytes[t]})
-                      for j, t in costs.gradient_targets[i]),
-                not use.reads_outputs and all(tensors[inputs[j]].constant
-                                              for j in use.reads_inputs if j < n_in),
+                tuple(targets),
+                not use.reads_outputs and all([tensors[inputs[j]].constant
+                                               for j in use.reads_inputs if j < len(inputs)]),
                 op.body is None and not scratch_ops[i],
             ))
-            needs.append(read_ins + read_outs)
             always_copied.append((op.body is not None and bool(op.body.saved))
                                  or bool(use.early_bytes))
         self.copy_plans, self.gradient_plans = copy_plans, gradient_plans
-        self.needs, self.always_copied = needs, always_copied
+        self.needs = [ins + outs for ins, outs in costs.gradient_reads]
+        self.always_copied = always_copied
         self.inputs = [op.inputs for op in fg.ops]
-        self.proxy_labels = [(Event.PROXY, t) for t in range(len(fg.tensors))]
         self.outputs = [op.outputs for op in fg.ops]
+        proxy = Event.PROXY
+        self.proxy_labels = [(proxy, t) for t in range(len(fg.tensors))]
 
     def needed_copies(self, ops: Sequence[int]) -> list[int]:
         """The ops of a recompute step whose copies run: those a gradient reads
