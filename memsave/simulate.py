@@ -3,8 +3,8 @@
 Data flow: ``simulate(fg, schedule, costs)`` turns the forward graph and a
 :class:`~memsave.schedule.Schedule` (or None for plain ``tf.gradients``)
 into a straight-line *program* of buffer reads and writes, then replays it
-once with reference counts, as the executor frees a tensor when its last
-reader has run. It returns a :class:`MemoryTrace`: the allocator peak, the
+once, freeing a buffer after the last reader of any value on it, as the
+executor frees a tensor when its last reader has run. It returns a :class:`MemoryTrace`: the allocator peak, the
 bytes resident before the step, and the timeline of bytes alive during each
 event. Every strategy, the Plan, the no-saving warning and the budget
 solvers read this one function; nothing here touches TensorFlow.
@@ -53,7 +53,23 @@ gradient kernel overlaps the next gradient and what Grappler folds.
 Notes
 -----
 Building and replaying the program is linear in ops plus tensors: one pass
-to build, one to find each value's last reader, one to replay. Ops run in
+to build, one to find each value's last reader, one to replay. The replay
+does not walk the program event by event: it settles each value's buffer
+(its own, a view's, or an in-place candidate's) in order, then sums the
+bytes each buffer adds where it is made and removes after its last reader.
+A planner simulates many schedules of one graph, so what does not depend
+on the schedule is computed once per graph and memory model, in a
+:class:`ForwardProgram`: the forward pass's program and its last readers,
+and per op what a copy of it and its gradient read and write; building a
+schedule's program is then appends and lookups, op by op (the hot loops
+bind names locally and inline the common case of ``_Program.instr``: the
+simulator is a large share of planning time).
+
+This module is longer than most: the builder, the forward program and the
+replay share the program's representation (value and instruction lists),
+which is private to them.
+
+Ops run in
 topological order (one at a time), except that a weight's gradient kernel
 runs beside the next gradient (``MemoryModel.weight_gradient_overlap``); the real
 executor may overlap other independent ops, so a forecast can be off by
@@ -254,7 +270,7 @@ class _Builder:
             list(x) for x in fp.program)
         self.orig[:] = fp.orig
         self.saved_of = dict(fp.saved_of)
-        self.early_of = {i: list(v) for i, v in fp.early_of.items()}
+        self.early_of = dict(fp.early_of)
         self.resident_bytes = fp.resident_bytes
         self.constant = set(fp.constant)
 
@@ -526,18 +542,29 @@ class ForwardProgram:
             if node.kind != "internal":
                 b.orig[node.id] = p.value(tensor_bytes[node.id], resident=True)
                 b.resident_bytes += tensor_bytes[node.id]
-        orig = b.orig
-        b.run_ops(range(len(fg.ops)), orig)
+        b.run_ops(range(len(fg.ops)), b.orig)
         # Instruction lists are never changed once made: shared, not copied.
         self.program = (p.size, p.alias, p.resident_ids, p.reads, p.writes, p.labels)
-        self.orig = orig
+        self.orig = b.orig
         self.saved_of = b.saved_of
         self.early_of = b.early_of
         self.resident_bytes = b.resident_bytes
         self.constant = b.constant
-        # What every replay starts from (see _replay): each forward value's
-        # last reader in the forward pass (or where it is made), and the
-        # bytes each value counts.
+        self._prepare_replays(p)
+        self._identity: list[int] = []
+        self._forward_labels: list[str] | None = None
+
+    def _prepare_replays(self, p: _Program) -> None:
+        """What every replay (:func:`_replay`) starts from.
+
+        ``last``: each forward value's last reader in the forward pass (or
+        where it is made); ``counted``: the bytes each value counts. Of the
+        forward's writes, a replay need not look at the new buffers (made at
+        their instruction whatever the schedule: ``made_bytes`` per
+        instruction, ``new_buffers``) nor at the views of resident values
+        (their buffer is known: ``replay_root``); ``replay_writes`` keeps the
+        others, per instruction.
+        """
         last = [-1] * len(p.size)
         for k, ws in enumerate(p.writes):
             for v, _ in ws:
@@ -546,30 +573,26 @@ class ForwardProgram:
             for r in rs:
                 last[r] = k
         self.last = last
-        self.counted = _Counted(model.allocator)
-        counted = self.counted_values = list(map(self.counted.__getitem__, p.size))
+        self.counted_of = _Counted(self.model.allocator)
+        counted = self.counted = list(map(self.counted_of.__getitem__, p.size))
         self.resident_counted = sum([counted[v] for v in p.resident_ids])
-        # The forward writes a replay need not look at: new buffers (made at
-        # their instruction whatever the schedule: ``alloc``, ``buffers``)
-        # and views of resident values (their buffer is known: ``root``).
-        # ``writes`` keeps the others, per instruction.
         root = list(range(len(p.size)))
         on_resident = [False] * len(p.size)
         for v in p.resident_ids:
             on_resident[v] = True
-        self.alloc = [0] * len(p.writes)
-        self.buffers = []
-        self.writes = []
         saved = set(self.saved_of.values())
-        self.saved_at = {}  # what a call's gradient keeps -> its instruction
+        self.saved_at: dict[int, int] = {}  # what a call's gradient keeps -> its instruction
+        self.made_bytes = [0] * len(p.writes)
+        self.new_buffers: list[int] = []
+        self.replay_writes: list[list[tuple[int, tuple[int, ...]]]] = []
         for k, ws in enumerate(p.writes):
             left = []
             for w in ws:
                 v, cands = w
                 a = p.alias[v]
                 if a < 0 and not cands:
-                    self.alloc[k] += counted[v]
-                    self.buffers.append(v)
+                    self.made_bytes[k] += counted[v]
+                    self.new_buffers.append(v)
                     if v in saved:
                         self.saved_at[v] = k
                 elif a >= 0 and on_resident[a]:
@@ -577,10 +600,8 @@ class ForwardProgram:
                     on_resident[v] = True
                 else:
                     left.append(w)
-            self.writes.append(left)
-        self.root = root
-        self._identity: list[int] = []
-        self._forward_labels: list[str] | None = None
+            self.replay_writes.append(left)
+        self.replay_root = root
 
     def identity(self, start: int, stop: int) -> list[int]:
         """``list(range(start, stop))``, copied from one made once (no new int objects)."""
@@ -902,6 +923,18 @@ def _simulate(fg, schedule, costs, model, timeline, forward, gradients_kept,
 
 def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline: bool,
             gradients_kept: bool, extra_resident_bytes: int) -> MemoryTrace:
+    """The trace of program ``p`` (built from ``forward``).
+
+    The same as replaying it event by event with reference counts (each
+    value holds its buffer from its write to its last reader; a buffer is
+    freed with its last holder; a new value goes in place into a candidate's
+    buffer when the candidate's last reader is this instruction, it is the
+    buffer's only holder left and the sizes match), but each buffer is
+    settled once: the in-place test reads, per buffer, the latest last
+    reader of the values on it so far (``top``, read by ``top_value``) and
+    the latest of the others (``second``). The candidate is the only holder
+    left when it is ``top_value`` and ``second`` is before this instruction.
+    """
     reads, writes, size, alias = p.reads, p.writes, p.size, p.alias
     n_instr = len(reads)
     n_val = len(size)
@@ -917,12 +950,14 @@ def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline:
     if gradients_kept:
         for v in p.pinned:
             last[v] = _NEVER  # the step's outputs: alive after it
-    counted = forward.counted_values + list(map(forward.counted.__getitem__, size[n_forward:]))
-    delta = forward.alloc + [0] * (n_instr + 1 - backward_start)  # bytes made at each
-    # instruction, minus those freed before it (the forward's new buffers already made)
+    counted_of = forward.counted_of
+    counted = forward.counted + list(map(counted_of.__getitem__, size[n_forward:]))
+    # Bytes made at each instruction, minus those freed before it (the
+    # forward's new buffers made).
+    delta = forward.made_bytes + [0] * (n_instr + 1 - backward_start)
     for v, k in forward.saved_at.items():
-        counted[v] = forward.counted[size[v]]  # (zero when its op's copy is differentiated)
-        delta[k] += counted[v] - forward.counted_values[v]
+        counted[v] = counted_of[size[v]]  # (zero when its op's copy is differentiated)
+        delta[k] += counted[v] - forward.counted[v]
     if not gradients_kept:
         for v in p.xs_grads:
             counted[v] = 0  # consumed by the update as soon as written
@@ -942,12 +977,12 @@ def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline:
     # ``top`` is that last reader so far, ``top_value`` the value it reads,
     # ``second`` the latest last reader of the other values on it. (A
     # resident buffer's top is _NEVER: none of its values is written into.)
-    root = forward.root + forward.identity(n_forward, n_val)
+    root = forward.replay_root + forward.identity(n_forward, n_val)
     top = last[:]
     top_value = forward.identity(0, n_val)
     second = [-1] * n_val
     buffers = []
-    for k, ws in enumerate(itertools.chain(forward.writes, writes[backward_start:])):
+    for k, ws in enumerate(itertools.chain(forward.replay_writes, writes[backward_start:])):
         for v, cands in ws:
             a = alias[v]
             if a < 0:
@@ -969,7 +1004,7 @@ def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline:
                 top_value[r] = v
             elif t > second[r]:
                 second[r] = t
-    for r in itertools.chain(forward.buffers, buffers):
+    for r in itertools.chain(forward.new_buffers, buffers):
         t = top[r]
         if t < n_instr:
             delta[t + 1] -= counted[r]
