@@ -552,6 +552,7 @@ class ForwardProgram:
         self.constant = b.constant
         self._prepare_replays(p)
         self._identity: list[int] = []
+        self._names: tuple[list[str], list[str]] | None = None  # of the ops, of the tensors
         self._forward_labels: list[str] | None = None
 
     def _prepare_replays(self, p: _Program) -> None:
@@ -717,16 +718,23 @@ class ForwardProgram:
 
     def label(self, label: tuple[Event, int]) -> str:
         """An event's name (``"run dense/MatMul"``)."""
-        kind, ref = label
-        return _PREFIX[kind] + (self.fg.ops[ref].name if kind in _OF_OP
-                                else self.fg.tensors[ref].name)
+        return self._named([label])[0]
 
     def labels(self, labels: Sequence[tuple[Event, int]]) -> list[str]:
-        """The events' names; the forward pass's are made once."""
+        """The names of the events of a program built on this one (the forward
+        pass's events come first: their names are made once)."""
         if self._forward_labels is None:
-            self._forward_labels = [self.label(label) for label in self.program[5]]
-        n = len(self._forward_labels)
-        return self._forward_labels + [self.label(label) for label in labels[n:]]
+            self._forward_labels = self._named(self.program[5])
+        return self._forward_labels + self._named(labels[len(self._forward_labels):])
+
+    def _named(self, labels: Sequence[tuple[Event, int]]) -> list[str]:
+        if self._names is None:
+            self._names = ([op.name for op in self.fg.ops],
+                           [node.name for node in self.fg.tensors])
+        op_names, tensor_names = self._names
+        prefix, of_op = _PREFIX, _OF_OP
+        return [prefix[kind] + (op_names if kind in of_op else tensor_names)[ref]
+                for kind, ref in labels]
 
 
 #: The last reader of a value that outlives the step (resident, or one of its outputs).
