@@ -75,7 +75,8 @@ def weighted_graph(rs: random.Random, n: int):
         if kind < 0.3:  # a weight read through a view, and a matmul
             w = b.source(f"w{weights}", size_bytes=rs.choice(sizes))
             weights += 1
-            read = b.op(f"read{i}", "ReadVariableOp", [w], size_bytes=b.tensors[b.ids[w]].size_bytes,
+            read = b.op(f"read{i}", "ReadVariableOp", [w],
+                        size_bytes=b.tensors[b.ids[w]].size_bytes,
                         gradient=GradientUse((), (), (0,)))
             out = b.op(f"op{i}", rs.choice(("MatMul", "Conv2D")), [src, read], size_bytes=size)
         elif kind < 0.45:  # a skip: AddV2, in place, pass-through

@@ -4,9 +4,9 @@ Data flow: ``simulate(fg, schedule, costs)`` turns the forward graph and a
 :class:`~memsave.schedule.Schedule` (or None for plain ``tf.gradients``)
 into a straight-line *program* of buffer reads and writes, then replays it
 once, freeing a buffer after the last reader of any value on it, as the
-executor frees a tensor when its last reader has run. It returns a :class:`MemoryTrace`: the allocator peak, the
-bytes resident before the step, and the timeline of bytes alive during each
-event. Every strategy, the Plan, the no-saving warning and the budget
+executor frees a tensor when its last reader has run. It returns a
+:class:`MemoryTrace`: the allocator peak, the bytes resident before the
+step, and the timeline of bytes alive during each event. Every strategy, the Plan, the no-saving warning and the budget
 solvers read this one function; nothing here touches TensorFlow.
 
 The program
@@ -381,8 +381,8 @@ class _Builder:
         ``boundary`` go to) ``self.grads``; others stay local."""
         fp, p = self.fp, self.p
         # Hot loop (every op of every simulated plan): names bound once.
-        plans, is_x = fp.gradient_plans, fp.is_x
-        grads, constant, saved_of, early_of = self.grads, self.constant, self.saved_of, self.early_of
+        plans, is_x, grads, constant = fp.gradient_plans, fp.is_x, self.grads, self.constant
+        saved_of, early_of = self.saved_of, self.early_of
         size, alias, xs_grads = p.size, p.alias, p.xs_grads
         all_reads, all_writes, all_labels, lingering = p.reads, p.writes, p.labels, p.lingering
         overlap = fp.overlap
@@ -611,7 +611,25 @@ class ForwardProgram:
         return self._identity[start:stop]
 
     def _plan_ops(self) -> None:
-        """Per op, what running a copy of it and differentiating it read and write."""
+        """Per op, what running a copy of it and differentiating it read and write.
+
+        ``copy_plans[i]`` (read by :meth:`_Builder.run_ops`): its label, its
+        inputs, its body's figures (or None), the bytes of its early gradient
+        values and of its kernel's temporaries, and per output (tensor,
+        bytes, the tensor it views or None, whether it lives in the loop's
+        TensorLists, the positions of the inputs it may be written into).
+
+        ``gradient_plans[i]`` (read by :meth:`_Builder.backward`): its label,
+        outputs, whether it has a gradient, the tensors the gradient reads,
+        whether it reads early values, the bytes of its temporaries, the
+        loop invariants whose zero gradients Grappler folds, its body's
+        backward bytes (or None), per input it writes a gradient to (tensor,
+        internal, the output whose gradient is passed through or None,
+        bytes, whether it feeds an x, foldable, in-place candidates: None
+        for none, True for every value read, False for those of its size),
+        whether it folds when its incoming gradients do, and whether each
+        buffer it writes is a kernel of its own.
+        """
         fg, costs, model, is_x = self.fg, self.costs, self.model, self.is_x
         tensors, tensor_bytes, alias_of = fg.tensors, costs.tensor_bytes, costs.alias_of
         scratch_ops = costs.scratch or (False,) * len(fg.ops)
