@@ -105,7 +105,7 @@ from memsave.costs import ALIAS_OP_TYPES, Costs, body_costs
 from memsave.errors import DeviceProfileError
 from memsave.graph import Body, ForwardGraph, OpNode
 from memsave.schedule import Schedule
-from memsave.simulate import _needed_copies  # the one rule for which copies run
+from memsave.simulate import copies_that_run  # the one rule for which copies run
 from memsave.simulate import paused_gc
 
 __all__ = [
@@ -653,10 +653,11 @@ def step_time(fg: ForwardGraph, costs: Costs, schedule: Schedule | None = None, 
     recompute = 0.0
     rewrite = 0.0
     copies = 0
+    needed_copies = copies_that_run(fg, costs)
     for step in schedule.steps:
         if step.kind != "recompute":
             continue
-        run = _needed_copies(fg, costs, step.ops)
+        run = needed_copies(step.ops)
         copies += len(run)
         recompute += seconds.recompute_s(run)
         gated = list(step.gated)  # the schedule's gating decision, which the rewrite builds
