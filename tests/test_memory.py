@@ -14,8 +14,8 @@ _digest), compared with tf.gradients' run's, and another run of the same
 graph fetches the full gradients, compared entry by entry: a lower peak
 cannot come from computing less.
 
-Each mode is measured in a fresh Python process (this file run as a
-script): the allocator peak counts every live tensor in the process, and
+Each mode is measured in a fresh Python process (tests/fresh.py): the
+allocator peak counts every live tensor in the process, and
 tensors left by other tests (or by an earlier mode's variables) would add
 the same constant to both sides and hide the difference. The peaks repeat
 to within about 1.5 MiB between runs (see REPEATS).
@@ -24,10 +24,6 @@ to within about 1.5 MiB between runs (see REPEATS).
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -289,15 +285,9 @@ def measure_xla_conv():
 # -- the tests --------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _measured(mode):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run(
-        [sys.executable, __file__, mode], capture_output=True, text=True, env=env, timeout=600,
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"measuring {mode} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _measured(fresh, mode):
+    """measure(mode) (measure_xla_conv() for XLA_CONV), once per session in a fresh process."""
+    return fresh.call(measure_xla_conv) if mode == XLA_CONV else fresh.call(measure, mode)
 
 
 def _peak_MiB(res, method):
@@ -305,8 +295,8 @@ def _peak_MiB(res, method):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_memory_strategy_cuts_peak(mode):
-    res = _measured(mode)
+def test_memory_strategy_cuts_peak(fresh, mode):
+    res = _measured(fresh, mode)
     ours, ref = _peak_MiB(res, "memory"), _peak_MiB(res, "tf.gradients")
     assert ours <= MEMORY_MAX_RATIO * ref, (
         f"{mode}: memsave 'memory' peak {ours:.1f} MiB is {ours / ref:.2f} of "
@@ -315,8 +305,8 @@ def test_memory_strategy_cuts_peak(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_explicit_checkpoints_cut_peak(mode):
-    res = _measured(mode)
+def test_explicit_checkpoints_cut_peak(fresh, mode):
+    res = _measured(fresh, mode)
     ours, ref = _peak_MiB(res, "list"), _peak_MiB(res, "tf.gradients")
     assert ours <= LIST_MAX_RATIO * ref, (
         f"{mode}: memsave with a checkpoint every {CHECKPOINT_EVERY} layers peaks at "
@@ -326,8 +316,8 @@ def test_explicit_checkpoints_cut_peak(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_speed_strategy_costs_no_more_memory(mode):
-    res = _measured(mode)
+def test_speed_strategy_costs_no_more_memory(fresh, mode):
+    res = _measured(fresh, mode)
     ours, ref = res["speed"]["peak_bytes"], res["tf.gradients"]["peak_bytes"]
     assert ours <= ref + SPEED_SLACK_BYTES, (
         f"{mode}: memsave 'speed' peak {ours / MiB:.1f} MiB exceeds tf.gradients' "
@@ -337,8 +327,8 @@ def test_speed_strategy_costs_no_more_memory(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("method", ["memory", "speed", "list"])
-def test_measured_runs_compute_tf_gradients_values(mode, method):
-    res = _measured(mode)[method]
+def test_measured_runs_compute_tf_gradients_values(fresh, mode, method):
+    res = _measured(fresh, mode)[method]
     # The measured run itself: its digests match tf.gradients' run's.
     assert res["digest_rel_err"] <= GRAD_RTOL, (
         f"{mode} {method}: the measured run's gradient digests differ from "
@@ -384,8 +374,8 @@ def test_plan_predicts_a_saving(graph, checkpoints):
 
 
 @pytest.mark.parametrize("method", ["memory"])
-def test_xla_conv_backward_waits_for_gradient(method):
-    res = _measured(XLA_CONV)
+def test_xla_conv_backward_waits_for_gradient(fresh, method):
+    res = _measured(fresh, XLA_CONV)
     ours, ref = res[method]["peak_bytes"] / MiB, res["tf.gradients"]["peak_bytes"] / MiB
     assert ours <= XLA_CONV_MAX_RATIO * ref, (
         f"xla conv chain: memsave {method!r} peaks {ours:.2f} MiB above the resident "
@@ -396,8 +386,3 @@ def test_xla_conv_backward_waits_for_gradient(method):
     assert res[method]["digest_rel_err"] <= GRAD_RTOL
     assert res[method]["grad_scale"] > 1e-3
     assert res[method]["grad_abs_err"] <= GRAD_RTOL * res[method]["grad_scale"]
-
-
-if __name__ == "__main__":
-    mode = sys.argv[1]
-    print(json.dumps(measure_xla_conv() if mode == XLA_CONV else measure(mode)))
