@@ -169,7 +169,8 @@ class Fresh:
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout_s)
         except subprocess.TimeoutExpired as e:
-            return {"error": f"timed out after {timeout_s} s\n--- stderr:\n{_tail(e.stderr)}"}
+            return {"error": f"timed out after {timeout_s} s\n--- stdout:\n{_tail(e.stdout, 1000)}"
+                             f"\n--- stderr:\n{_tail(e.stderr)}"}
         seconds = round(time.monotonic() - start, 1)
         lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARKER)]
         if proc.returncode != 0 or not lines:

@@ -196,10 +196,14 @@ CASES = [
 #: 'speed' failed with "N nodes in a cycle" before it (issue 10, item 1).
 XFAIL: dict = {}
 
+#: The cases of the fast tier; the others (the CNNs' graphs take 10-60 s of
+#: CPU each to trace, rewrite and optimize, XLA longer) are marked slow.
+FAST = {("Transformer", "memory", FIT, False)}
+
 
 def _params():
     for model, strategy, driver, jit in CASES:
-        marks = []
+        marks = [] if (model, strategy, driver, jit) in FAST else [pytest.mark.slow]
         if (model, strategy, driver, jit) in XFAIL:
             marks.append(pytest.mark.xfail(reason=XFAIL[model, strategy, driver, jit],
                                            strict=True))
@@ -349,6 +353,7 @@ def measure_step_peaks(model_name: str) -> dict:
     return one_after_another({m: functools.partial(measure, m) for m in ("memory", "tf.gradients")})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", list(MEMORY_CASES))
 def test_memory_strategy_cuts_the_step_peak(fresh, model_name):
     peaks = fresh.call(measure_step_peaks, model_name)

@@ -266,6 +266,7 @@ def measure_keras_budget(depth=48, fractions=(0.4, 0.6)) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_keras_fit_measured_peak_meets_the_budget(fresh):
     # In a fresh process (tests/fresh.py): budgets in bytes, a fraction of
     # plain fit's measured peak.

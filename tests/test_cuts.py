@@ -126,12 +126,14 @@ def measured(fresh) -> dict:
     return fresh.call(measure)
 
 
+@pytest.mark.slow
 def test_memory_on_a_unet_lowers_the_measured_peak(measured):
     plain, ours = measured["tf.gradients"], measured["memory"]
     assert ours["peak_bytes"] <= MAX_PEAK_RATIO * plain["peak_bytes"], measured
     assert ours["value"] == pytest.approx(plain["value"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_memory_budget_on_a_unet_is_met(measured):
     # Articulation points cannot cut the U-Net: the budget planner must plan
     # over the cuts' tensors, like 'memory', and the real peak meet the budget.

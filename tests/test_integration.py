@@ -176,6 +176,7 @@ def mirrored_replicas() -> dict:
     }
 
 
+@pytest.mark.slow
 def test_mirrored_strategy_each_replica_touches_its_own_ops(fresh):
     result = fresh.call(mirrored_replicas, timeout_s=300)
     # 6 layers of (read, matmul, tanh), then mul and sum: each replica's own ops only.
@@ -184,6 +185,7 @@ def test_mirrored_strategy_each_replica_touches_its_own_ops(fresh):
     assert result["max_abs_diff"] <= 1e-5 * result["grad_scale"]
 
 
+@pytest.mark.slow
 def test_import_memsave_leaves_keras_support_unloaded_until_used(fresh):
     # In the fresh process of the test above: no test has imported Keras there.
     result = fresh.call(mirrored_replicas, timeout_s=300)
@@ -357,6 +359,7 @@ def tf1_behaviour_run() -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_tf1_behaviour_reference_variables_and_v1_control_flow(fresh):
     result = fresh.call(tf1_behaviour_run, timeout_s=300)
     assert result["copies"] > 0

@@ -228,6 +228,7 @@ def test_fit_history_matches_plain_fit_and_goes_through_memsave(kind):
     assert spy.last_recompute_ops() > 0, "the train step was not rewritten by memsave"
 
 
+@pytest.mark.slow
 def test_jit_compile_history_matches_plain_fit():
     model, history, _ = train(checkpoints="memory", jit_compile=True)
     assert_same_history(history, plain_history(jit_compile=True), F32_RTOL)
@@ -346,6 +347,7 @@ def mirrored_fit() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_mirrored_strategy_fit_matches_plain_mirrored_fit(fresh):
     result = fresh.call(mirrored_fit)
     plain = result["plain"]
@@ -538,6 +540,7 @@ def measure_all() -> dict:
     return one_after_another({m: functools.partial(measure_then_clear, m) for m in MEM_MODES})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MEM_MODES))
 def test_checkpointed_fit_cuts_the_peak_on_a_deep_model(fresh, mode):
     res = fresh.call(measure_all)[mode]

@@ -14,11 +14,12 @@ _digest), compared with tf.gradients' run's, and another run of the same
 graph fetches the full gradients, compared entry by entry: a lower peak
 cannot come from computing less.
 
-Each mode is measured in a fresh Python process (tests/fresh.py): the
-allocator peak counts every live tensor in the process, and
-tensors left by other tests (or by an earlier mode's variables) would add
-the same constant to both sides and hide the difference. The peaks repeat
-to within about 1.5 MiB between runs (see REPEATS).
+The modes are measured one after the other in a fresh Python process
+(tests/fresh.py): the allocator peak counts every live tensor in the
+process, and tensors left by other tests (or by an earlier mode's
+variables, which the measurement checks are gone) would add the same
+constant to both sides and hide the difference. The peaks repeat to
+within about 1.5 MiB between runs (see REPEATS).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import pytest
 import tensorflow as tf
 
 import memsave
+from fresh import one_after_another
 
 LAYERS = 24
 BATCH, WIDTH = 1024, 256
@@ -285,15 +287,27 @@ def measure_xla_conv():
 # -- the tests --------------------------------------------------------------------
 
 
+def measure_modes() -> dict:
+    """{mode: measure(mode)} for MODES, one after the other in this process.
+
+    Each mode builds its own variables (and, in session mode, its own graph)
+    and frees them before the next: one_after_another checks that none
+    leaves a tensor for the next mode's peaks.
+    """
+    return one_after_another({mode: functools.partial(measure, mode) for mode in MODES})
+
+
 def _measured(fresh, mode):
-    """measure(mode) (measure_xla_conv() for XLA_CONV), once per session in a fresh process."""
-    return fresh.call(measure_xla_conv) if mode == XLA_CONV else fresh.call(measure, mode)
+    """measure(mode) from one fresh process for all MODES, measure_xla_conv() from one of
+    its own (its pre-split pool must be the process's first); each once per session."""
+    return fresh.call(measure_xla_conv) if mode == XLA_CONV else fresh.call(measure_modes)[mode]
 
 
 def _peak_MiB(res, method):
     return res[method]["peak_bytes"] / MiB
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_memory_strategy_cuts_peak(fresh, mode):
     res = _measured(fresh, mode)
@@ -304,6 +318,7 @@ def test_memory_strategy_cuts_peak(fresh, mode):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_explicit_checkpoints_cut_peak(fresh, mode):
     res = _measured(fresh, mode)
@@ -315,6 +330,7 @@ def test_explicit_checkpoints_cut_peak(fresh, mode):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_speed_strategy_costs_no_more_memory(fresh, mode):
     res = _measured(fresh, mode)
@@ -325,6 +341,7 @@ def test_speed_strategy_costs_no_more_memory(fresh, mode):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("method", ["memory", "speed", "list"])
 def test_measured_runs_compute_tf_gradients_values(fresh, mode, method):
@@ -373,6 +390,7 @@ def test_plan_predicts_a_saving(graph, checkpoints):
         assert p.predicted_peak_bytes < p.baseline_peak_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["memory"])
 def test_xla_conv_backward_waits_for_gradient(fresh, method):
     res = _measured(fresh, XLA_CONV)

@@ -172,6 +172,7 @@ def measure_gradients_held() -> dict:
     return {"plan": _plan_dict(box["plan"]), "returns": returned, "applies": applied}
 
 
+@pytest.mark.slow
 def test_plan_says_when_gradients_applied_as_written_would_peak_lower(fresh):
     # The forecast holds the gradients (a step that returns them); applied as
     # they are written, the peak is lower, and the Plan gives the bound.
@@ -215,6 +216,7 @@ def measure_silu() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_custom_gradient_silu_forecast_and_its_captured_inputs(fresh):
     # tf.nn.silu is a tf.custom_gradient whose function recomputes the
     # sigmoid from the input it captured: the forward's Sigmoid and Mul are
