@@ -19,6 +19,7 @@ __all__ = [
     "OptionsError",
     "ArgumentError",
     "PatchError",
+    "DeviceProfileError",
 ]
 
 
@@ -77,3 +78,7 @@ class MemoryBudgetError(MemsaveError, ValueError):
     def __init__(self, message: str, min_peak_bytes: int | None = None) -> None:
         super().__init__(message)
         self.min_peak_bytes = min_peak_bytes
+
+
+class DeviceProfileError(MemsaveError, ValueError):
+    """A :class:`memsave.timemodel.DeviceProfile` was given an invalid figure."""

@@ -91,7 +91,8 @@ from memsave.api import gradients as _memsave_gradients
 from memsave.api import plan as _memsave_plan
 from memsave.memory_model import Allocator
 
-__all__ = ["checkpointed", "restore", "is_checkpointed", "plan", "KerasModelError"]
+__all__ = ["checkpointed", "restore", "is_checkpointed", "plan", "max_batch_size", "extra_resident_bytes",
+           "KerasModelError"]
 
 logger = logging.getLogger(__name__)
 
@@ -761,3 +762,6 @@ class _private:
     @staticmethod
     def metric_variables(model) -> list:
         return [v for m in model.metrics for v in m.variables]
+
+
+from memsave.capacity import max_batch_size  # noqa: E402,F401  (re-exported: "will it fit?")

@@ -21,11 +21,7 @@ What these check (see memsave/xla.py for the XLA behaviour behind each):
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -335,7 +331,8 @@ FORECAST_TOLERANCE = 0.2
 PRESPLIT_BYTES = 1 << 30
 
 
-def _measure_small_cnn(method: str) -> dict:
+def measure_small_cnn(method: str) -> dict:
+    """One method's XLA step on the small CNN (run in a fresh process: tests/fresh.py)."""
     tf.raw_ops.Empty(shape=[PRESPLIT_BYTES // 4], dtype=tf.float32, init=False)
     rs = np.random.RandomState(0)
     ws = [tf.Variable(rs.randn(3, 3, 3, WIDTH).astype(np.float32) * 0.2)]
@@ -373,18 +370,9 @@ def _measure_small_cnn(method: str) -> dict:
     return dict(peak=peak, resident=resident, losses=losses, forecast=forecast.get("bytes"))
 
 
-def _measured(method: str) -> dict:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, __file__, method], capture_output=True, text=True,
-                          env=env, timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"measuring {method} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.slow
-def test_xla_train_step_keeps_the_saving():
-    plain, ours = _measured("plain"), _measured("memory")
+def test_xla_train_step_keeps_the_saving(fresh):
+    plain, ours = fresh.call(measure_small_cnn, "plain"), fresh.call(measure_small_cnn, "memory")
     above = (ours["peak"] - ours["resident"]) / (plain["peak"] - plain["resident"])
     assert above <= MAX_ABOVE_RATIO, (
         f"memsave's XLA step holds {above:.2f} of tf.gradients' bytes above the resident ones "
@@ -394,7 +382,3 @@ def test_xla_train_step_keeps_the_saving():
     assert abs(error) <= FORECAST_TOLERANCE, (
         f"memsave.plan forecast {ours['forecast']:,} bytes for a measured {ours['peak']:,} "
         f"({error:+.0%}; allowed {FORECAST_TOLERANCE:.0%})")
-
-
-if __name__ == "__main__":
-    print(json.dumps(_measure_small_cnn(sys.argv[1])))
