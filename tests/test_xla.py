@@ -123,6 +123,34 @@ def test_xla_model_holds_transformed_operands_of_convolutions():
     assert plain_xla > plain
 
 
+def test_saving_warning_names_plans_that_save_little_under_xla():
+    fg, ids = _conv_chain(12)
+    problem = Problem(fg)
+    # No checkpoint: every activation is recomputed from the input, and XLA's
+    # re-laid-out operands keep the peak near plain's.
+    little = problem.schedule(())
+    note = xla.saving_warning(problem, little)
+    assert "under XLA" in note and f"{problem.peak(None, model=problem.judge):,}" in note
+    # A checkpoint in the middle saves a third: no warning.
+    assert xla.saving_warning(problem, problem.schedule((ids["relu6:0"],))) == ""
+    plain = Problem(dataclasses.replace(fg, xla=False))
+    assert xla.saving_warning(plain, plain.schedule(())) == ""
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ("", False),
+    ("--tf_xla_auto_jit=2", False),  # on a CPU, auto-clustering needs the next flag too
+    ("--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit", True),
+    ("--tf_xla_auto_jit=0 --tf_xla_cpu_global_jit", False),
+])
+def test_auto_clustering_is_detected(monkeypatch, flags, expected):
+    from memsave import _tf_private
+
+    assert not tf.config.list_logical_devices("GPU")
+    monkeypatch.setenv("TF_XLA_FLAGS", flags)
+    assert _tf_private.auto_clustering() is expected
+
+
 # -- TF: the depthwise gradient memsave gives its copies ----------------------------------
 
 
