@@ -33,7 +33,14 @@ each between ``reset_memory_stats('CPU:0')`` and ``get_memory_info``:
   difference);
 * the gradients at the initial weights, from a separate compiled function
   that takes them the same way (custom loop only), compared with plain's:
-  largest ``max|g - g_plain| / max|g_plain|`` over the weights;
+  largest ``max|g - g_plain| / max|g_plain|`` over the weights whose
+  gradient is not zero but for rounding (``NEGLIGIBLE_GRADIENT_FRACTION``).
+  What rounding does here: on MobileNetV2 (64x64, batch 32) plain's own
+  gradients under XLA and without differ by up to 0.23 (block_13_expand_BN
+  beta; 0.13 on Conv_1's kernel): its last blocks normalise 2x2 maps, and
+  a different order of sums moves the batch statistics. memsave's under
+  XLA differ from plain XLA's by at most 0.05 (Conv_1's kernel), and so do
+  the losses after the first update;
 * ``forecast``: ``memsave.plan`` (custom loop) or ``memsave.keras.plan``
   (fit) of the same step, and its error against the measured peak.
 
@@ -234,16 +241,28 @@ def _spawn(a, config: tuple, save: str | None = None) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+#: Weights whose largest gradient entry is below this fraction of the
+#: largest of all are left out of the gradient comparison: their gradient is
+#: zero but for rounding (MobileNetV2's project_BN betas: each feeds a
+#: convolution followed by a batch norm, which removes a per-channel shift;
+#: measured 1e-8 to 4e-6 against 0.6 for the largest weight gradient).
+NEGLIGIBLE_GRADIENT_FRACTION = 1e-4
+
+
 def _grad_error(a: str, b: str) -> float:
-    """Largest over the weights of max|g_b - g_a| / max|g_a|."""
+    """Largest over the weights of max|g_b - g_a| / max|g_a| (negligible
+    gradients left out: :data:`NEGLIGIBLE_GRADIENT_FRACTION`)."""
     import numpy as np
 
     with np.load(a) as fa, np.load(b) as fb:
-        err = 0.0
-        for k in fa.files:
-            ga, gb = fa[k].astype(np.float64), fb[k].astype(np.float64)
-            err = max(err, float(np.max(np.abs(ga - gb)) / max(float(np.max(np.abs(ga))), 1e-30)))
-        return err
+        pairs = [(fa[k].astype(np.float64), fb[k].astype(np.float64)) for k in fa.files]
+    largest = max(float(np.max(np.abs(ga))) for ga, _ in pairs)
+    err = 0.0
+    for ga, gb in pairs:
+        scale = float(np.max(np.abs(ga)))
+        if scale >= NEGLIGIBLE_GRADIENT_FRACTION * largest:
+            err = max(err, float(np.max(np.abs(ga - gb))) / scale)
+    return err
 
 
 def main() -> None:

@@ -151,6 +151,22 @@ def test_auto_clustering_is_detected(monkeypatch, flags, expected):
     assert _tf_private.auto_clustering() is expected
 
 
+def test_gradients_say_when_auto_clustering_is_on(monkeypatch, caplog):
+    build, ws, x = _conv_net(depth=4)
+
+    def trace():
+        caplog.clear()
+        tf.function(lambda x: memsave.gradients(build(x), ws, checkpoints="memory"),
+                    autograph=False).get_concrete_function(x)
+        return [r for r in caplog.records if "auto-clustering" in r.getMessage()]
+
+    caplog.set_level("INFO", logger="memsave")
+    monkeypatch.setenv("TF_XLA_FLAGS", "")
+    assert not trace()
+    monkeypatch.setenv("TF_XLA_FLAGS", "--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit")
+    assert trace()
+
+
 # -- TF: the depthwise gradient memsave gives its copies ----------------------------------
 
 
