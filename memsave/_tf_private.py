@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 from collections.abc import Sequence
 
 import tensorflow as tf
@@ -148,8 +149,6 @@ def auto_clustering() -> bool:
     ``--tf_xla_cpu_global_jit`` (measured with TF 2.21). Which ops a
     cluster takes is decided after memsave has built the graph.
     """
-    import os
-
     flags = os.environ.get("TF_XLA_FLAGS", "")
     auto = tf.config.optimizer.get_jit() == "autoclustering" or any(
         f.startswith("--tf_xla_auto_jit=") and f.split("=", 1)[1] not in ("0", "-1", "")
