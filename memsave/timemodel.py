@@ -123,6 +123,8 @@ __all__ = [
     "op_seconds",
     "StepTime",
     "step_time",
+    "StepSeconds",
+    "step_seconds",
 ]
 
 
@@ -646,7 +648,6 @@ def step_time(fg: ForwardGraph, costs: Costs, schedule: Schedule | None = None, 
     """
     if seconds is None:
         seconds = op_seconds(fg, costs, profile)
-    profile = seconds.profile
     base = StepTime(forward_s=seconds.forward_s, backward_s=seconds.backward_s)
     if schedule is None:
         return base
@@ -654,20 +655,57 @@ def step_time(fg: ForwardGraph, costs: Costs, schedule: Schedule | None = None, 
     rewrite = 0.0
     copies = 0
     for step in schedule.steps:
-        if step.kind != "recompute":
-            continue
-        run = _needed_copies(fg, costs, step.ops)
-        copies += len(run)
-        recompute += seconds.recompute_s(run)
-        gated = list(step.gated)  # the schedule's gating decision, which the rewrite builds
-        heads = [h for h in step.heads if _floating(fg.tensors[h])]
-        if not heads:
-            continue
-        rewrite += GATE_OPS * profile.overhead_s
-        for t in gated + heads:  # read t, write t + gate
-            rewrite += _elementwise_s(profile, 2 * costs.tensor_bytes[t])
+        cost = step_seconds(fg, costs, step, seconds)
+        recompute += cost.recompute_s
+        rewrite += cost.rewrite_s
+        copies += cost.copies
     return dataclasses.replace(base, recompute_s=recompute, rewrite_s=rewrite,
                                recomputed_ops=copies)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSeconds:
+    """What one backward step adds to plain backprop (:func:`step_seconds`).
+
+    Attributes
+    ----------
+    recompute_s : float
+        The copies that run.
+    rewrite_s : float
+        The step's gate and gated reads.
+    copies : int
+        How many copies run.
+    """
+
+    recompute_s: float = 0.0
+    rewrite_s: float = 0.0
+    copies: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return self.recompute_s + self.rewrite_s
+
+
+_NO_SECONDS = StepSeconds()
+
+
+def step_seconds(fg: ForwardGraph, costs: Costs, step, seconds: OpSeconds) -> StepSeconds:
+    """Seconds one step of a schedule adds to plain backprop: for a
+    ``recompute`` step, the copies that run and the rewrite's gates (see
+    :func:`step_time`, the sum of these over the steps); 0 for a
+    ``backprop`` step (its gradients are plain backprop's)."""
+    if step.kind != "recompute":
+        return _NO_SECONDS
+    run = _needed_copies(fg, costs, step.ops)
+    recompute = seconds.recompute_s(run)
+    rewrite = 0.0
+    heads = [h for h in step.heads if _floating(fg.tensors[h])]
+    if heads:
+        profile = seconds.profile
+        rewrite = GATE_OPS * profile.overhead_s
+        for t in list(step.gated) + heads:  # read t, write t + gate
+            rewrite += _elementwise_s(profile, 2 * costs.tensor_bytes[t])
+    return StepSeconds(recompute, rewrite, len(run))
 
 
 def _floating(node) -> bool:
