@@ -55,13 +55,14 @@ def _itemsize(dtype: tf.DType) -> int:
     return dtype.size if dtype not in (tf.resource, tf.variant, tf.string) else 0
 
 
-def _size(t: tf.Tensor) -> tuple[int, bool]:
-    shape = t.shape
-    itemsize = _itemsize(t.dtype)
-    if shape.rank is None:
+def _size(dims: list | None, dtype: tf.DType) -> tuple[int, bool]:
+    """Bytes of a tensor of these dimensions (None: unknown rank), unknown ones
+    counted as 1, and whether all were known."""
+    itemsize = _itemsize(dtype)
+    if dims is None:
         return itemsize, False
     n, known = 1, True
-    for d in shape.as_list():
+    for d in dims:
         if d is None:
             known = False
         else:
@@ -168,15 +169,17 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
             kind = "source"
         else:
             kind = "external"
-        size, known = _size(t)
+        dtype = t.dtype
+        dims = t.shape.as_list() if t.shape.rank is not None else None
+        size, known = _size(dims, dtype)
         tensors.append(t)
         nodes.append(TensorNode(
             id=i, name=t.name, kind=kind, producer=producer, size_bytes=size,
             size_known=known, trainable=_tf_private.is_trainable(t),
             tagged=key in tagged_refs,
-            shape=None if t.shape.rank is None else tuple(t.shape.as_list()),
-            itemsize=_itemsize(t.dtype), dtype=t.dtype.name,
-            held_bytes=_held_bytes(t) if t.dtype == tf.resource else None,
+            shape=None if dims is None else tuple(dims),
+            itemsize=_itemsize(dtype), dtype=dtype.name,
+            held_bytes=_held_bytes(t) if dtype == tf.resource else None,
             constant=t.op.type == "Const",
         ))
         return i

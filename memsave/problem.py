@@ -49,7 +49,7 @@ from memsave.errors import ArgumentError
 from memsave.graph import ForwardGraph
 from memsave.memory_model import MemoryModel
 from memsave.schedule import Schedule, build_schedule
-from memsave.simulate import ForwardProgram, MemoryTrace, paused_gc, simulate
+from memsave.simulate import ForwardProgram, MemoryTrace, copies_that_run, paused_gc, simulate
 from memsave.timemodel import CPU_DEFAULT, DeviceProfile, OpSeconds, StepTime, op_seconds, \
     step_seconds, step_time
 
@@ -232,6 +232,12 @@ class Problem:
         """:func:`memsave.timemodel.op_seconds` of the graph under :attr:`profile` (once)."""
         return self._once(("seconds",), lambda: op_seconds(self.fg, self.costs, self.profile))
 
+    @property
+    def copies_that_run(self):
+        """:func:`memsave.simulate.copies_that_run` of the graph (once): which
+        copies of a recompute step's ops run, ``ops -> ops``."""
+        return self._once(("copies_that_run",), lambda: copies_that_run(self.fg, self.costs))
+
     def step_time(self, schedule: Schedule | None) -> StepTime:
         """:func:`memsave.timemodel.step_time` of ``schedule`` (None: plain), cached."""
         key = None if schedule is None else schedule.steps
@@ -249,7 +255,8 @@ class Problem:
         found = self._step_ns.get(step)
         if found is None:
             found = self._step_ns[step] = round(
-                1e9 * step_seconds(self.fg, self.costs, step, self.seconds).total_s)
+                1e9 * step_seconds(self.fg, self.costs, step, self.seconds,
+                                   needed_copies=self.copies_that_run).total_s)
         return found
 
     def recompute_nanoseconds(self, schedule: Schedule | None) -> int:

@@ -36,6 +36,9 @@ __all__ = ["Plan", "Budget", "KeptTensor", "BackwardStep", "GRADIENTS_CONSUMED_N
 #: weight's gradient has been written.
 GRADIENTS_CONSUMED_NOTE_FRACTION = 0.10
 
+#: Backward steps :meth:`Plan.summary` lists unless asked for all (``full=True``).
+SUMMARY_STEPS = 12
+
 #: Why a tensor is kept when no planner chose it, by kind (KeptTensor.kind).
 _KEPT_ANYWAY = {
     "variable read": "variable reads",
@@ -362,8 +365,9 @@ class Plan:
         Figures first, then the decision: the checkpoints (activations kept)
         by size, then one line per kind of tensor kept anyway (variable
         reads, inputs, outputs of stateful ops: count and bytes), the
-        backward steps and the assumptions. ``full=True`` lists every kept
-        tensor (as :meth:`to_dict` does).
+        first backward steps (:data:`SUMMARY_STEPS`) and the assumptions.
+        ``full=True`` lists every kept tensor and every step (as
+        :meth:`to_dict` does).
         """
         mib = 1 << 20
         change = self.predicted_peak_bytes / max(self.baseline_peak_bytes, 1) - 1.0
@@ -404,11 +408,15 @@ class Plan:
             lines += _table(_kept_rows(anyway))
         if self.steps:
             rows = [("#", "kind", "heads", "ops", "FLOPs", "boundary")]
-            for i, s in enumerate(self.steps):
+            shown = self.steps if full else self.steps[:SUMMARY_STEPS]
+            for i, s in enumerate(shown):
                 rows.append((str(i), s.kind, _short(s.heads), str(s.recomputed_ops),
                              f"{s.recompute_cost:,}", _short(s.boundary)))
             lines.append("  backward steps:")
             lines += _table(rows)
+            if len(shown) < len(self.steps):
+                lines.append(f"    ... {len(self.steps) - len(shown)} more (summary(full=True) "
+                             "lists every step)")
         for a in self.assumptions:
             lines.append(f"  assumed: {a}")
         if self.note:

@@ -180,6 +180,7 @@ def build_schedule(
     def unit_ops(u: _InPlace) -> list[int]:
         return runs.get(u.first_op, [u.first_op])
 
+    gradient_inputs = _gradient_inputs(fg)
     deps: dict[_Unit, set[_Unit]] = {}
     segments: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for t in sorted(kept):
@@ -191,8 +192,10 @@ def build_schedule(
             boundary = segments[t][1]
         elif unit in deps:
             continue  # an in-place unit's boundary is its ops', whichever output
-        else:
+        elif unit.first_op in run_of:
             boundary = _outer_inputs(fg, unit_ops(unit), differentiable)
+        else:  # one op that is not recomputable: its inputs are all kept
+            boundary = gradient_inputs[unit.first_op]
         deps.setdefault(unit, set()).update(
             u for u in (unit_of(b) for b in boundary if tensors[b].kind == "internal")
             if u != unit
@@ -273,6 +276,18 @@ def _stored_runs(fg: ForwardGraph, stored: frozenset[int]) -> dict[int, int]:
             first = -1
             produced = set()
     return run_of
+
+
+def _gradient_inputs(fg: ForwardGraph) -> tuple[tuple[int, ...], ...]:
+    """Per op, its inputs that receive a gradient (sorted, once): the
+    boundary of a non-recomputable op differentiated in place, whose
+    inputs are all kept whatever the checkpoints (cached on the graph)."""
+    found = fg.__dict__.get("_gradient_inputs")
+    if found is None:
+        found = tuple(tuple(sorted({t for t in op.inputs if fg.receives_gradient(t)}))
+                      for op in fg.ops)
+        object.__setattr__(fg, "_gradient_inputs", found)  # a cache, not a field
+    return found
 
 
 def _outer_inputs(fg: ForwardGraph, ops, differentiable) -> tuple[int, ...]:

@@ -3,10 +3,10 @@
 Data flow: ``simulate(fg, schedule, costs)`` turns the forward graph and a
 :class:`~memsave.schedule.Schedule` (or None for plain ``tf.gradients``)
 into a straight-line *program* of buffer reads and writes, then replays it
-once with reference counts, as the executor frees a tensor when its last
-reader has run. It returns a :class:`MemoryTrace`: the allocator peak, the
-bytes resident before the step, and the timeline of bytes alive during each
-event. Every strategy, the Plan, the no-saving warning and the budget
+once, freeing a buffer after the last reader of any value on it, as the
+executor frees a tensor when its last reader has run. It returns a
+:class:`MemoryTrace`: the allocator peak, the bytes resident before the
+step, and the timeline of bytes alive during each event. Every strategy, the Plan, the no-saving warning and the budget
 solvers read this one function; nothing here touches TensorFlow.
 
 The program
@@ -53,7 +53,23 @@ gradient kernel overlaps the next gradient and what Grappler folds.
 Notes
 -----
 Building and replaying the program is linear in ops plus tensors: one pass
-to build, one to find each value's last reader, one to replay. Ops run in
+to build, one to find each value's last reader, one to replay. The replay
+does not walk the program event by event: it settles each value's buffer
+(its own, a view's, or an in-place candidate's) in order, then sums the
+bytes each buffer adds where it is made and removes after its last reader.
+A planner simulates many schedules of one graph, so what does not depend
+on the schedule is computed once per graph and memory model, in a
+:class:`ForwardProgram`: the forward pass's program and its last readers,
+and per op what a copy of it and its gradient read and write; building a
+schedule's program is then appends and lookups, op by op (the hot loops
+bind names locally and inline the common case of ``_Program.instr``: the
+simulator is a large share of planning time).
+
+This module is longer than most: the builder, the forward program and the
+replay share the program's representation (value and instruction lists),
+which is private to them.
+
+Ops run in
 topological order (one at a time), except that a weight's gradient kernel
 runs beside the next gradient (``MemoryModel.weight_gradient_overlap``); the real
 executor may overlap other independent ops, so a forecast can be off by
@@ -89,6 +105,7 @@ __all__ = [
     "simulate",
     "ForwardProgram",
     "forward_program",
+    "copies_that_run",
     "paused_gc",
 ]
 
@@ -142,249 +159,347 @@ class MemoryTrace:
 class _Program:
     """Values (buffers or views of buffers) and instructions reading/writing them."""
 
-    __slots__ = ("size", "alias", "resident", "reads", "writes", "labels", "pinned", "xs_grads",
-                 "lingering")
+    __slots__ = ("size", "alias", "resident_ids", "reads", "writes", "labels", "pinned",
+                 "xs_grads", "lingering")
 
     def __init__(self) -> None:
         self.size: list[int] = []
         self.alias: list[int] = []  # value it views, or -1
-        self.resident: list[bool] = []
+        self.resident_ids: list[int] = []  # values alive from before the step to its end
         self.reads: list[list[int]] = []
         self.writes: list[list[tuple[int, tuple[int, ...]]]] = []
-        self.labels: list[tuple] = []
+        self.labels: list[tuple[Event, int]] = []
         self.pinned: list[int] = []
         self.xs_grads: list[int] = []  # gradients of the xs and of their reads
         # (allocating instructions left, values): values still read by a
         # kernel that runs beside the next instructions (weight_gradient_overlap).
         self.lingering: list[tuple[int, list[int]]] = []
 
+    @property
+    def resident(self) -> list[bool]:
+        """Per value: whether it is alive from before the step to its end."""
+        flags = [False] * len(self.size)
+        for v in self.resident_ids:
+            flags[v] = True
+        return flags
+
     def value(self, size: int, alias: int = -1, resident: bool = False) -> int:
+        v = len(self.size)
         self.size.append(size)
         self.alias.append(alias)
-        self.resident.append(resident)
-        return len(self.size) - 1
+        if resident:
+            self.resident_ids.append(v)
+        return v
 
     def instr(self, label: tuple, reads: list[int], writes: list[tuple[int, tuple[int, ...]]],
               kernels: bool = False) -> None:
         """Append an instruction. ``kernels``: each new buffer it writes is
         the output of a kernel of its own (an op's input gradients)."""
-        if self.lingering and any(self.alias[v] < 0 for v, _ in writes):
-            # A kernel that writes a buffer: the one run beside the lingering one.
-            ending = [v for left, values in self.lingering if left == 1 for v in values]
-            going = [v for left, values in self.lingering if left > 1 for v in values]
-            self.lingering = [(left - 1, values) for left, values in self.lingering if left > 1]
-            new = [w for w in writes if self.alias[w[0]] < 0 and not w[1]]
-            if ending and kernels and len(new) > 1:
+        lingering = self.lingering
+        if lingering:
+            alias = self.alias
+            for v, _ in writes:
+                if alias[v] < 0:
+                    break  # a kernel that writes a buffer: the one run beside the lingering one
+            else:
+                for _, values in lingering:
+                    reads = reads + values
+                self.reads.append(reads)
+                self.writes.append(writes)
+                self.labels.append(label)
+                return
+            if len(lingering) == 1 and lingering[0][0] == 1:  # the usual case (overlap 1)
+                ending = lingering.pop()[1]
+                going: list[int] = []
+            else:
+                ending = []
+                going = []
+                still = []
+                for left, values in lingering:
+                    if left == 1:
+                        ending += values
+                    else:
+                        going += values
+                        still.append((left - 1, values))
+                lingering[:] = still  # in place: the hot loops hold this list
+            if ending and kernels and len(writes) > 1:
                 # An op's gradient writing several new buffers is one kernel
                 # each (a concat's: one Slice per input); the lingering kernel
                 # runs beside the first (the largest, as the worst case).
-                first = max(new, key=lambda w: self.size[w[0]])
-                self.reads.append(reads + ending + going)
-                self.writes.append([first])
-                self.labels.append(label)
-                writes = [w for w in writes if w is not first]
-                ending = []
+                size = self.size
+                first = None
+                n_new = 0
+                for w in writes:
+                    if alias[w[0]] < 0 and not w[1]:
+                        n_new += 1
+                        if first is None or size[w[0]] > size[first[0]]:
+                            first = w
+                if n_new > 1:
+                    self.reads.append(reads + ending + going)
+                    self.writes.append([first])
+                    self.labels.append(label)
+                    writes = writes[:]
+                    writes.remove(first)  # (values are unique: the same tuple)
+                    ending = []
             reads = reads + ending + going
-        elif self.lingering:
-            reads = reads + [v for _, values in self.lingering for v in values]
         self.reads.append(reads)
         self.writes.append(writes)
         self.labels.append(label)
 
 
 class _Builder:
-    """Builds the program of one step (see module docstring)."""
+    """Builds the program of one step (see module docstring).
 
-    def __init__(self, fg: ForwardGraph, costs: Costs, model: MemoryModel,
-                 forward: ForwardProgram | None = None) -> None:
-        self.fg = fg
-        self.costs = costs
-        self.model = model
-        self.saved_of: dict[int, int] = {}  # op with a body -> what its gradient keeps
-        self.early_of: dict[int, list[int]] = {}  # op -> gradient values run in the forward
+    The per-op facts every run and gradient reads come precomputed from the
+    :class:`ForwardProgram` (``copy_plans``, ``gradient_plans``): building a
+    schedule's program is then list appends and lookups, op by op.
+    """
+
+    def __init__(self, fp: ForwardProgram) -> None:
+        self.fp = fp
         self.p = _Program()
         self.grads: dict[int, list[int]] = {}  # tensor id -> gradient values received
-        self.orig: list[int] = [-1] * len(fg.tensors)
+        self.orig: list[int] = [-1] * len(fp.fg.tensors)  # tensor id -> its forward value
         self.resident_bytes = 0
         self.constant: set[int] = set()  # gradient values Grappler folds into constants
-        self.xs = set(fg.xs)
-        if forward is not None:  # the state after its forward pass (which it built once)
-            self.feeds_x = forward.feeds_x
-            self.gradient_targets = forward.gradient_targets
-            forward.restore(self)
-            return
-        # An x, or the read of one (an op whose inputs are all xs, e.g.
-        # ReadVariableOp): its gradient is the x's, passed through.
-        self.feeds_x = [
-            node.id in self.xs or (node.producer is not None and bool(fg.ops[node.producer].inputs)
-                              and all(u in self.xs for u in fg.ops[node.producer].inputs))
-            for node in fg.tensors
-        ]
-        for node in fg.tensors:
-            if node.kind != "internal":
-                self.orig[node.id] = self.p.value(costs.tensor_bytes[node.id], resident=True)
-                self.resident_bytes += costs.tensor_bytes[node.id]
+        self.saved_of: dict[int, int] = {}  # op with a body -> what its gradient keeps
+        self.early_of: dict[int, list[int]] = {}  # op -> gradient values run in the forward
+
+    def restore(self) -> None:
+        """Put this (fresh) builder in the state after the forward pass."""
+        fp, p = self.fp, self.p
+        p.size, p.alias, p.resident_ids, p.reads, p.writes, p.labels = (
+            list(x) for x in fp.program)
+        self.orig[:] = fp.orig
+        self.saved_of = dict(fp.saved_of)
+        self.early_of = dict(fp.early_of)
+        self.resident_bytes = fp.resident_bytes
+        self.constant = set(fp.constant)
 
     # -- forward ----------------------------------------------------------
 
-    def run_op(self, i: int, vmap, phase: Event) -> None:
-        fg, costs, p = self.fg, self.costs, self.p
-        op = fg.ops[i]
-        reads = [vmap(t) for t in op.inputs]
-        writes = []
-        lists = -1
-        if op.body is not None:
-            figures = body_figures(op.body, self.model)
-            # What the gradient keeps (alive until it runs), what the loop's
-            # TensorLists hold (alive while the lists are), and the body's
-            # own transient peak (freed when the op ends).
-            saved = p.value(figures.saved_bytes)
-            self.saved_of[i] = saved
-            lists = p.value(figures.stored_bytes)
-            writes += [(saved, ()), (lists, ()), (p.value(figures.forward_bytes), ())]
-        early = costs.gradient[i].early_bytes
-        if early and costs.gradient[i].has_gradient:
-            # Gradient values computed from this op's values alone: they run
-            # right after it and wait for its gradient.
-            values = [p.value(b) for b in early]
-            self.early_of[i] = values
-            writes += [(v, ()) for v in values]
-        if costs.scratch and costs.scratch[i]:
-            # The kernel's temporaries (freed when it ends): one per operand.
-            writes += [(p.value(costs.tensor_bytes[t]), ()) for t in op.inputs]
-        for t in op.outputs:
-            src = costs.alias_of[t]
-            if lists >= 0 and self.fg.tensors[t].dtype == "variant":
-                writes.append((p.value(costs.tensor_bytes[t], alias=lists), ()))
-                self.bind(t, writes[-1][0])
-                continue
-            if src is not None:
-                v = p.value(costs.tensor_bytes[t], alias=vmap(src))
-                writes.append((v, ()))
+    def run_ops(self, ops: Sequence[int], cur: list[int], boundary=(),
+                touched: list[int] | None = None) -> None:
+        """Run ``ops`` (in order), reading the values ``cur`` maps their inputs
+        to, and map their outputs there: in the forward pass (``touched``
+        None), all; in a recompute step (copies of the ops), all but the
+        ``boundary``'s, noted in ``touched``."""
+        p = self.p
+        # Hot loop (every op copy of every simulated plan): names bound once.
+        plans, saved_of, early_of = self.fp.copy_plans, self.saved_of, self.early_of
+        size, alias, value = p.size, p.alias, p.value
+        all_reads, all_writes, all_labels, lingering = p.reads, p.writes, p.labels, p.lingering
+        forward = Event.FORWARD
+        for i in ops:
+            label, inputs, figures, early, scratch, outputs = plans[i]
+            reads = []
+            for t in inputs:
+                reads.append(cur[t])
+            writes = []
+            lists = -1
+            if figures is not None:
+                # What the gradient keeps (alive until it runs), what the loop's
+                # TensorLists hold (alive while the lists are), and the body's
+                # own transient peak (freed when the op ends).
+                saved = value(figures.saved_bytes)
+                saved_of[i] = saved
+                lists = value(figures.stored_bytes)
+                writes += [(saved, ()), (lists, ()), (value(figures.forward_bytes), ())]
+            if early:
+                # Gradient values computed from this op's values alone: they run
+                # right after it and wait for its gradient.
+                values = [value(b) for b in early]
+                early_of[i] = values
+                writes += [(v, ()) for v in values]
+            if scratch:
+                # The kernel's temporaries (freed when it ends): one per operand.
+                writes += [(value(b), ()) for b in scratch]
+            for t, nbytes, src, in_lists, same_size in outputs:
+                v = len(size)
+                size.append(nbytes)
+                if in_lists and lists >= 0:
+                    alias.append(lists)
+                    writes.append((v, ()))
+                elif src is not None:
+                    alias.append(cur[src])
+                    writes.append((v, ()))
+                else:
+                    alias.append(-1)
+                    if not same_size:
+                        writes.append((v, ()))
+                    elif len(same_size) == len(reads):  # every input: in place candidates
+                        writes.append((v, tuple(reads)))
+                    else:
+                        cands = []
+                        for j in same_size:
+                            cands.append(reads[j])
+                        writes.append((v, tuple(cands)))
+                if touched is None:
+                    cur[t] = v
+                elif t not in boundary:
+                    cur[t] = v
+                    touched.append(t)
+            if touched is None:
+                label = (forward, i)
+            if lingering:
+                p.instr(label, reads, writes)
+            else:  # (p.instr, inlined)
+                all_reads.append(reads)
+                all_writes.append(writes)
+                all_labels.append(label)
+
+    def proxies(self, boundary: Sequence[int], gated, cur: list[int], touched: list[int]) -> None:
+        """A recompute step's proxies of its ``boundary`` (``t + gate`` for the
+        ``gated``: a new buffer unless the original dies there; identities
+        otherwise), mapped in ``cur`` and noted in ``touched``."""
+        p, orig, tensor_bytes = self.p, self.fp.orig, self.fp.costs.tensor_bytes
+        size, alias = p.size, p.alias
+        all_reads, all_writes, all_labels, lingering = p.reads, p.writes, p.labels, p.lingering
+        labels = self.fp.proxy_labels
+        for t in boundary:
+            src = orig[t]
+            v = len(size)
+            size.append(tensor_bytes[t])
+            if t in gated:
+                alias.append(-1)
+                writes = [(v, (src,))]
             else:
-                v = p.value(costs.tensor_bytes[t])
-                cands = ()
-                if costs.inplace[i]:
-                    cands = tuple(r for r, t_in in zip(reads, op.inputs)
-                                  if costs.tensor_bytes[t_in] == costs.tensor_bytes[t])
-                writes.append((v, cands))
-            self.bind(t, v)
-        p.instr((phase, i), reads, writes)
+                alias.append(src)
+                writes = [(v, ())]
+            if lingering:
+                p.instr(labels[t], [src], writes)
+            else:  # (p.instr, inlined)
+                all_reads.append([src])
+                all_writes.append(writes)
+                all_labels.append(labels[t])
+            cur[t] = v
+            touched.append(t)
 
     # -- backward ---------------------------------------------------------
 
-    def backward(self, ops: Sequence[int], vmap, heads, boundary) -> None:
-        """Differentiate ``ops`` (reverse order). Gradients of ``heads`` come
-        from (and of ``boundary`` go to) ``self.grads``; others stay local."""
-        fg, costs, p = self.fg, self.costs, self.p
+    def backward(self, ops: Sequence[int], cur: list[int], heads, boundary) -> None:
+        """Differentiate ``ops`` (reverse order), reading forward values
+        through ``cur``. Gradients of ``heads`` come from (and of
+        ``boundary`` go to) ``self.grads``; others stay local."""
+        fp, p = self.fp, self.p
         # Hot loop (every op of every simulated plan): names bound once.
-        tensors, gradient, tensor_bytes, inplace = fg.tensors, costs.gradient, costs.tensor_bytes, costs.inplace
-        grads, xs, constant, feeds_x = self.grads, self.xs, self.constant, self.feeds_x
-        size = p.size
+        plans, is_x, grads, constant = fp.gradient_plans, fp.is_x, self.grads, self.constant
+        saved_of, early_of = self.saved_of, self.early_of
+        size, alias, xs_grads = p.size, p.alias, p.xs_grads
+        all_reads, all_writes, all_labels, lingering = p.reads, p.writes, p.labels, p.lingering
+        overlap = fp.overlap
         local: dict[int, list[int]] = {}
         for i in reversed(ops):
-            op = fg.ops[i]
-            use = gradient[i]
+            (label, outputs, has_gradient, read_tensors, has_early, scratch, loop_constants,
+             body_bytes, targets, static_fold, kernels) = plans[i]
             out_grads: list[int | None] = []
-            any_grad = False
-            for t in op.outputs:
-                got = local.pop(t, [])
-                if t in heads or t in xs:
-                    got += grads.pop(t, [])
+            reads = []  # the gradients received, then what the gradient reads
+            for t in outputs:
+                got = local.pop(t, None)
+                if t in heads or is_x[t]:
+                    more = grads.pop(t, None)
+                    if more:
+                        got = more if got is None else got + more
                 if not got:
                     out_grads.append(None)
                     continue
                 g = got[0] if len(got) == 1 else self.accumulate(t, got)
-                if t in xs:
+                if is_x[t]:
                     # An x produced in the graph (an activation given as x):
                     # its gradient is a result of the step and flows on.
                     grads[t] = [g]
                 out_grads.append(g)
-                any_grad = True
-            if not any_grad or not use.has_gradient:
+                reads.append(g)
+            if not reads or not has_gradient:
                 continue
-            inputs, n_in = op.inputs, len(op.inputs)
-            reads = [g for g in out_grads if g is not None]
-            read_ins, read_outs = costs.gradient_reads[i]
-            reads += [vmap(t) for t in read_ins]
-            reads += [vmap(t) for t in read_outs]
-            if i in self.early_of:
-                reads += self.early_of[i]
+            for t in read_tensors:
+                reads.append(cur[t])
+            if has_early:
+                reads += early_of[i]
             writes = []
-            if costs.scratch and costs.scratch[i]:
+            if scratch:
                 # Each input's gradient is a kernel of the same type, run one
                 # after the other: temporaries of the incoming gradient and
                 # the other operand, the largest input at most.
-                writes.append((p.value(max(tensor_bytes[t] for t in op.outputs)), ()))
-                writes.append((p.value(max((tensor_bytes[t] for t in inputs), default=0)), ()))
-            if op.body is not None:
-                if i in self.saved_of:
-                    reads.append(self.saved_of[i])
-                if op.body.loop:
-                    # The gradient loop sums a loop invariant's gradient from
-                    # zeros_like(it): a constant Grappler folds when the shape is static.
-                    # while_v2 differentiates every floating loop input, used or not.
-                    for j in op.body.invariant:
-                        t = inputs[j] if j < n_in else None
-                        if (t is not None and tensors[t].trainable
-                                and tensors[t].dtype not in ("resource", "variant")
-                                and self.foldable(t)):
-                            self.constant_value(t)
-                writes.append((p.value(body_figures(op.body, self.model).backward_bytes), ()))
+                writes += [(p.value(b), ()) for b in scratch]
+            if body_bytes is not None:
+                if i in saved_of:
+                    reads.append(saved_of[i])
+                # The gradient loop sums a loop invariant's gradient from
+                # zeros_like(it): a constant Grappler folds when the shape is static.
+                # while_v2 differentiates every floating loop input, used or not.
+                for t in loop_constants:
+                    self.constant_value(t)
+                writes.append((p.value(body_bytes), ()))
             to_weight = flows_on = False
-            aliases = use.aliases
-            folded = None  # whether Grappler folds this gradient (computed when first asked)
-            for j, t, internal in self.gradient_targets[i]:
+            for t, internal, k, nbytes, feeds_x, foldable, in_place in targets:
                 if not internal and t not in boundary:
                     continue
-                k = aliases[j] if j < len(aliases) else None
-                if k is not None and out_grads[k] is not None:
-                    v = p.value(tensor_bytes[t], alias=out_grads[k])
+                g = out_grads[k] if k is not None else None
+                if g is not None:  # the incoming gradient's buffer (a pass-through)
+                    v = len(size)
+                    size.append(nbytes)
+                    alias.append(g)
                     writes.append((v, ()))
-                    if out_grads[k] in constant:
+                    if g in constant:
                         constant.add(v)
+                elif static_fold and foldable and all(g in constant for g in out_grads
+                                                      if g is not None):
+                    # Computed from constants only: Grappler folds it.
+                    v = self.constant_value(t)
                 else:
-                    if folded is None:
-                        folded = (not use.reads_outputs
-                                  and all(tensors[inputs[j]].constant for j in use.reads_inputs
-                                          if j < n_in)
-                                  and all(g in constant for g in out_grads if g is not None))
-                    if folded and self.foldable(t):
-                        v = self.constant_value(t)
+                    v = len(size)
+                    size.append(nbytes)
+                    alias.append(-1)
+                    if in_place is None:
+                        writes.append((v, ()))
+                    elif in_place:  # every value read has this size: all are candidates
+                        writes.append((v, tuple(reads)))
+                    else:  # the values read of this size
+                        cands = []
+                        for r in reads:
+                            if size[r] == nbytes:
+                                cands.append(r)
+                        writes.append((v, tuple(cands)))
+                if t in boundary:
+                    found = grads.get(t)
+                    if found is None:
+                        grads[t] = [v]
                     else:
-                        v = p.value(tensor_bytes[t])
-                        cands = ()
-                        if inplace[i]:
-                            cands = tuple(r for r in reads if size[r] == tensor_bytes[t])
-                        writes.append((v, cands))
-                (grads if t in boundary else local).setdefault(t, []).append(v)
-                if feeds_x[t]:
-                    p.xs_grads.append(v)
+                        found.append(v)
+                else:
+                    found = local.get(t)
+                    if found is None:
+                        local[t] = [v]
+                    else:
+                        found.append(v)
+                if feeds_x:
+                    xs_grads.append(v)
                     to_weight = True
                 else:
                     flows_on = True
-            # A call's or loop's gradient, or a kernel's temporaries, are not
-            # one kernel per buffer.
-            p.instr((Event.GRADIENT, i), reads, writes,
-                    kernels=op.body is None and not (costs.scratch and costs.scratch[i]))
-            overlap = self.model.weight_gradient_overlap
-            if to_weight and flows_on and overlap and not fg.xla:
+            if lingering:
+                # A call's or loop's gradient, or a kernel's temporaries, are
+                # not one kernel per buffer.
+                p.instr(label, reads, writes, kernels)
+            else:  # (p.instr, inlined)
+                all_reads.append(reads)
+                all_writes.append(writes)
+                all_labels.append(label)
+            if to_weight and flows_on and overlap:
                 # The weight's gradient kernel (Conv2DBackpropFilter, the
                 # MatMul of x^T and dy) is ready with the input's, but nothing
                 # downstream waits for it: the executor runs it beside the
                 # next gradient ops, which allocate while it still holds what
                 # it reads (the layer's input, the incoming gradient).
-                p.lingering.append((overlap, reads))
-
-    def foldable(self, t: int) -> bool:
-        return (self.fg.tensors[t].size_known
-                and self.costs.tensor_bytes[t] <= self.model.constant_folding_max_bytes)
+                lingering.append((overlap, reads))
 
     def constant_value(self, t: int) -> int:
         """A gradient Grappler folds: resident from before the step."""
-        v = self.p.value(self.costs.tensor_bytes[t], resident=True)
+        nbytes = self.fp.costs.tensor_bytes[t]
+        v = self.p.value(nbytes, resident=True)
         self.constant.add(v)
-        self.resident_bytes += self.costs.tensor_bytes[t]
+        self.resident_bytes += nbytes
         return v
 
     def accumulate(self, t: int, got: list[int]) -> int | None:
@@ -392,14 +507,11 @@ class _Builder:
             return None
         if len(got) == 1:
             return got[0]
-        if all(g in self.constant for g in got) and self.foldable(t):
+        if all(g in self.constant for g in got) and self.fp.foldable[t]:
             return self.constant_value(t)
-        v = self.p.value(self.costs.tensor_bytes[t])
+        v = self.p.value(self.fp.costs.tensor_bytes[t])
         self.p.instr((Event.SUM, t), list(got), [(v, tuple(got))])
         return v
-
-    def bind(self, t: int, v: int) -> None:
-        pass  # replaced per stage
 
 
 class ForwardProgram:
@@ -408,44 +520,268 @@ class ForwardProgram:
     Build it once (:func:`forward_program`) and pass it to :func:`simulate`
     as ``forward=`` to simulate many schedules of one graph (a planner's
     candidate plans, the budget solvers) without rebuilding it;
-    :class:`memsave.problem.Problem` keeps one per memory model.
+    :class:`memsave.problem.Problem` keeps one per memory model. Besides the
+    forward program it holds what every simulation of the graph reads per
+    op (what running a copy of it writes, what its gradient reads and
+    writes) and per value (its last reader in the forward pass), computed
+    here once.
     """
 
     def __init__(self, fg: ForwardGraph, costs: Costs, model: MemoryModel) -> None:
-        b = _Builder(fg, costs, model)
-        orig = b.orig
-
-        def bind_orig(t: int, v: int) -> None:
-            orig[t] = v
-
-        b.bind = bind_orig
-        for i in range(len(fg.ops)):
-            b.run_op(i, orig.__getitem__, Event.FORWARD)
         self.fg, self.costs, self.model = fg, costs, model
-        p = b.p
-        # Instruction lists are never changed once made: shared, not copied.
-        self.program = (list(p.size), list(p.alias), list(p.resident), list(p.reads),
-                        list(p.writes), list(p.labels))
-        self.orig = list(b.orig)
-        self.feeds_x = b.feeds_x
-        # Per op, (position, tensor, internal) of the inputs its gradient writes.
-        internal = [node.kind == "internal" for node in fg.tensors]
-        self.gradient_targets = [tuple((j, t, internal[t]) for j, t in targets)
-                                 for targets in costs.gradient_targets]
-        self.saved_of = dict(b.saved_of)
-        self.early_of = dict(b.early_of)
-        self.resident_bytes = b.resident_bytes
-        self.constant = set(b.constant)
+        tensors, tensor_bytes = fg.tensors, costs.tensor_bytes
+        xs = set(fg.xs)
+        self.is_x = [node.id in xs for node in tensors]
+        max_folded = model.constant_folding_max_bytes
+        self.foldable = [node.size_known and tensor_bytes[node.id] <= max_folded
+                         for node in tensors]
+        self.overlap = 0 if fg.xla else model.weight_gradient_overlap
+        self._plan_ops()
 
-    def restore(self, b: _Builder) -> None:
-        """Put ``b`` (fresh, for the same graph) in the state after the forward pass."""
+        b = _Builder(self)
         p = b.p
-        p.size, p.alias, p.resident, p.reads, p.writes, p.labels = (list(x) for x in self.program)
-        b.orig[:] = self.orig
-        b.saved_of = dict(self.saved_of)
-        b.early_of = dict(self.early_of)
-        b.resident_bytes = self.resident_bytes
-        b.constant = set(self.constant)
+        for node in tensors:
+            if node.kind != "internal":
+                b.orig[node.id] = p.value(tensor_bytes[node.id], resident=True)
+                b.resident_bytes += tensor_bytes[node.id]
+        b.run_ops(range(len(fg.ops)), b.orig)
+        # Instruction lists are never changed once made: shared, not copied.
+        self.program = (p.size, p.alias, p.resident_ids, p.reads, p.writes, p.labels)
+        self.orig = b.orig
+        self.saved_of = b.saved_of
+        self.early_of = b.early_of
+        self.resident_bytes = b.resident_bytes
+        self.constant = b.constant
+        self._prepare_replays(p)
+        self._identity: list[int] = []
+        self._names: tuple[list[str], list[str]] | None = None  # of the ops, of the tensors
+        self._forward_labels: list[str] | None = None
+
+    def _prepare_replays(self, p: _Program) -> None:
+        """What every replay (:func:`_replay`) starts from.
+
+        ``last``: each forward value's last reader in the forward pass (or
+        where it is made); ``counted``: the bytes each value counts. Of the
+        forward's writes, a replay need not look at the new buffers (made at
+        their instruction whatever the schedule: ``made_bytes`` per
+        instruction, ``new_buffers``) nor at the views of resident values
+        (their buffer is known: ``replay_root``); ``replay_writes`` keeps the
+        others, per instruction.
+        """
+        last = [-1] * len(p.size)
+        for k, ws in enumerate(p.writes):
+            for v, _ in ws:
+                last[v] = k
+        for k, rs in enumerate(p.reads):
+            for r in rs:
+                last[r] = k
+        self.last = last
+        self.counted_of = _Counted(self.model.allocator)
+        counted = self.counted = list(map(self.counted_of.__getitem__, p.size))
+        self.resident_counted = sum([counted[v] for v in p.resident_ids])
+        root = list(range(len(p.size)))
+        on_resident = [False] * len(p.size)
+        for v in p.resident_ids:
+            on_resident[v] = True
+        saved = set(self.saved_of.values())
+        self.saved_at: dict[int, int] = {}  # what a call's gradient keeps -> its instruction
+        self.made_bytes = [0] * len(p.writes)
+        self.new_buffers: list[int] = []
+        self.replay_writes: list[list[tuple[int, tuple[int, ...]]]] = []
+        for k, ws in enumerate(p.writes):
+            left = []
+            for w in ws:
+                v, cands = w
+                a = p.alias[v]
+                if a < 0 and not cands:
+                    self.made_bytes[k] += counted[v]
+                    self.new_buffers.append(v)
+                    if v in saved:
+                        self.saved_at[v] = k
+                elif a >= 0 and on_resident[a]:
+                    root[v] = root[a]
+                    on_resident[v] = True
+                else:
+                    left.append(w)
+            self.replay_writes.append(left)
+        self.replay_root = root
+
+    def identity(self, start: int, stop: int) -> list[int]:
+        """``list(range(start, stop))``, copied from one made once (no new int objects)."""
+        if len(self._identity) < stop:
+            self._identity = list(range(max(stop, 2 * len(self._identity))))
+        return self._identity[start:stop]
+
+    def _plan_ops(self) -> None:
+        """Per op, what running a copy of it and differentiating it read and write.
+
+        ``copy_plans[i]`` (read by :meth:`_Builder.run_ops`): its label, its
+        inputs, its body's figures (or None), the bytes of its early gradient
+        values and of its kernel's temporaries, and per output (tensor,
+        bytes, the tensor it views or None, whether it lives in the loop's
+        TensorLists, the positions of the inputs it may be written into).
+
+        ``gradient_plans[i]`` (read by :meth:`_Builder.backward`): its label,
+        outputs, whether it has a gradient, the tensors the gradient reads,
+        whether it reads early values, the bytes of its temporaries, the
+        loop invariants whose zero gradients Grappler folds, its body's
+        backward bytes (or None), per input it writes a gradient to (tensor,
+        internal, the output whose gradient is passed through or None,
+        bytes, whether it feeds an x, foldable, in-place candidates: None
+        for none, True for every value read, False for those of its size),
+        whether it folds when its incoming gradients do, and whether each
+        buffer it writes is a kernel of its own.
+        """
+        fg, costs, model, is_x = self.fg, self.costs, self.model, self.is_x
+        tensors, tensor_bytes, alias_of = fg.tensors, costs.tensor_bytes, costs.alias_of
+        scratch_ops = costs.scratch or (False,) * len(fg.ops)
+        # An x, or the read of one (an op whose inputs are all xs, e.g.
+        # ReadVariableOp): its gradient is the x's, passed through.
+        feeds_x = list(is_x)
+        for op in fg.ops:
+            if op.inputs:
+                for u in op.inputs:
+                    if not is_x[u]:
+                        break
+                else:
+                    for t in op.outputs:
+                        feeds_x[t] = True
+        internal = [node.kind == "internal" for node in tensors]
+        copy_plans = []
+        gradient_plans = []
+        recompute, gradient = Event.RECOMPUTE, Event.GRADIENT  # (an Enum member lookup is slow)
+        for i, op in enumerate(fg.ops):
+            use = costs.gradient[i]
+            inputs, outputs = op.inputs, op.outputs
+            figures = body_figures(op.body, model) if op.body is not None else None
+            inplace = costs.inplace[i]
+            copied_outputs = []
+            for t in outputs:
+                nbytes = tensor_bytes[t]
+                # In-place candidates: the inputs of its size, by position.
+                same_size = (tuple([j for j, u in enumerate(inputs) if tensor_bytes[u] == nbytes])
+                             if inplace else ())
+                copied_outputs.append((t, nbytes, alias_of[t],
+                                       figures is not None and tensors[t].dtype == "variant",
+                                       same_size))
+            copy_plans.append((
+                (recompute, i),
+                inputs,
+                figures,
+                use.early_bytes if use.has_gradient else (),
+                tuple([tensor_bytes[t] for t in inputs]) if scratch_ops[i] else (),
+                tuple(copied_outputs),
+            ))
+
+            read_ins, read_outs = costs.gradient_reads[i]
+            loop_constants = ()
+            if op.body is not None and op.body.loop:
+                loop_constants = tuple([
+                    t for t in (inputs[j] for j in op.body.invariant if j < len(inputs))
+                    if tensors[t].trainable and tensors[t].dtype not in ("resource", "variant")
+                    and self.foldable[t]])
+            aliases = use.aliases
+            # The sizes of the values the gradient may read (None: not known
+            # here): when they are all a new buffer's, every value read is a
+            # candidate to write it into in place (an elementwise op's).
+            read_sizes = None
+            if inplace and figures is None:
+                read_sizes = {tensor_bytes[t] for t in (*outputs, *read_ins, *read_outs)}
+                read_sizes.update(use.early_bytes if use.has_gradient else ())
+            targets = []
+            for j, t in costs.gradient_targets[i]:
+                nbytes = tensor_bytes[t]
+                targets.append((
+                    t, internal[t], aliases[j] if j < len(aliases) else None, nbytes,
+                    feeds_x[t], self.foldable[t],
+                    # In-place candidates: none, every value read, or those of its size.
+                    None if not inplace else read_sizes == {nbytes}))
+            gradient_plans.append((
+                (gradient, i),
+                outputs,
+                use.has_gradient,
+                read_ins + read_outs,
+                bool(use.early_bytes) and use.has_gradient,
+                (max([tensor_bytes[t] for t in outputs]),
+                 max([tensor_bytes[t] for t in inputs], default=0)) if scratch_ops[i] else (),
+                loop_constants,
+                figures.backward_bytes if figures is not None else None,
+                tuple(targets),
+                not use.reads_outputs and all([tensors[inputs[j]].constant
+                                               for j in use.reads_inputs if j < len(inputs)]),
+                op.body is None and not scratch_ops[i],
+            ))
+        self.copy_plans, self.gradient_plans = copy_plans, gradient_plans
+        self.needed_copies = copies_that_run(fg, costs)
+        proxy = Event.PROXY
+        self.proxy_labels = [(proxy, t) for t in range(len(fg.tensors))]
+
+    def label(self, label: tuple[Event, int]) -> str:
+        """An event's name (``"run dense/MatMul"``)."""
+        return self._named([label])[0]
+
+    def labels(self, labels: Sequence[tuple[Event, int]]) -> list[str]:
+        """The names of the events of a program built on this one (the forward
+        pass's events come first: their names are made once)."""
+        if self._forward_labels is None:
+            self._forward_labels = self._named(self.program[5])
+        return self._forward_labels + self._named(labels[len(self._forward_labels):])
+
+    def _named(self, labels: Sequence[tuple[Event, int]]) -> list[str]:
+        if self._names is None:
+            self._names = ([op.name for op in self.fg.ops],
+                           [node.name for node in self.fg.tensors])
+        op_names, tensor_names = self._names
+        prefix, of_op = _PREFIX, _OF_OP
+        return [prefix[kind] + (op_names if kind in of_op else tensor_names)[ref]
+                for kind, ref in labels]
+
+
+#: The last reader of a value that outlives the step (resident, or one of its outputs).
+_NEVER = 1 << 62
+
+_PREFIX = {kind: kind.value for kind in Event}
+_OF_OP = frozenset(kind for kind in Event if kind.of_op)
+
+
+class _Counted(dict):
+    """Bytes an allocator counts, per buffer size (a graph has few distinct sizes)."""
+
+    def __init__(self, allocator: Allocator) -> None:
+        super().__init__()
+        self.allocator = allocator
+
+    def __missing__(self, nbytes: int) -> int:
+        found = self[nbytes] = self.allocator.counted(nbytes)
+        return found
+
+
+def copies_that_run(fg: ForwardGraph, costs: Costs):
+    """The rule for which op copies of a recompute step run, as a function ``ops -> ops``.
+
+    Those a gradient reads (through other copies), and calls and loops
+    whose gradient keeps what they compute, and ops with gradient values
+    computed in the forward pass; the rest (the copy of the loss itself,
+    say) feed nothing that is fetched, and TensorFlow prunes them. Built
+    once per graph; the simulator and the time model read the same rule.
+    """
+    needs = [ins + outs for ins, outs in costs.gradient_reads]
+    always = [(op.body is not None and bool(op.body.saved)) or bool(use.early_bytes)
+              for op, use in zip(fg.ops, costs.gradient)]
+    inputs = [op.inputs for op in fg.ops]
+    outputs = [op.outputs for op in fg.ops]
+
+    def run(ops: Sequence[int]) -> list[int]:
+        need = set(itertools.chain.from_iterable(map(needs.__getitem__, ops)))
+        live = []
+        for i in reversed(ops):
+            if always[i] or not need.isdisjoint(outputs[i]):
+                live.append(i)
+                need.update(inputs[i])
+        live.reverse()
+        return live
+
+    return run
 
 
 def forward_program(fg: ForwardGraph, costs: Costs,
@@ -455,21 +791,30 @@ def forward_program(fg: ForwardGraph, costs: Costs,
         return ForwardProgram(fg, costs, model)
 
 
-def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, model: MemoryModel,
-           forward: ForwardProgram | None = None) -> tuple[_Program, int, int]:
+def _forward_of(fg: ForwardGraph, costs: Costs, model: MemoryModel,
+                forward: ForwardProgram | None) -> ForwardProgram:
     if forward is None:
-        forward = ForwardProgram(fg, costs, model)
-    elif forward.fg is not fg or forward.costs is not costs or forward.model != model:
+        return ForwardProgram(fg, costs, model)
+    if forward.fg is not fg or forward.costs is not costs or forward.model != model:
         raise ArgumentError(
             "memsave.simulate: forward= was built for another graph, costs or memory model")
-    b = _Builder(fg, costs, model, forward)
+    return forward
+
+
+def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, model: MemoryModel,
+           forward: ForwardProgram | None = None) -> tuple[_Program, int, int]:
+    """The program of ``schedule``, the bytes resident before the step, and
+    the index of the first backward instruction."""
+    return _build_program(_forward_of(fg, costs, model, forward), schedule)
+
+
+def _build_program(forward: ForwardProgram, schedule: Schedule | None) -> tuple[_Program, int, int]:
+    fg, costs = forward.fg, forward.costs
+    b = _Builder(forward)
+    b.restore()
     p = b.p
-    orig = b.orig
-
-    def bind_orig(t: int, v: int) -> None:
-        orig[t] = v
-
-    b.bind = bind_orig
+    cur = b.orig  # tensor id -> the value read for it (a recompute step's copies and proxies)
+    orig = forward.orig
     if schedule is not None:
         # TensorFlow adds what a call's or loop's gradient keeps (the forward
         # function's extra outputs, while_v2's accumulators) only to the op
@@ -483,27 +828,25 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, model: Mem
 
     # Seeds: grad_ys = ones_like(y), a folded constant when y's shape is static.
     for y in dict.fromkeys(fg.ys):
-        if b.foldable(y):
+        if forward.foldable[y]:
             v = b.constant_value(y)
         else:
             v = p.value(costs.tensor_bytes[y])
             p.instr((Event.SEED, y), [], [(v, ())])
         b.grads.setdefault(y, []).append(v)
 
-    xs = set(fg.xs)
     if schedule is None:
-        b.backward(range(len(fg.ops)), orig.__getitem__, set(fg.ys), xs)
+        b.backward(range(len(fg.ops)), cur, set(fg.ys), set(fg.xs))
     else:
-        tensor_bytes, grads, constant = costs.tensor_bytes, b.grads, b.constant
+        grads, constant = b.grads, b.constant
         for step in schedule.steps:
             heads = set(step.heads)
             boundary = set(step.boundary)
             if step.kind == "backprop":
-                b.backward(step.ops, orig.__getitem__, heads, boundary)
+                b.backward(step.ops, cur, heads, boundary)
                 continue
             if not any(grads.get(h) for h in step.heads):
                 continue
-            local = dict()
             gated = set(step.gated)
             if not fg.xla and all(g in constant for h in step.heads for g in grads.get(h, ())):
                 # The heads' gradients are constants (the seeds ones_like(y)):
@@ -511,56 +854,19 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, model: Mem
                 # (step stats: the first step's gated proxy of a U-Net's 3 MiB
                 # concat ran as Identity, allocating nothing).
                 gated = set()
-            for t in step.boundary:
-                src = orig[t]
-                if t in gated:
-                    v = p.value(tensor_bytes[t])
-                    p.instr((Event.PROXY, t), [src], [(v, (src,))])
-                else:
-                    v = p.value(tensor_bytes[t], alias=src)
-                    p.instr((Event.PROXY, t), [src], [(v, ())])
-                local[t] = v
-
-            def vmap(t: int, local=local) -> int:
-                v = local.get(t)
-                return orig[t] if v is None else v
-
-            def bind_local(t: int, v: int, local=local, boundary=boundary) -> None:
-                if t not in boundary:
-                    local[t] = v
-
-            b.bind = bind_local
-            for i in _needed_copies(fg, costs, step.ops):
-                b.run_op(i, vmap, Event.RECOMPUTE)
-            b.backward(step.ops, vmap, heads, boundary)
+            touched: list[int] = []  # tensors whose value is the step's own
+            b.proxies(step.boundary, gated, cur, touched)
+            b.run_ops(forward.needed_copies(step.ops), cur, boundary, touched)
+            b.backward(step.ops, cur, heads, boundary)
+            for t in touched:
+                cur[t] = orig[t]
     # The xs' gradients are the step's outputs.
+    grads, pinned = b.grads, p.pinned
     for x in dict.fromkeys(fg.xs):
-        g = b.accumulate(x, b.grads.pop(x, []))
-        if g is not None:
-            p.pinned.append(g)
+        got = grads.pop(x, None)
+        if got:
+            pinned.append(got[0] if len(got) == 1 else b.accumulate(x, got))
     return p, b.resident_bytes, backward_start
-
-
-def _needed_copies(fg: ForwardGraph, costs: Costs, ops: Sequence[int]) -> list[int]:
-    """The ops of a recompute step whose copies run: those a gradient reads
-    (through other copies). The rest, e.g. the copy of the loss itself, feed
-    nothing that is fetched, and TensorFlow prunes them."""
-    need: set[int] = set()
-    gradient_reads = costs.gradient_reads
-    for i in ops:
-        read_ins, read_outs = gradient_reads[i]
-        need.update(read_ins)
-        need.update(read_outs)
-    live = []
-    gradient = costs.gradient
-    for i in reversed(ops):
-        op = fg.ops[i]
-        if (any(t in need for t in op.outputs) or (op.body is not None and op.body.saved)
-                or gradient[i].early_bytes):
-            live.append(i)
-            need.update(op.inputs)
-    live.reverse()
-    return live
 
 
 def simulate(
@@ -647,86 +953,110 @@ def paused_gc():
 
 def _simulate(fg, schedule, costs, model, timeline, forward, gradients_kept,
               extra_resident_bytes) -> MemoryTrace:
-    p, resident_bytes, backward_start = _build(fg, schedule, costs, model, forward)
-    allocator = model.allocator
+    forward = _forward_of(fg, costs, model, forward)
+    p, _, backward_start = _build_program(forward, schedule)
+    return _replay(forward, p, backward_start, timeline, gradients_kept, extra_resident_bytes)
+
+
+def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline: bool,
+            gradients_kept: bool, extra_resident_bytes: int) -> MemoryTrace:
+    """The trace of program ``p`` (built from ``forward``).
+
+    The same as replaying it event by event with reference counts (each
+    value holds its buffer from its write to its last reader; a buffer is
+    freed with its last holder; a new value goes in place into a candidate's
+    buffer when the candidate's last reader is this instruction, it is the
+    buffer's only holder left and the sizes match), but each buffer is
+    settled once: the in-place test reads, per buffer, the latest last
+    reader of the values on it so far (``top``, read by ``top_value``) and
+    the latest of the others (``second``). The candidate is the only holder
+    left when it is ``top_value`` and ``second`` is before this instruction.
+    """
     reads, writes, size, alias = p.reads, p.writes, p.size, p.alias
     n_instr = len(reads)
     n_val = len(size)
-    # Each value's last reader, or where it is made if nothing reads it.
-    last = [-1] * n_val
-    for k, ws in enumerate(writes):
-        for v, _ in ws:
+    # Each value's last reader, or where it is made if nothing reads it: the
+    # forward pass's are known, the backward's readers come after them.
+    n_forward = len(forward.last)
+    last = forward.last + [-1] * (n_val - n_forward)
+    for k in range(backward_start, n_instr):
+        for v, _ in writes[k]:
             last[v] = k
-    for k, rs in enumerate(reads):
-        for r in rs:
+        for r in reads[k]:
             last[r] = k
     if gradients_kept:
         for v in p.pinned:
-            last[v] = n_instr  # past the last instruction: the step's outputs
-    resident = list(itertools.compress(range(n_val), p.resident))
-    for v in resident:
-        last[v] = n_instr  # alive before and after the step
-    dying: list[list[int]] = [[] for _ in range(n_instr)]
-    for v, k in enumerate(last):
-        if 0 <= k < n_instr:
-            dying[k].append(v)
-    # A view holds a reference to its buffer's root; a buffer is freed when
-    # the last value on it (base or view) has had its last reader.
-    counted_of = {n: allocator.counted(n) for n in set(size)}  # few distinct sizes
-    counted = [counted_of[n] for n in size]
+            last[v] = _NEVER  # the step's outputs: alive after it
+    counted_of = forward.counted_of
+    counted = forward.counted + list(map(counted_of.__getitem__, size[n_forward:]))
+    # Bytes made at each instruction, minus those freed before it (the
+    # forward's new buffers made).
+    delta = forward.made_bytes + [0] * (n_instr + 1 - backward_start)
+    for v, k in forward.saved_at.items():
+        counted[v] = counted_of[size[v]]  # (zero when its op's copy is differentiated)
+        delta[k] += counted[v] - forward.counted[v]
     if not gradients_kept:
         for v in p.xs_grads:
             counted[v] = 0  # consumed by the update as soon as written
-    root = list(range(n_val))
-    refs = [0] * n_val
-    alive = extra_resident_bytes
+    # The resident values (the forward's, then the folded constants of the
+    # backward) are alive before and after the step.
+    resident = p.resident_ids
     for v in resident:
-        refs[v] = 1 << 30
+        last[v] = _NEVER
+    alive = extra_resident_bytes + forward.resident_counted
+    for v in resident[len(forward.program[2]):]:
         alive += counted[v]
-    resident_counted = alive
-    peak = alive
-    peak_k = -1
-    events: list[tuple[int, str]] = []
-    for k, dies in enumerate(dying):
-        for v, cands in writes[k]:
+
+    # Buffers: a value is a new buffer, or a view of another value's buffer,
+    # or written into a candidate's buffer (in place) when that candidate
+    # dies here and is the only value still on it. A buffer lives from the
+    # instruction that makes it to the last reader of any value on it.
+    # ``top`` is that last reader so far, ``top_value`` the value it reads,
+    # ``second`` the latest last reader of the other values on it. (A
+    # resident buffer's top is _NEVER: none of its values is written into.)
+    root = forward.replay_root + forward.identity(n_forward, n_val)
+    top = last[:]
+    top_value = forward.identity(0, n_val)
+    second = [-1] * n_val
+    buffers = []
+    for k, ws in enumerate(itertools.chain(forward.replay_writes, writes[backward_start:])):
+        for v, cands in ws:
             a = alias[v]
-            if a >= 0:
-                r = root[a]
-                root[v] = r
-                refs[r] += 1
-                continue
-            chosen = -1
-            for c in cands:
-                r = root[c]
-                if last[c] == k and refs[r] == 1 and size[r] == size[v]:
-                    chosen = r
-                    break
-            if chosen >= 0:
-                root[v] = chosen
-                refs[chosen] += 1
-            else:
-                refs[v] = 1
-                alive += counted[v]
-        if alive > peak:
-            peak, peak_k = alive, k
-        if timeline:
-            events.append((alive, _label(fg, p.labels[k])))
-        for v in dies:
-            r = root[v]
-            refs[r] -= 1
-            if not refs[r]:
-                alive -= counted[r]
+            if a < 0:
+                for c in cands:
+                    r = root[c]
+                    if (last[c] == k and top_value[r] == c and second[r] < k
+                            and size[r] == size[v]):
+                        a = c
+                        break
+                else:
+                    delta[k] += counted[v]
+                    buffers.append(v)
+                    continue
+            r = root[v] = root[a]
+            t = last[v]
+            if t > top[r]:
+                second[r] = top[r]
+                top[r] = t
+                top_value[r] = v
+            elif t > second[r]:
+                second[r] = t
+    for r in itertools.chain(forward.new_buffers, buffers):
+        t = top[r]
+        if t < n_instr:
+            delta[t + 1] -= counted[r]
+    events = list(itertools.accumulate(delta, initial=alive))[1:]
+    end = events.pop()  # after the last instruction
+    peak = max(events, default=alive)
+    if peak > alive:
+        peak_k = events.index(peak)
+    else:
+        peak, peak_k = alive, -1
     return MemoryTrace(
         peak_bytes=peak,
-        resident_bytes=resident_counted,
-        timeline=tuple(events),
-        peak_event=_label(fg, p.labels[peak_k]) if peak_k >= 0 else "start",
+        resident_bytes=alive,
+        timeline=tuple(zip(events, forward.labels(p.labels))) if timeline else (),
+        peak_event=forward.label(p.labels[peak_k]) if peak_k >= 0 else "start",
         backward_start=backward_start,
-        end_bytes=alive,
+        end_bytes=end,
     )
-
-
-def _label(fg: ForwardGraph, label: tuple) -> str:
-    kind, ref = label
-    name = fg.ops[ref].name if kind.of_op else fg.tensors[ref].name
-    return kind.value + name

@@ -105,7 +105,7 @@ from memsave.costs import ALIAS_OP_TYPES, Costs, body_costs
 from memsave.errors import DeviceProfileError
 from memsave.graph import Body, ForwardGraph, OpNode
 from memsave.schedule import Schedule
-from memsave.simulate import _needed_copies  # the one rule for which copies run
+from memsave.simulate import copies_that_run  # the one rule for which copies run
 from memsave.simulate import paused_gc
 
 __all__ = [
@@ -654,8 +654,9 @@ def step_time(fg: ForwardGraph, costs: Costs, schedule: Schedule | None = None, 
     recompute = 0.0
     rewrite = 0.0
     copies = 0
+    needed_copies = copies_that_run(fg, costs)
     for step in schedule.steps:
-        cost = step_seconds(fg, costs, step, seconds)
+        cost = step_seconds(fg, costs, step, seconds, needed_copies=needed_copies)
         recompute += cost.recompute_s
         rewrite += cost.rewrite_s
         copies += cost.copies
@@ -689,14 +690,19 @@ class StepSeconds:
 _NO_SECONDS = StepSeconds()
 
 
-def step_seconds(fg: ForwardGraph, costs: Costs, step, seconds: OpSeconds) -> StepSeconds:
+def step_seconds(fg: ForwardGraph, costs: Costs, step, seconds: OpSeconds, *,
+                 needed_copies=None) -> StepSeconds:
     """Seconds one step of a schedule adds to plain backprop: for a
     ``recompute`` step, the copies that run and the rewrite's gates (see
     :func:`step_time`, the sum of these over the steps); 0 for a
-    ``backprop`` step (its gradients are plain backprop's)."""
+    ``backprop`` step (its gradients are plain backprop's).
+    ``needed_copies``: :func:`memsave.simulate.copies_that_run` of the graph,
+    if already built (callers timing many steps pass it once)."""
     if step.kind != "recompute":
         return _NO_SECONDS
-    run = _needed_copies(fg, costs, step.ops)
+    if needed_copies is None:
+        needed_copies = copies_that_run(fg, costs)
+    run = needed_copies(step.ops)
     recompute = seconds.recompute_s(run)
     rewrite = 0.0
     heads = [h for h in step.heads if _floating(fg.tensors[h])]

@@ -7,11 +7,6 @@ between its smallest forecast peak and the plain one.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -271,21 +266,14 @@ def measure_keras_budget(depth=48, fractions=(0.4, 0.6)) -> dict:
     return out
 
 
-def test_keras_fit_measured_peak_meets_the_budget():
-    # In a fresh process (this file run as a script): budgets in bytes, a
-    # fraction of plain fit's measured peak.
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+@pytest.mark.slow
+def test_keras_fit_measured_peak_meets_the_budget(fresh):
+    # In a fresh process (tests/fresh.py): budgets in bytes, a fraction of
+    # plain fit's measured peak.
+    res = fresh.call(measure_keras_budget, timeout_s=900)
     for f, r in res.items():
         if f == "plain_bytes":
             continue
         assert r["peak_bytes"] <= (1 + BUDGET_TOLERANCE) * r["budget_bytes"], (
             f"budget {f} of plain fit's {res['plain_bytes'] / MiB:.1f} MiB: measured "
             f"{r['peak_bytes'] / MiB:.1f} MiB over {r['budget_bytes'] / MiB:.1f} MiB + 10%")
-
-
-if __name__ == "__main__":
-    print(json.dumps(measure_keras_budget()))

@@ -18,7 +18,6 @@ import json
 import os
 import pathlib
 import re
-import subprocess
 import sys
 import textwrap
 
@@ -30,6 +29,9 @@ import memsave.keras
 from memsave.cli import main
 
 MEMORY = "64MiB"
+
+#: The module-scoped files and answers are built once, on one worker (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("test_cli")
 
 
 def _mlp(compiled=True, depth=12, width=256):
@@ -190,12 +192,11 @@ PARALLEL = 4
 
 
 @pytest.mark.slow
-def test_python_m_memsave(files, expected):
+def test_python_m_memsave(fresh, files, expected):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(files), os.environ.get("PYTHONPATH", "")]))
 
     def run(argv):
-        proc = subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True,
-                              env=env, cwd=files, timeout=600)
+        proc = fresh.run([sys.executable, *argv], env=env, cwd=files, timeout_s=600)
         return proc.returncode, proc.stdout, proc.stderr
 
     bad = _bad_inputs(files)

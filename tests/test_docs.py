@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -96,15 +95,15 @@ def _id(path: Path) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", [p for p in DOCS if python_blocks(p)], ids=_id)
-def test_python_blocks_run(path, tmp_path):
+def test_python_blocks_run(fresh, path, tmp_path):
     missing = _missing_apis()
     blocks = [(f"{_id(path)}:{line}", source) for line, source in python_blocks(path)
               if not _pending(source, missing)]
     spec = tmp_path / "blocks.json"
     spec.write_text(json.dumps(blocks))
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", MPLBACKEND="Agg")
-    r = subprocess.run([sys.executable, "-c", RUNNER, str(spec)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    r = fresh.run([sys.executable, "-c", RUNNER, spec], cwd=tmp_path, env=env,
+                  timeout_s=RUN_TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-8000:]
 
 

@@ -33,7 +33,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import sysconfig
 import tarfile
@@ -53,6 +52,9 @@ NOT_SOURCE = (".git", ".venv", "build", "dist", "results", "*.egg-info", "__pyca
 
 BUILD_TIMEOUT_S = 600
 RUN_TIMEOUT_S = 600
+
+#: The module-scoped build and install happen once, on one worker (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("test_packaging")
 
 
 def package_files() -> set[str]:
@@ -84,15 +86,15 @@ def changelog_version() -> str:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> dict:
+def built(fresh, tmp_path_factory) -> dict:
     """The sdist and the wheel built from a copy of the checkout."""
     tmp = tmp_path_factory.mktemp("packaging")
     src, dist = tmp / "src", tmp / "dist"
     shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(*NOT_SOURCE))
-    r = subprocess.run(
+    r = fresh.run(
         [sys.executable, "-m", "build", "--no-isolation", "--sdist", "--wheel",
-         "--outdir", str(dist), str(src)],
-        cwd=tmp, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+         "--outdir", dist, src],
+        cwd=tmp, timeout_s=BUILD_TIMEOUT_S,
     )
     assert r.returncode == 0, f"python -m build failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     (wheel,) = dist.glob("memsave-*.whl")
@@ -101,23 +103,23 @@ def built(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def installed(built) -> dict:
+def installed(fresh, built) -> dict:
     """The wheel installed into an empty directory, and what a run from there reports."""
     tmp = built["tmp"]
     target, cwd = tmp / "target", tmp / "cwd"
     cwd.mkdir()
-    r = subprocess.run(
+    r = fresh.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet",
-         "--disable-pip-version-check", "--target", str(target), str(built["wheel"])],
-        cwd=cwd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+         "--disable-pip-version-check", "--target", target, built["wheel"]],
+        cwd=cwd, timeout_s=BUILD_TIMEOUT_S,
     )
     assert r.returncode == 0, f"pip install of the wheel failed:\n{r.stdout}\n{r.stderr}"
     site_packages = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    r = subprocess.run(
-        [sys.executable, "-I", "-S", "-c", INSTALLED_RUN, str(target), *site_packages],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    r = fresh.run(
+        [sys.executable, "-I", "-S", "-c", INSTALLED_RUN, target, *site_packages],
+        cwd=cwd, env=env, timeout_s=RUN_TIMEOUT_S,
     )
     assert r.returncode == 0, (
         f"the installed memsave failed (exit {r.returncode}):\n{r.stderr[-6000:]}")

@@ -182,3 +182,32 @@ def test_extra_resident_bytes_count_in_every_figure():
     assert planners.run("memory", extra, budget=0.8).budget_bytes == int(0.8 * b.baseline_peak_bytes)
     with pytest.raises(ValueError, match="extra_resident_bytes"):
         Problem(fg, extra_resident_bytes=-1)
+
+
+def test_a_summary_leads_with_the_decision():
+    # 30 weights read by 30 layers: the 30 variable reads are kept anyway and
+    # must not bury the few activations the planner chose.
+    b = H.Builder()
+    h = b.external("data")
+    for i in range(30):
+        w = b.op(f"read{i}", "ReadVariableOp", [b.source(f"w{i}", size_bytes=1024)],
+                 recomputable=False, size_bytes=1024)
+        h = b.op(f"t{i}", "Tanh", [b.op(f"mm{i}", "MatMul", [h, w])])
+    problem = Problem(b.build([f"w{i}" for i in range(30)], [h]))
+    plan = planners.run("memory", problem)
+    assert plan.checkpoint_ids
+    text = plan.summary()
+    lines = text.splitlines()
+    first_checkpoint = next(i for i, line in enumerate(lines) if "articulation point" in line)
+    anyway = lines.index("  kept anyway:")
+    assert first_checkpoint < anyway
+    assert any(line.split()[:3] == ["30", "variable", "reads"] for line in lines[anyway:])
+    kept_section = "\n".join(lines[:lines.index("  backward steps:")])
+    assert "read0:0" not in kept_section  # one line for the 30 reads, not 30
+    sizes = [int(line.split()[-3].replace(",", "")) for line in lines[first_checkpoint:anyway]
+             if "articulation point" in line]
+    assert sizes == sorted(sizes, reverse=True)
+    full = plan.summary(full=True).splitlines()
+    full_kept = "\n".join(full[:full.index("  backward steps:")])
+    assert "read0:0" in full_kept and "read29:0" in full_kept
+    assert len(plan.to_dict()["kept"]) == len(plan.kept)

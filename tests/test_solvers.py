@@ -115,6 +115,28 @@ def decisions(p: Segments) -> list[Decision]:
                 out[d] = None
     return list(out)
 
+
+#: Cases whose MILP solves take seconds (3-6 s of CPU for the budgets of the
+#: brute-force table, measured on 2 cores; the others 0.4-1.5 s): their
+#: MILP tests run in the slow tier only.
+SLOW_MILP = {"chain s0 n6", "chain s1 n9", "chain s2 n12", "chain s3 n14", "chain s4 n14",
+             "dag s2 n10", "dag s3 n12", "dag s4 n12", "dag s5 n11", "residual block",
+             "tanh chain 8", "unet", "residual convs s1 b4"}
+
+
+def _params(cases, solvers=(None,)):
+    """pytest params of (case[, solver]): each case's tests run on one worker, where
+    they share its brute force and its MILP answers (tests/conftest.py), and the
+    tests that solve a SLOW_MILP case's MILP are slow."""
+    for solver in solvers:
+        for case in cases:
+            marks = [pytest.mark.xdist_group(f"test_solvers[{case}]")]
+            if case in SLOW_MILP and solver in (None, "milp"):
+                marks.append(pytest.mark.slow)
+            values, name = ((case,), case) if solver is None else ((case, solver), f"{case}-{solver}")
+            yield pytest.param(*values, marks=marks, id=name)
+
+
 _ORACLE: dict[str, tuple] = {}
 
 
@@ -152,9 +174,7 @@ def _best(evs, budget):
     return min(fits) if fits else None
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("solver", ["dp", "milp", "greedy"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case, solver", list(_params(CASES, ("dp", "milp", "greedy"))))
 def test_solver_against_brute_force(case, solver):
     p, evs, budgets = _oracle(case)
     if solver == "dp" and not is_chain(p):
@@ -188,8 +208,7 @@ def test_solver_against_brute_force(case, solver):
             assert res.recompute_ns == ref, (case, solver, budget)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][1]])
+@pytest.mark.parametrize("case", list(_params([c for c in CASES if CASES[c][1]])))
 def test_greedy_close_to_proven_milp(case):
     p, evs, budgets = _oracle(case)
     for budget in budgets:

@@ -7,7 +7,6 @@ import dataclasses
 import math
 import pathlib
 import random
-import subprocess
 import sys
 
 import pytest
@@ -329,16 +328,10 @@ def test_calibration_measures_sane_figures():
     assert s.forward_s > 0 and s.backward_s > 0
 
 
-def test_the_time_model_imports_no_tensorflow():
+def test_the_time_model_imports_no_tensorflow(fresh):
     """memsave.timemodel (and what it reads) loads without TensorFlow; only
     memsave.calibrate needs it. The package's __init__, which checks for
     TensorFlow, is bypassed."""
-    import pathlib
-    import subprocess
-    import sys
-
-    import memsave
-
     code = (
         "import sys, types\n"
         "pkg = types.ModuleType('memsave')\n"
@@ -347,6 +340,6 @@ def test_the_time_model_imports_no_tensorflow():
         "import memsave.timemodel\n"
         "print('tensorflow' in sys.modules, 'memsave.calibrate' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True)
+    out = fresh.run([sys.executable, "-c", code], timeout_s=120)
+    assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"]

@@ -57,7 +57,6 @@ import time
 
 from memsave.planners.greedy import family, greedy
 from memsave.planners.segments import Decision, Evaluation, Outcome, Segments
-from memsave.simulate import _needed_copies  # the one rule for which copies run
 
 __all__ = ["milp", "DEFAULT_TIME_LIMIT_S", "MAX_EXACT_FREE_CUTS"]
 
@@ -89,7 +88,7 @@ def _certain_ns(space: Segments) -> list[int]:
     fg, costs, recompute = space.fg, space.costs, space.problem.seconds.recompute
     out = []
     for seg in space.segments:
-        certain = [o for o in seg if _needed_copies(fg, costs, (o,))]
+        certain = [o for o in seg if space.problem.copies_that_run((o,))]
         out.append(max(0, math.floor(1e9 * math.fsum(recompute[o] for o in certain)) - len(seg)))
     return out
 

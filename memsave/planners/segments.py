@@ -59,7 +59,6 @@ from memsave.errors import ArgumentError
 from memsave.memory_model import MemoryModel
 from memsave.problem import Problem
 from memsave.schedule import Schedule
-from memsave.simulate import _needed_copies  # the one rule for which copies run
 
 __all__ = ["Decision", "Evaluation", "Outcome", "Segments", "TurnBound", "EXPENSIVE_FACTOR"]
 
@@ -216,7 +215,7 @@ class Segments:
             size = costs.tensor_bytes[t]
             if p not in seg_of or not size:
                 continue
-            if _needed_copies(fg, costs, (p,)):
+            if problem.copies_that_run((p,)):
                 continue  # its gradient reads its own outputs: its copy runs anyway
             if recompute[p] / size >= threshold:
                 out[seg_of[p]].append(t)
@@ -315,7 +314,7 @@ class Segments:
         run = []
         for i in reversed(ops):
             op = fg.ops[i]
-            if any(t in need for t in op.outputs) or _needed_copies(fg, self.costs, (i,)):
+            if any(t in need for t in op.outputs) or self.problem.copies_that_run((i,)):
                 run.append(i)
                 need.update(t for t in op.inputs if t not in keep)
         return round(1e9 * self.problem.seconds.recompute_s(run))
