@@ -125,6 +125,7 @@ __all__ = [
     "step_time",
     "StepSeconds",
     "step_seconds",
+    "head_gate_seconds",
 ]
 
 
@@ -712,6 +713,16 @@ def step_seconds(fg: ForwardGraph, costs: Costs, step, seconds: OpSeconds, *,
         for t in list(step.gated) + heads:  # read t, write t + gate
             rewrite += _elementwise_s(profile, 2 * costs.tensor_bytes[t])
     return StepSeconds(recompute, rewrite, len(run))
+
+
+def head_gate_seconds(fg: ForwardGraph, costs: Costs, t: int, profile: DeviceProfile) -> float:
+    """Seconds the rewrite's gate costs per head ``t`` of a recompute step
+    (read ``t``, write ``t + gate``; 0 for a head that is not floating): a
+    part of :func:`step_seconds`' ``rewrite_s``, for planners bounding it
+    without a schedule."""
+    if not _floating(fg.tensors[t]):
+        return 0.0
+    return _elementwise_s(profile, 2 * costs.tensor_bytes[t])
 
 
 def _floating(node) -> bool:

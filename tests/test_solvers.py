@@ -145,10 +145,12 @@ def _oracle(name):
     if name not in _ORACLE:
         p = CASES[name][0]()
         evs = [p.evaluate(d) for d in decisions(p)]
-        # The cost solvers read without simulating is the evaluated plan's,
+        # The cost solvers read without simulating is the evaluated plan's (and
+        # its bound without a schedule is below it),
         # and the at-turn bound never cuts off a plan the simulator accepts.
         for e in evs:
             assert p.cost(e.decision) == e.recompute_ns
+            assert p.lower_bound(e.decision) <= e.recompute_ns, e.decision
             assert p.turn_bound(e.decision) <= e.peak_bytes, e.decision
         lo = min(e.peak_bytes for e in evs)
         hi = p.plain.peak_bytes

@@ -152,7 +152,7 @@ def choose(space: Segments) -> str:
 def solve(problem: Problem, memory_budget, *, solver: str = "auto",
           time_limit_s: float | None = None, api: str = "memsave",
           model: MemoryModel | None = None, strategy: str = "budget",
-          include: Sequence[int] = ()) -> Plan:
+          include: Sequence[int] = (), max_simulations: int | None = None) -> Plan:
     """The plan of least forecast recompute time whose forecast peak fits ``memory_budget``.
 
     Parameters
@@ -176,6 +176,9 @@ def solve(problem: Problem, memory_budget, *, solver: str = "auto",
         Activations added to the candidate cuts after coarsening (the
         checkpoints of ``'memory''s best plans), so that plans keeping them
         are in the decision space.
+    max_simulations : int, optional
+        Passed to ``greedy`` (:func:`memsave.planners.greedy.greedy`): a
+        preset's search for time stops after that many simulations.
 
     Raises
     ------
@@ -193,11 +196,12 @@ def solve(problem: Problem, memory_budget, *, solver: str = "auto",
     # again (measured: a fifth of the time on a 10,000-op graph).
     with paused_gc():
         return _solve(problem, memory_budget, solver, time_limit_s, api, model, strategy,
-                      include)
+                      include, max_simulations)
 
 
 def _solve(problem: Problem, memory_budget, solver: str, time_limit_s, api: str,
-           model: MemoryModel | None, strategy: str, include: Sequence[int]) -> Plan:
+           model: MemoryModel | None, strategy: str, include: Sequence[int],
+           max_simulations: int | None) -> Plan:
     start = time.perf_counter()
     baseline = problem.peak(None, model=model)
     budget_bytes = resolve_budget(memory_budget, baseline, api=api)
@@ -221,7 +225,8 @@ def _solve(problem: Problem, memory_budget, solver: str, time_limit_s, api: str,
         space = Segments(problem, [*coarsen(fg, problem.costs, cands, MAX_CUTS), *include],
                          model=model)
         name = choose(space) if solver == "auto" else solver
-        out = CORES[name](space, budget_bytes, time_limit_s=time_limit_s)
+        extra = {"max_simulations": max_simulations} if max_simulations and name == "greedy" else {}
+        out = CORES[name](space, budget_bytes, time_limit_s=time_limit_s, **extra)
         if out.evaluation.peak_bytes <= budget_bytes:
             if found is None or out.evaluation.recompute_ns < found[0].evaluation.recompute_ns:
                 found = (out, name, space)

@@ -67,13 +67,14 @@ Memory Cost. arXiv:1604.06174, 2016.
 
 from __future__ import annotations
 
+import heapq
 import math
 
 from memsave.candidates import spread
 from memsave.planners.segments import Decision, Evaluation, Outcome, Segments
 
 __all__ = ["greedy", "family", "MAX_STORE_STEPS", "EXHAUSTIVE_CUTS", "PARETO_ROUNDS",
-           "PARETO_SEARCH_OPS", "LAYER_FRACTIONS", "TAIL_FRACTIONS"]
+           "PARETO_SEARCH_OPS", "LAYER_FRACTIONS", "TAIL_FRACTIONS", "EXACT_COST_WORK"]
 
 #: Sets of segment modes tried on large graphs (thinned from the knapsack's
 #: Pareto front, plus every segment expensive-kept), each with about four
@@ -297,6 +298,17 @@ def _layered(space: Segments, seg_bytes: list[int]) -> list[Decision]:
     return out
 
 
+#: Work (the graph's ops times the family's plans) up to which ``greedy``
+#: orders the plans by their exact forecast cost (a schedule each, for the
+#: plans whose lower bound is below the answer's); beyond it, by the lower
+#: bound (:meth:`Segments.lower_bound`, no schedule), evaluating plans in
+#: that order up to the first that fits. At 10,000 ops costing every plan
+#: took 25-35 s of CPU on experiments/bench_planner.py's DAG, at 1000 ops
+#: 1.2-1.5 s; the study's ResNet-110 (725 ops, about 250 plans) is costed
+#: exactly: ordered by the bound, its budget 0.75 plan was forecast at
+#: 1.109x the plain step instead of 1.073x.
+EXACT_COST_WORK = 200_000
+
 #: Rounds of the Pareto local search on small problems (each evaluates the
 #: neighbours of the plans on the (recompute cost, peak) front found so
 #: far); it usually stops earlier, when a round adds no front plan.
@@ -373,37 +385,62 @@ def _pick(evs: list[Evaluation], budget_bytes: int) -> tuple[Evaluation, bool]:
     return min(evs, key=lambda e: (e.peak_bytes, e.recompute_ns, _order(e.decision))), False
 
 
-def greedy(space: Segments, budget_bytes: int, *, time_limit_s: float | None = None) -> Outcome:
+def greedy(space: Segments, budget_bytes: int, *, time_limit_s: float | None = None,
+           max_simulations: int | None = None) -> Outcome:
     """Fastest plan of :func:`family` whose forecast peak fits ``budget_bytes``.
 
     Plans whose at-turn bound (:attr:`Segments.turn_bound`) exceeds the
     budget cannot fit and are dropped without a schedule; the rest are
     simulated lazily, in increasing recompute seconds (known without
-    simulating memory, :meth:`Segments.cost`): the first cost level with a
+    simulating memory, :meth:`Segments.cost`, and bounded below without a
+    schedule, :meth:`Segments.lower_bound`): the first cost level with a
     plan that fits holds the answer, so the plans above it are never
-    simulated. The answer is the one simulating the whole family would give
+    simulated, and those whose bound is above it never scheduled. The answer is the one simulating the whole family would give
     (hence monotone). An infeasible budget simulates plans in increasing
     bound until the bound reaches the smallest peak found.
 
     ``time_limit_s`` is accepted for the common signature; the family is
-    small enough that it is not needed.
+    small enough that it is not needed. ``max_simulations``: stop after
+    that many plans simulated (the fastest that fits among them, else the
+    smallest peak among them), for a caller that would rather keep a plan
+    it has than search long (``'memory'``); the answer then depends on the
+    budget in more than its feasible set, and is not monotone.
     """
     plans = family(space)
     bound = {d: space.turn_bound(d) for d in plans}
-    cost = {d: space.cost(d) for d in plans if bound[d] <= budget_bytes}
-    ordered = sorted(cost, key=lambda d: (cost[d], _order(d)))
+    # Cheapest first by (cost, order), the cost known lazily: a plan enters
+    # with its lower bound (no schedule) and is re-queued with its cost
+    # when it reaches the top; so schedules are built only for plans whose
+    # bound is below the answer's cost, and the answer is the one costing
+    # every plan would give.
+    # On large problems the lower bound is the cost the plans are ordered by
+    # (a budget-independent order, so still monotone): costing every plan
+    # takes a schedule each, about 0.02 s per 1000 ops.
+    exact = len(space.fg.ops) * len(plans) <= EXACT_COST_WORK
+    heap = [(space.lower_bound(d), not exact, _order(d), d) for d in plans
+            if bound[d] <= budget_bytes]
+    heapq.heapify(heap)
     evs: list[Evaluation] = []
-    i = 0
-    while i < len(ordered):
-        level_cost = cost[ordered[i]]
-        level = []
-        while i < len(ordered) and cost[ordered[i]] == level_cost:
-            level.append(space.evaluate(ordered[i]))
-            i += 1
-        evs += level
-        if any(e.peak_bytes <= budget_bytes for e in level):
-            ev, _ = _pick(evs, budget_bytes)
-            return Outcome(ev, optimal=False)
+    level_cost = None
+    while heap:
+        value, exact, order, d = heapq.heappop(heap)
+        if level_cost is not None and value > level_cost:
+            break
+        if not exact:
+            heapq.heappush(heap, (space.cost(d), True, order, d))
+            continue
+        e = space.evaluate(d)
+        evs.append(e)
+        if e.peak_bytes <= budget_bytes and level_cost is None:
+            level_cost = value  # the rest of this cost level may tie it
+        if max_simulations is not None and len(evs) >= max_simulations:
+            if level_cost is None:
+                return Outcome(min(evs, key=lambda e: (e.peak_bytes, e.recompute_ns,
+                                                       _order(e.decision))), optimal=False)
+            break
+    if level_cost is not None:
+        ev, _ = _pick(evs, budget_bytes)
+        return Outcome(ev, optimal=False)
     # Nothing fits: the smallest peak, in increasing bound until the bound
     # passes the best peak found.
     best = None

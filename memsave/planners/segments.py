@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Iterable, Sequence
 
 from memsave.costs import is_activation
@@ -59,6 +60,7 @@ from memsave.errors import ArgumentError
 from memsave.memory_model import MemoryModel
 from memsave.problem import Problem
 from memsave.schedule import Schedule
+from memsave.timemodel import head_gate_seconds
 
 __all__ = ["Decision", "Evaluation", "Outcome", "Segments", "TurnBound", "EXPENSIVE_FACTOR"]
 
@@ -195,6 +197,13 @@ class Segments:
             frozenset(seg_of[c] for c in consumers[t] if c in seg_of) for t in self.candidates)
         self._empty = frozenset(k for k, s in enumerate(self.segments) if not s)
         self._cache: dict[Decision, Evaluation] = {}
+        self._lower_cache: dict[tuple[int, bool], int] = {}
+        self._seg_of_op = {o: k for k, seg in enumerate(self.segments) for o in seg}
+        profile = problem.profile
+        self._head_ns = {  # less a nanosecond for the rounding of each step's time
+            t: max(0, math.floor(1e9 * head_gate_seconds(fg, self.costs, t, profile)) - 1)
+            for t in {*self.candidates, *(t for ts in self.expensive_outputs for t in ts)}
+            if fg.receives_gradient(t)}
         self.plain = self.evaluate(Decision.of(stored=range(len(self.segments))))
 
     def _expensive(self, factor: float) -> tuple[tuple[int, ...], ...]:
@@ -301,6 +310,38 @@ class Segments:
         the copies that would run. The greedy family's knapsack weighs
         segments with it; the solvers' costs are always the schedule's
         (:meth:`cost`)."""
+        return round(1e9 * self._segment_seconds(k, expensive))
+
+    def lower_bound(self, d: Decision) -> int:
+        """A lower bound on :meth:`cost` without a schedule: per segment not
+        stored, the copies that run with every candidate kept (and, for an
+        expensive-kept segment, its expensive outputs), the most a decision
+        keeps inside one segment; each op is copied at most once, and gates
+        cost more, never less. Less a nanosecond per op, for the rounding of
+        each step's time. tests/test_solvers.py checks it on every decision
+        of its cases; ``greedy`` builds schedules only for the plans whose
+        bound is below the answer's cost."""
+        d = self.canonical(d)
+        if len(d.stored) == len(self.segments):
+            return 0
+        ns = sum(self._lower(k, k in d.expensive) for k in range(len(self.segments))
+                 if k not in d.stored)
+        # Every kept tensor that a recomputed op produces and that receives a
+        # gradient heads a recompute step: its gate is read and written.
+        heads = [self._head_ns[t] for t in self.checkpoints(d)
+                 if self._seg_of_op.get(self.fg.tensors[t].producer, -1) not in d.stored
+                 and t in self._head_ns]
+        return ns + sum(heads)
+
+    def _lower(self, k: int, expensive: bool) -> int:
+        key = (k, expensive)
+        found = self._lower_cache.get(key)
+        if found is None:
+            found = self._lower_cache[key] = max(0, math.floor(
+                1e9 * self._segment_seconds(k, expensive)) - len(self.segments[k]))
+        return found
+
+    def _segment_seconds(self, k: int, expensive: bool) -> float:
         fg, reads = self.fg, self.costs.gradient_reads
         ops = self.segments[k]
         keep = set(self.candidates)
@@ -317,7 +358,7 @@ class Segments:
             if any(t in need for t in op.outputs) or self.problem.copies_that_run((i,)):
                 run.append(i)
                 need.update(t for t in op.inputs if t not in keep)
-        return round(1e9 * self.problem.seconds.recompute_s(run))
+        return self.problem.seconds.recompute_s(run)
 
 
 class TurnBound:

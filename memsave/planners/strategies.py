@@ -34,7 +34,8 @@ from memsave.record import Plan
 
 __all__ = ["collection", "memory", "speed", "given", "worth_it", "candidate_plan",
            "EXPENSIVE_OP_TYPES",
-           "MIN_SAVING_FRACTION", "MEMORY_PEAK_TOLERANCE", "SPEED_BUDGET_FRACTION"]
+           "MIN_SAVING_FRACTION", "MEMORY_PEAK_TOLERANCE", "SPEED_BUDGET_FRACTION",
+           "MEMORY_SEARCH_OPS"]
 
 #: Op types whose outputs ``checkpoints='speed'`` keeps when asked by rule
 #: (``strategy_options={'op_types': EXPENSIVE_OP_TYPES}``, what ``'speed'``
@@ -79,6 +80,15 @@ MIN_SAVING_FRACTION = 0.1
 #: (the measured figures are in experiments/study.py's report). Override
 #: with ``peak_tolerance=`` (0: the lowest peak, then the least time).
 MEMORY_PEAK_TOLERANCE = 0.05
+
+#: Work ``'memory'``'s search for time may take, in simulated ops (plans
+#: simulated times the graph's ops: ``greedy``'s ``max_simulations`` is
+#: this over the graph's ops), beyond the candidate plans: under its tight
+#: peak limit most plans do not fit, and simulating them all took 2.5 s of
+#: CPU on experiments/bench_planner.py's 1000-op DAG (0.5 s with this
+#: bound). When the search stops without a plan that fits, 'memory' keeps
+#: its fastest candidate plan.
+MEMORY_SEARCH_OPS = 40_000
 
 #: ``'speed'``'s memory budget, as a fraction of the forecast plain peak
 #: (every byte counted): a generous one, so that the plan recomputes only
@@ -390,7 +400,8 @@ def memory(
     try:
         fast = _budget.solve(problem, limit, solver=solver, time_limit_s=time_limit_s, api=api,
                              model=judge, strategy="memory",
-                             include=sorted({t for c in within for t in c}))
+                             include=sorted({t for c in within for t in c}),
+                             max_simulations=max(1, MEMORY_SEARCH_OPS // max(1, len(problem.fg.ops))))
     except MemoryBudgetError:
         fast = None  # the solvers' candidates cannot reach the limit
     if fast is not None and fast.schedule is not None \
