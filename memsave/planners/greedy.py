@@ -74,7 +74,8 @@ from memsave.candidates import spread
 from memsave.planners.segments import Decision, Evaluation, Outcome, Segments
 
 __all__ = ["greedy", "family", "MAX_STORE_STEPS", "EXHAUSTIVE_CUTS", "PARETO_ROUNDS",
-           "PARETO_SEARCH_OPS", "LAYER_FRACTIONS", "TAIL_FRACTIONS", "EXACT_COST_WORK"]
+           "PARETO_SEARCH_OPS", "LAYER_FRACTIONS", "TAIL_FRACTIONS", "EXACT_COST_WORK",
+           "COARSE_LAYERS_OPS", "COARSE_LAYER_FRACTIONS"]
 
 #: Sets of segment modes tried on large graphs (thinned from the knapsack's
 #: Pareto front, plus every segment expensive-kept), each with about four
@@ -229,7 +230,7 @@ def family(space: Segments) -> list[Decision]:
                 for shift in (1, -1):
                     moved = sorted({min(max(i + shift, 0), len(free) - 1) for i in idx})
                     plans[Decision.of([free[i] for i in moved], stored)] = None
-    plans.update(dict.fromkeys(_layered(space, seg_bytes)))
+    plans.update(dict.fromkeys(_layered(space, seg_bytes, coarse=len(fg.ops) >= COARSE_LAYERS_OPS)))
     # 'memory''s own plans over these candidates (greedy walks whose segments
     # shrink toward the end, as Griewank's do): without them the smallest
     # peak this family reached was above 'memory''s (keras ResNet50, batch
@@ -272,13 +273,24 @@ LAYER_FRACTIONS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0
 TAIL_FRACTIONS = (0.75, 0.9)
 
 
-def _layered(space: Segments, seg_bytes: list[int]) -> list[Decision]:
+#: Graphs of this many ops or more get the layered plans of
+#: :data:`COARSE_LAYER_FRACTIONS` only: on large graphs ``greedy`` orders
+#: plans by a lower bound on their cost, and the many cheap layered plans
+#: that do not fit each cost a simulation (about 0.2 s at 10,000 ops: 156
+#: of them, 60 s of CPU, on experiments/bench_planner.py's 10,000-op DAG).
+COARSE_LAYERS_OPS = 2000
+COARSE_LAYER_FRACTIONS = (0.0, 0.25, 0.5, 1.0)
+
+
+def _layered(space: Segments, seg_bytes: list[int], *, coarse: bool = False) -> list[Decision]:
     """The layered plans (see module docstring): recomputed, then
     expensive-kept, then stored segments, for every pair of boundaries of
-    :data:`LAYER_FRACTIONS`; the recomputed part keeps 0, ``sqrt`` and ``2
-    sqrt`` of its candidates (spread over its activation bytes)."""
+    :data:`LAYER_FRACTIONS` (``coarse``: :data:`COARSE_LAYER_FRACTIONS`);
+    the recomputed part keeps 0, ``sqrt`` and ``2 sqrt`` of its candidates
+    (spread over its activation bytes)."""
     n = len(space.segments)
-    bounds = sorted({round(f * n) for f in LAYER_FRACTIONS})
+    fractions = COARSE_LAYER_FRACTIONS if coarse else LAYER_FRACTIONS
+    bounds = sorted({round(f * n) for f in fractions})
     out = []
     for a in bounds:
         # Candidates 0 .. a-2 end segments 0 .. a-2: cuts inside the recomputed part.
