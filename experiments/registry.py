@@ -94,25 +94,42 @@ def memsave_gradients(checkpoints="memory", *, memory_budget=None,
                       budget_from: str | None = None) -> Callable:
     """``memsave.gradients`` with a strategy, a budget, or another method's measured peak as budget.
 
-    With a budget, ``ctx["plan"]`` gets the budget in bytes (a fraction times
-    the forecast plain peak, as memsave resolves it), for the report's
-    measured peak / budget. The forecast comes from a plan with
-    ``checkpoints='memory'``, cheap next to the budget solver's.
+    ``ctx["plan"]`` gets the plan's forecast (``memsave.plan`` with the same
+    arguments): its step time as a ratio to plain ``tf.gradients``' (the
+    time model's), its peak and plain's, and with a budget the budget in
+    bytes (a fraction times the forecast plain peak, as memsave resolves
+    it), for the report's measured peak / budget and forecast / measured
+    step. ``plan_s``, the time that extra planning took, is not part of the
+    method's build time (the child subtracts it).
     """
 
     def gradients(loss_fn, variables, ctx):
+        import time
+
         import memsave
 
         budget = memory_budget
         if budget_from is not None:
             budget = int(ctx["peak_bytes"][budget_from])
         loss = loss_fn()
-        if budget is None:
-            return loss, memsave.gradients(loss, variables, checkpoints=checkpoints)
-        plain_bytes = memsave.plan(loss, variables, checkpoints="memory").baseline_peak_bytes
-        ctx["plan"] = {"forecast_plain_peak_bytes": plain_bytes,
-                       "budget_bytes": budget if isinstance(budget, int) else int(budget * plain_bytes)}
-        return loss, memsave.gradients(loss, variables, memory_budget=budget)
+        kw = dict(checkpoints=checkpoints) if budget is None else dict(memory_budget=budget)
+        t0 = time.perf_counter()
+        try:
+            p = memsave.plan(loss, variables, **kw)
+        except Exception as exc:
+            if type(exc).__name__ != "MemoryBudgetError":
+                raise
+            p = None  # memsave.gradients raises it again below, as the method's result
+        ctx["plan"] = {"plan_s": time.perf_counter() - t0}
+        if p is not None:
+            ctx["plan"].update(
+                forecast_step_ratio=p.step_time_ratio, forecast_peak_bytes=p.predicted_peak_bytes,
+                forecast_plain_peak_bytes=p.baseline_peak_bytes,
+                forecast_kept=len(p.checkpoint_ids),
+                forecast_stored_ops=len(p.schedule.in_place) if p.schedule is not None else 0)
+            if budget is not None:
+                ctx["plan"]["budget_bytes"] = p.budget.budget_bytes
+        return loss, memsave.gradients(loss, variables, **kw)
 
     return gradients
 

@@ -186,8 +186,9 @@ def child_measure(a) -> dict:
             fn = _make_step(model, a.size, params, m, lr, ctx)
             t0 = time.perf_counter()
             fn.get_concrete_function(x, y)
-            r["trace_s"] = time.perf_counter() - t0
             r["plan"] = ctx.pop("plan", None)
+            # memsave's methods plan once more for the report (registry.memsave_gradients)
+            r["trace_s"] = time.perf_counter() - t0 - (r["plan"] or {}).pop("plan_s", 0.0)
             t0 = time.perf_counter()
             loss, digest = fn(x, y)  # at the initial weights: lr is 0
             r["loss0"] = float(loss.numpy())
@@ -608,6 +609,106 @@ def targets_issue9(rows) -> list[tuple[str, bool | None, str]]:
     return out
 
 
+#: Issue 19's step targets for ResNet-110 (batch 32): budget fraction -> largest step ratio
+#: to the tape; and U-Net-64's budget 0.5.
+STEP_TARGETS = {0.35: 1.15, 0.5: 1.08, 0.75: 1.03}
+UNET_HALF_STEP = 1.10
+
+
+def _forecast_vs_measured(r: dict, plain: dict | None) -> str:
+    """A memsave row's forecast step ratio (to tf.gradients) beside the measured one."""
+    if r.get("forecast_step_ratio") is None:
+        return "no forecast"
+    text = f"forecast {r['forecast_step_ratio']:.2f}x"
+    if plain:
+        text += f", measured {r['step_ms'] / plain['step_ms']:.2f}x tf.gradients'"
+    return text
+
+
+def targets_issue19(rows) -> list[tuple[str, bool | None, str]]:
+    """Issue 19's targets: a budget buys speed; 'memory' below recompute_grad's step; the
+    forecast step ratio beside the measured one (ratios to the tape in the same run)."""
+    out = []
+    res = {m: r for m, r in _largest(rows, "resnet").items() if not r.get("error")}
+    label = next((r["label"] for r in res.values()), "ResNet")
+    plain = res.get("tf.gradients") or res.get(BASELINE)
+    steps = []
+    for f in registry.BUDGET_FRACTIONS:
+        r = res.get(f"memsave-budget-{f:g}")
+        if r is None:
+            continue
+        steps.append((f, r["step_ms"]))
+        if f in STEP_TARGETS:
+            out.append((f"{label}: budget {f:g} step <= {STEP_TARGETS[f]:.2f}x tape",
+                        r["step_ms_ratio"] <= STEP_TARGETS[f],
+                        f"{r['step_ms_ratio']:.3f}x, peak {r['peak_MiB_ratio']:.3f}x "
+                        f"({_forecast_vs_measured(r, plain)})"))
+        if r.get("forecast_step_ratio") is not None and plain:
+            measured = r["step_ms"] / plain["step_ms"]
+            err = r["forecast_step_ratio"] / measured - 1
+            out.append((f"{label}: budget {f:g} forecast step ratio within 10% of measured",
+                        abs(err) <= 0.10, f"{err:+.1%} ({_forecast_vs_measured(r, plain)})"))
+    if len(steps) > 1:
+        # "never measurably slower": 3% of the step, about the run-to-run spread here
+        worse = [(a, b) for (a, ta), (b, tb) in zip(steps, steps[1:]) if tb > 1.03 * ta]
+        out.append((f"{label}: a larger budget never measurably slower (> 3%)", not worse,
+                    ", ".join(f"{f:g}: {t:.0f} ms" for f, t in steps)))
+    mem, rg = res.get("memsave-memory"), res.get("recompute_grad")
+    if mem:
+        out.append((f"{label}: 'memory' peak <= 0.15x tape", mem["peak_MiB_ratio"] <= 0.15,
+                    f"{mem['peak_MiB_ratio']:.3f}x"))
+        out.append((f"{label}: 'memory' step <= 1.28x tape", mem["step_ms_ratio"] <= 1.28,
+                    f"{mem['step_ms_ratio']:.3f}x ({_forecast_vs_measured(mem, plain)})"))
+        if rg:
+            out.append((f"{label}: 'memory' step below recompute_grad's", mem["step_ms"] < rg["step_ms"],
+                        f"{mem['step_ms_ratio']:.3f}x vs {rg['step_ms_ratio']:.3f}x; peaks "
+                        f"{mem['peak_MiB_ratio']:.3f}x vs {rg['peak_MiB_ratio']:.3f}x"))
+    at_rg = res.get("memsave-budget=recompute_grad")
+    if at_rg and rg:
+        out.append((f"{label}: at recompute_grad's measured peak, memsave >= 10% faster",
+                    at_rg["step_ms"] <= rg["step_ms"] / 1.10,
+                    f"{at_rg['step_ms_ratio']:.3f}x vs {rg['step_ms_ratio']:.3f}x; peaks "
+                    f"{at_rg['peak_MiB_ratio']:.3f}x vs {rg['peak_MiB_ratio']:.3f}x"))
+    un = {m: r for m, r in _largest(rows, "unet").items() if not r.get("error")}
+    half = un.get("memsave-budget-0.5")
+    if half:
+        uplain = un.get("tf.gradients") or un.get(BASELINE)
+        out.append((f"{half['label']}: budget 0.5 step <= {UNET_HALF_STEP:.2f}x tape",
+                    half["step_ms_ratio"] <= UNET_HALF_STEP,
+                    f"{half['step_ms_ratio']:.3f}x, peak {half['peak_MiB_ratio']:.3f}x "
+                    f"({_forecast_vs_measured(half, uplain)})"))
+    return out
+
+
+def pareto_table(rows, model) -> str:
+    """Peak vs step (ratios to the tape) at ``model``'s largest size, every method, fastest
+    first; ``front`` marks the points no other method beats on both (memsave's own front
+    joins the pareto.png plot)."""
+    pts = [r for r in _largest(rows, model).values() if not r.get("error") and "peak_MiB_ratio" in r]
+    if not pts:
+        return ""
+    plain = next((r for r in pts if r["method"] == "tf.gradients"), None) or next(
+        (r for r in pts if r["method"] == BASELINE), None)
+    head = ["method", "peak x", "step x", "front", "forecast step x (tf.gradients)",
+            "measured step x (tf.gradients)", "forecast peak x"]
+    lines = [f"{pts[0]['label']}, batch {pts[0]['batch']}", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(pts, key=lambda r: (r["step_ms_ratio"], r["peak_MiB_ratio"])):
+        front = not any(o is not r and o["step_ms_ratio"] <= r["step_ms_ratio"]
+                        and o["peak_MiB_ratio"] <= r["peak_MiB_ratio"]
+                        and (o["step_ms_ratio"], o["peak_MiB_ratio"])
+                        != (r["step_ms_ratio"], r["peak_MiB_ratio"]) for o in pts)
+        fc = r.get("forecast_step_ratio")
+        fp = (r["forecast_peak_bytes"] / r["forecast_plain_peak_bytes"]
+              if r.get("forecast_peak_bytes") and r.get("forecast_plain_peak_bytes") else None)
+        lines.append("| " + " | ".join([
+            r["method"], _f(r["peak_MiB_ratio"], "{:.3f}"), _f(r["step_ms_ratio"], "{:.3f}"),
+            "*" if front else "", _f(fc, "{:.3f}"),
+            _f(r["step_ms"] / plain["step_ms"] if plain else None, "{:.3f}"),
+            _f(fp, "{:.3f}")]) + " |")
+    return "\n".join(lines)
+
+
 def write_csv(path: Path, rows: list[dict], meta: dict) -> None:
     keys = list(meta)
     for r in rows:
@@ -863,6 +964,19 @@ def main(argv=None) -> int:
     if t9:
         print("## Targets (issue 9: budgets, Pareto, 'memory' without articulation points)\n")
         for name, ok, value in t9:
+            print(f"- {'MET ' if ok else 'MISSED' if ok is False else 'n/a '} {name}: {value}")
+        print()
+    fronts = [t for t in (pareto_table(rows, m) for m in a.models) if t]
+    if fronts:
+        print("## Pareto front: peak vs step at each model's largest size\n")
+        print("x: ratios to " + BASELINE + "'s in the same run (forecast: memsave.plan's, to "
+              "tf.gradients'); front: no other method is both faster and smaller.\n")
+        for t in fronts:
+            print(t + "\n")
+    t19 = targets_issue19(rows)
+    if t19:
+        print("## Targets (issue 19: a budget buys speed)\n")
+        for name, ok, value in t19:
             print(f"- {'MET ' if ok else 'MISSED' if ok is False else 'n/a '} {name}: {value}")
         print()
     log.info("wrote %s in %.0f s", ", ".join(str(x) for x in

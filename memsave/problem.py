@@ -3,13 +3,16 @@
 Data flow::
 
     ForwardGraph (memsave.extract)
-      -> Problem(fg, model=..., extra_resident_bytes=...)
+      -> Problem(fg, model=..., profile=..., extra_resident_bytes=...)
            costs            memsave.costs.estimate_costs, once
+           seconds          memsave.timemodel.op_seconds under the device
+                            profile, once
            candidates       articulation points, topological cuts, 'memory''s
                             plans (memsave.candidates), each computed once
            evaluator        schedule(checkpoints)  -> Schedule   (cached)
                             forecast(schedule)     -> MemoryTrace (cached)
                             timeline(schedule)     -> MemoryTrace with events
+                            step_time(schedule)    -> StepTime    (cached)
       -> a planner (memsave.planners): (problem, *, budget=None, **options) -> Plan
       -> Plan (memsave.record): what memsave.plan shows and memsave.rewrite runs
 
@@ -19,6 +22,15 @@ make every schedule built once and every forecast simulated once, whoever
 asks (the planner's search, its tie-breaks, the no-saving warning, the
 Plan's figures). The Plan it returns holds the problem, so nothing
 downstream rebuilds or re-simulates what the planner already did.
+
+Time is the time model's (:mod:`memsave.timemodel`): the forecast seconds
+of each op under the problem's :class:`~memsave.timemodel.DeviceProfile`
+(``profile``; default :data:`memsave.timemodel.CPU_DEFAULT`, what
+:func:`memsave.calibrate.calibrate` measured on the reference machine, so
+planning never pays a calibration). A user who wants their own device's
+figures measures it once, ``profile = memsave.calibrate.device_profile()``
+(a few seconds), and passes ``Problem(fg, profile=profile)``: a value, like
+the memory model, not a setting to toggle.
 
 Two memory models are read: the device's (``model``: its allocator's
 reported peak, what ``tf.config.experimental.get_memory_info`` shows and
@@ -37,7 +49,9 @@ from memsave.errors import ArgumentError
 from memsave.graph import ForwardGraph
 from memsave.memory_model import MemoryModel
 from memsave.schedule import Schedule, build_schedule
-from memsave.simulate import ForwardProgram, MemoryTrace, paused_gc, simulate
+from memsave.simulate import ForwardProgram, MemoryTrace, copies_that_run, paused_gc, simulate
+from memsave.timemodel import CPU_DEFAULT, DeviceProfile, OpSeconds, StepTime, op_seconds, \
+    step_seconds, step_time
 from memsave.xla import xla_costs
 
 __all__ = ["Problem"]
@@ -60,6 +74,11 @@ class Problem:
         Bytes the step holds besides what the graph reads (an optimizer's
         slots, metric state): resident in every forecast, so that a
         fractional budget is a fraction of the whole step.
+    profile : DeviceProfile, optional
+        What the device does per second, for the time model
+        (:mod:`memsave.timemodel`): :data:`memsave.timemodel.CPU_DEFAULT`
+        when not given; ``memsave.calibrate.device_profile()`` measures the
+        current device.
 
     Examples
     --------
@@ -70,7 +89,7 @@ class Problem:
 
     def __init__(self, fg: ForwardGraph, *, model: MemoryModel = MemoryModel(),
                  costs: Costs | None = None, batch_size: int | None = None,
-                 extra_resident_bytes: int = 0) -> None:
+                 extra_resident_bytes: int = 0, profile: DeviceProfile | None = None) -> None:
         if isinstance(extra_resident_bytes, bool) or not isinstance(extra_resident_bytes, int) \
                 or extra_resident_bytes < 0:
             raise ArgumentError(
@@ -83,7 +102,14 @@ class Problem:
                 fg, batch_size=batch_size, early_gradient_values=model.early_gradient_values))
         self.costs = costs
         self.extra_resident_bytes = extra_resident_bytes
+        if profile is not None and not isinstance(profile, DeviceProfile):
+            raise ArgumentError(
+                f"memsave: profile={profile!r}; pass a memsave.timemodel.DeviceProfile (e.g. "
+                "memsave.calibrate.device_profile()) or None for the default")
+        self.profile = CPU_DEFAULT if profile is None else profile
         self.judge = model.counting_every_byte()
+        self._step_times: dict[tuple, StepTime] = {}
+        self._step_ns: dict[object, int] = {}
         self._forward: dict[MemoryModel, ForwardProgram] = {}
         self._schedules: dict[tuple, Schedule] = {}
         self._forecasts: dict[tuple, MemoryTrace] = {}
@@ -202,6 +228,47 @@ class Problem:
         grads = sum(counted(tensor_bytes[x]) for x in dict.fromkeys(fg.xs)
                     if x in reached and fg.tensors[x].kind != "internal")
         return self.extra_resident_bytes + held + grads
+
+    # -- the time model --------------------------------------------------------------
+
+    @property
+    def seconds(self) -> OpSeconds:
+        """:func:`memsave.timemodel.op_seconds` of the graph under :attr:`profile` (once)."""
+        return self._once(("seconds",), lambda: op_seconds(self.fg, self.costs, self.profile))
+
+    @property
+    def copies_that_run(self):
+        """:func:`memsave.simulate.copies_that_run` of the graph (once): which
+        copies of a recompute step's ops run, ``ops -> ops``."""
+        return self._once(("copies_that_run",), lambda: copies_that_run(self.fg, self.costs))
+
+    def step_time(self, schedule: Schedule | None) -> StepTime:
+        """:func:`memsave.timemodel.step_time` of ``schedule`` (None: plain), cached."""
+        key = None if schedule is None else schedule.steps
+        found = self._step_times.get(key)
+        if found is None:
+            found = self._step_times[key] = step_time(self.fg, self.costs, schedule,
+                                                      seconds=self.seconds)
+        return found
+
+    def step_nanoseconds(self, step) -> int:
+        """Forecast nanoseconds one backward step adds to plain backprop (its
+        copies that run and its gates; :func:`memsave.timemodel.step_seconds`),
+        rounded to an integer so that a plan's cost is an exact sum over its
+        steps, whoever adds them (the budget solvers compare sums); cached per step."""
+        found = self._step_ns.get(step)
+        if found is None:
+            found = self._step_ns[step] = round(
+                1e9 * step_seconds(self.fg, self.costs, step, self.seconds,
+                                   needed_copies=self.copies_that_run).total_s)
+        return found
+
+    def recompute_nanoseconds(self, schedule: Schedule | None) -> int:
+        """Forecast nanoseconds ``schedule`` adds to plain backprop: the sum of
+        :meth:`step_nanoseconds` over its steps (0 for None)."""
+        if schedule is None:
+            return 0
+        return sum(self.step_nanoseconds(s) for s in schedule.steps)
 
     @property
     def simulations(self) -> int:

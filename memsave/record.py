@@ -62,14 +62,14 @@ class Budget:
     feasible : bool
         Whether the plan's forecast peak fits it.
     optimal : bool
-        Proven optimal: least recompute cost among the decisions the solver
-        searched.
+        Proven optimal: least forecast recompute time among the decisions
+        the solver searched.
     solver : str
         The solver that chose the plan (:mod:`memsave.planners`).
     solve_time_s : float
         Its wall time, simulations included.
     gap : float
-        Relative optimality gap on recompute cost (0 when proven optimal,
+        Relative optimality gap on recompute time (0 when proven optimal,
         ``inf`` when unknown).
     """
 
@@ -144,7 +144,16 @@ class Plan:
     resident_bytes : int
         Bytes alive before the step (variables, inputs), in both figures.
     forward_cost, recompute_cost : int
-        FLOPs of one forward pass, and of what the plan recomputes.
+        FLOPs of one forward pass, and of the copies the plan makes.
+    recompute_seconds : float
+        Forecast seconds the plan adds to plain backprop: the copies that
+        run and the rewrite's gates (:func:`memsave.timemodel.step_time`,
+        under the problem's device profile). What the planners minimise.
+    step_seconds, baseline_step_seconds : float
+        Forecast seconds of one step (forward and gradients) with the plan
+        and with plain ``tf.gradients``.
+    step_time_ratio : float
+        ``step_seconds / baseline_step_seconds``.
     checkpoints, reasons : tuple of str
         Names of the chosen tensors, and why each.
     kept : tuple of KeptTensor
@@ -188,6 +197,23 @@ class Plan:
     @property
     def recompute_cost(self) -> int:
         return self.problem.costs.recompute_flops(self.schedule)
+
+    @property
+    def recompute_seconds(self) -> float:
+        st = self.problem.step_time(self.schedule)
+        return st.recompute_s + st.rewrite_s
+
+    @property
+    def step_seconds(self) -> float:
+        return self.problem.step_time(self.schedule).total_s
+
+    @property
+    def baseline_step_seconds(self) -> float:
+        return self.problem.step_time(None).total_s
+
+    @property
+    def step_time_ratio(self) -> float:
+        return self.problem.step_time(self.schedule).ratio
 
     @property
     def recomputed_ops(self) -> int:
@@ -356,6 +382,8 @@ class Plan:
             f"  (at {self.baseline_peak_event})",
             f"  resident         {self.resident_bytes / mib:12.2f} MiB  (variables and inputs)",
             f"  recompute cost   {self.recompute_cost:14,} FLOPs ({overhead:.2f} forward passes)",
+            f"  recompute time   {1e3 * self.recompute_seconds:12.2f} ms   (forecast step "
+            f"{self.step_time_ratio:.3f}x tf.gradients'; {self.problem.profile.name})",
             f"  allocator        {self.allocator}",
         ]
         if self.budget is not None:
@@ -404,6 +432,10 @@ class Plan:
             "resident_bytes": self.resident_bytes,
             "forward_cost": self.forward_cost,
             "recompute_cost": self.recompute_cost,
+            "recompute_seconds": self.recompute_seconds,
+            "step_seconds": self.step_seconds,
+            "baseline_step_seconds": self.baseline_step_seconds,
+            "step_time_ratio": self.step_time_ratio,
             "checkpoints": list(self.checkpoints),
             "reasons": list(self.reasons),
             "kept": [dataclasses.asdict(k) for k in self.kept],

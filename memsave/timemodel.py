@@ -123,6 +123,9 @@ __all__ = [
     "op_seconds",
     "StepTime",
     "step_time",
+    "StepSeconds",
+    "step_seconds",
+    "head_gate_seconds",
 ]
 
 
@@ -646,7 +649,6 @@ def step_time(fg: ForwardGraph, costs: Costs, schedule: Schedule | None = None, 
     """
     if seconds is None:
         seconds = op_seconds(fg, costs, profile)
-    profile = seconds.profile
     base = StepTime(forward_s=seconds.forward_s, backward_s=seconds.backward_s)
     if schedule is None:
         return base
@@ -655,20 +657,72 @@ def step_time(fg: ForwardGraph, costs: Costs, schedule: Schedule | None = None, 
     copies = 0
     needed_copies = copies_that_run(fg, costs)
     for step in schedule.steps:
-        if step.kind != "recompute":
-            continue
-        run = needed_copies(step.ops)
-        copies += len(run)
-        recompute += seconds.recompute_s(run)
-        gated = list(step.gated)  # the schedule's gating decision, which the rewrite builds
-        heads = [h for h in step.heads if _floating(fg.tensors[h])]
-        if not heads:
-            continue
-        rewrite += GATE_OPS * profile.overhead_s
-        for t in gated + heads:  # read t, write t + gate
-            rewrite += _elementwise_s(profile, 2 * costs.tensor_bytes[t])
+        cost = step_seconds(fg, costs, step, seconds, needed_copies=needed_copies)
+        recompute += cost.recompute_s
+        rewrite += cost.rewrite_s
+        copies += cost.copies
     return dataclasses.replace(base, recompute_s=recompute, rewrite_s=rewrite,
                                recomputed_ops=copies)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSeconds:
+    """What one backward step adds to plain backprop (:func:`step_seconds`).
+
+    Attributes
+    ----------
+    recompute_s : float
+        The copies that run.
+    rewrite_s : float
+        The step's gate and gated reads.
+    copies : int
+        How many copies run.
+    """
+
+    recompute_s: float = 0.0
+    rewrite_s: float = 0.0
+    copies: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return self.recompute_s + self.rewrite_s
+
+
+_NO_SECONDS = StepSeconds()
+
+
+def step_seconds(fg: ForwardGraph, costs: Costs, step, seconds: OpSeconds, *,
+                 needed_copies=None) -> StepSeconds:
+    """Seconds one step of a schedule adds to plain backprop: for a
+    ``recompute`` step, the copies that run and the rewrite's gates (see
+    :func:`step_time`, the sum of these over the steps); 0 for a
+    ``backprop`` step (its gradients are plain backprop's).
+    ``needed_copies``: :func:`memsave.simulate.copies_that_run` of the graph,
+    if already built (callers timing many steps pass it once)."""
+    if step.kind != "recompute":
+        return _NO_SECONDS
+    if needed_copies is None:
+        needed_copies = copies_that_run(fg, costs)
+    run = needed_copies(step.ops)
+    recompute = seconds.recompute_s(run)
+    rewrite = 0.0
+    heads = [h for h in step.heads if _floating(fg.tensors[h])]
+    if heads:
+        profile = seconds.profile
+        rewrite = GATE_OPS * profile.overhead_s
+        for t in list(step.gated) + heads:  # read t, write t + gate
+            rewrite += _elementwise_s(profile, 2 * costs.tensor_bytes[t])
+    return StepSeconds(recompute, rewrite, len(run))
+
+
+def head_gate_seconds(fg: ForwardGraph, costs: Costs, t: int, profile: DeviceProfile) -> float:
+    """Seconds the rewrite's gate costs per head ``t`` of a recompute step
+    (read ``t``, write ``t + gate``; 0 for a head that is not floating): a
+    part of :func:`step_seconds`' ``rewrite_s``, for planners bounding it
+    without a schedule."""
+    if not _floating(fg.tensors[t]):
+        return 0.0
+    return _elementwise_s(profile, 2 * costs.tensor_bytes[t])
 
 
 def _floating(node) -> bool:

@@ -213,3 +213,22 @@ def random_dag(rs, n: int, *, sizes=(1, 2, 3)) -> ForwardGraph:
     consumed = {t for op in b.ops for t in op.inputs}
     ys = [f"op{i}:0" for i in range(n) if b.ids[f"op{i}:0"] not in consumed]
     return b.build(["x"], ys)
+
+
+def conv_chain(rs, blocks: int, *, skips: bool = False):
+    """Blocks of Conv2D (FLOPs enough to make it the time model's expensive
+    op: about 2 ms against 40 us for a 1 MiB ReLU), an elementwise op (a
+    BiasAdd, whose gradient reads nothing) and a ReLU; with ``skips``, each
+    block's output adds its input (a residual block)."""
+    b = Builder()
+    h = b.source("x")
+    for i in range(blocks):
+        size = rs.choice((1, 2)) * MiB
+        c = b.op(f"conv{i}", "Conv2D", [h], size_bytes=size, flops=rs.choice((2, 5)) * 10**8)
+        c = b.op(f"bias{i}", "BiasAdd", [c], size_bytes=size)
+        c = b.op(f"relu{i}", "Relu", [c], size_bytes=size)
+        if skips and i:
+            c = b.op(f"add{i}", "AddV2", [c, h], size_bytes=size)
+        h = c
+    y = b.op("loss", "Mean", [h], size_bytes=MiB)
+    return b.build(["x"], [y])

@@ -199,9 +199,9 @@ def _mixed_graph(tag=()):
     return b.build(["x"], [y])
 
 
-def test_speed_keeps_matmul_and_conv2d_outputs_only():
+def test_speed_by_rule_keeps_matmul_and_conv2d_outputs_only():
     fg = _mixed_graph()
-    sel = plan("speed", fg, min_saving_fraction=0.0)
+    sel = plan("speed", fg, op_types=strategies.EXPENSIVE_OP_TYPES, min_saving_fraction=0.0)
     assert names(fg, sel.checkpoint_ids) == ["mm1:0", "conv:0", "mm2:0"]
     assert [sel.reason_of[t] for t in sel.checkpoint_ids] == [
         "output of MatMul", "output of Conv2D", "output of MatMul",
@@ -209,8 +209,8 @@ def test_speed_keeps_matmul_and_conv2d_outputs_only():
     assert sel.note == ""
 
 
-def test_speed_with_no_expensive_op_says_so():
-    sel = plan("speed", H.chain(5, type="Relu"))
+def test_speed_by_rule_with_no_expensive_op_says_so():
+    sel = plan("speed", H.chain(5, type="Relu"), op_types=strategies.EXPENSIVE_OP_TYPES)
     assert sel.checkpoint_ids == ()
     assert "checkpoints='memory'" in sel.note
 
@@ -247,10 +247,41 @@ def _producers(fg, sel) -> list[int]:
     return [fg.tensors[t].producer for t in sel.checkpoint_ids]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+    """'memory''s first stage (strategies.candidate_plan), as the tests read it."""
+
+    checkpoint_ids: tuple[int, ...]
+    reason_of: dict
+    limit_bytes: int
+
+
+def candidate(fg, *, peak_tolerance=0.0, check_memory=True) -> _Candidate:
+    """The lowest-peak candidate plan 'memory' weighs (with ``peak_tolerance``
+    0: its structure, which the tests below pin); and, with
+    ``check_memory``, the contract of 'memory' itself on the same graph: its
+    forecast peak (every byte counted) within the default tolerance of the
+    lowest candidate peak, its forecast step no slower than the candidate's."""
+    from memsave.planners.strategies import MEMORY_PEAK_TOLERANCE, candidate_plan
+
+    problem = Problem(fg)
+    ids, limit, _ = candidate_plan(problem, peak_tolerance=peak_tolerance)
+    points = set(problem.articulation_points())
+    reasons = {t: "articulation point" if t in points else candidates.CUT_REASON for t in ids}
+    if check_memory:
+        sel = planners.run("memory", problem, options={"min_saving_fraction": 0.0})
+        _, default_limit, _ = candidate_plan(problem, peak_tolerance=MEMORY_PEAK_TOLERANCE)
+        assert problem.peak(sel.schedule, model=problem.judge) <= default_limit
+        assert default_limit <= int(problem.peak(problem.schedule(ids), model=problem.judge)
+                                    * (1 + MEMORY_PEAK_TOLERANCE))
+        assert sel.step_seconds <= problem.step_time(problem.schedule(ids)).total_s
+    return _Candidate(ids, reasons, limit)
+
+
 @pytest.mark.parametrize("n", [16, 36, 100, 400])
 def test_memory_spreads_about_sqrt_n_checkpoints_along_a_uniform_chain(n):
     fg = H.chain(n)
-    sel = plan("memory", fg)
+    sel = candidate(fg, check_memory=n <= 100)
     k = len(sel.checkpoint_ids)
     # Chen et al.'s balance: about sqrt(n) segments of about sqrt(n) ops.
     # (The simulator picks among greedy and evenly spread plans, so a few
@@ -279,7 +310,10 @@ def test_memory_on_a_short_chain_is_exact():
     # 6, 5, 4, 1 (op5, op10, op14) and 10 MiB for the greedy 7, 5, 3, 1 split
     # (op6, op11, op14) of the old estimate, which left out the gradient
     # buffers and the seed gradient (a folded constant: resident).
-    assert names(fg, plan("memory", fg).checkpoint_ids) == ["op3:0", "op7:0", "op11:0"]
+    assert names(fg, candidate(fg).checkpoint_ids) == ["op3:0", "op7:0", "op11:0"]
+    # 'memory' itself, within 5% of 8 MiB, keeps that peak.
+    sel = plan("memory", fg)
+    assert sel.problem.peak(sel.schedule, model=sel.problem.judge) == 8 * MiB
 
 
 def test_memory_weights_positions_by_bytes_not_op_count():
@@ -354,7 +388,7 @@ def test_memory_plans_over_cuts_where_articulation_points_save_little():
     # each branch in short segments: 11 MiB.
     b, fg = _stem_and_two_branches()
     assert names(fg, articulation_candidates(fg)) == ["pre1:0", "pre2:0", "stem:0"]
-    sel = plan("memory", fg, min_saving_fraction=0.0)
+    sel = candidate(fg)
     assert names(fg, sel.checkpoint_ids) == [
         "stem:0", "q1:0", "p2:0", "p4:0", "q4:0", "p6:0", "q6:0"]
     assert sel.reason_of[b.ids["stem:0"]] == "articulation point"
@@ -363,7 +397,6 @@ def test_memory_plans_over_cuts_where_articulation_points_save_little():
     peak = simulate(fg, build_schedule(fg, sel.checkpoint_ids), costs, model=MemoryModel(allocator=BFC),
                     timeline=False).peak_bytes
     assert peak == 11 * MiB
-    assert plan("memory", fg).checkpoint_ids == sel.checkpoint_ids
     assert plan("memory", fg, num_checkpoints=1).checkpoint_ids == (b.ids["stem:0"],)
 
 
@@ -394,7 +427,7 @@ def test_memory_without_articulation_points_keeps_the_tensors_crossing_cuts():
     y = b.op("join", "AddV2", [p, q])
     fg = b.build(["x"], [y])
     assert articulation_candidates(fg) == []
-    sel = plan("memory", fg)
+    sel = candidate(fg)
     assert sel.checkpoint_ids
     assert set(sel.reason_of.values()) == {candidates.CUT_REASON}
     # kept in pairs: a cut after p_i crosses q_{i-1} and p_i
@@ -465,7 +498,7 @@ def test_topological_cuts_of_a_dense_block():
 def test_memory_on_a_dense_block_keeps_features_and_recomputes_concatenations():
     b, fg = _dense_block(8)
     assert names(fg, articulation_candidates(fg)) == ["out:0"]  # the head only
-    sel = plan("memory", fg)
+    sel = candidate(fg)
     assert sel.checkpoint_ids and set(sel.reason_of.values()) == {candidates.CUT_REASON}
     kept_types = {fg.ops[fg.tensors[t].producer].type for t in sel.checkpoint_ids}
     assert kept_types == {"Conv2D"}  # features, never a concatenation
@@ -491,11 +524,13 @@ def _inception(blocks: int):
 
 def test_memory_on_inception_blocks_saves():
     # The concatenations are articulation points; of the plans over them and
-    # over topological cuts, keeping two of six blocks' outputs wins.
+    # over topological cuts, keeping two of six blocks' outputs (b1, b3)
+    # gives the lowest peak, and so does keeping b4 as well, which recomputes
+    # less: the candidate 'memory' starts from.
     fg = _inception(6)
     costs = estimate_costs(fg)
-    sel = plan("memory", fg)
-    assert names(fg, sel.checkpoint_ids) == ["b1_cat:0", "b3_cat:0"]
+    sel = candidate(fg)
+    assert names(fg, sel.checkpoint_ids) == ["b1_cat:0", "b3_cat:0", "b4_cat:0"]
     plain = simulate(fg, None, costs, model=MemoryModel(allocator=BFC), timeline=False).peak_bytes
     peak = simulate(fg, build_schedule(fg, sel.checkpoint_ids), costs, model=MemoryModel(allocator=BFC),
                     timeline=False).peak_bytes
@@ -743,11 +778,13 @@ def test_speed_drops_a_plan_that_saves_too_little_and_says_so():
     h = b.op("proj", "MatMul", [h], size_bytes=256)
     y = b.op("out", "Tanh", [h], size_bytes=256)
     fg = b.build(["x"], [y])
-    sel = plan("speed", fg)
+    rule = strategies.EXPENSIVE_OP_TYPES
+    sel = plan("speed", fg, op_types=rule)
     assert sel.checkpoint_ids == ()
     assert "'speed''s plan (1 checkpoints)" in sel.note and "min_saving_fraction" in sel.note
     assert "checkpoints='memory'" in sel.note
-    assert names(fg, plan("speed", fg, min_saving_fraction=0.0).checkpoint_ids) == ["proj:0"]
+    assert names(fg, plan("speed", fg, op_types=rule, min_saving_fraction=0.0).checkpoint_ids) \
+        == ["proj:0"]
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -797,3 +834,96 @@ def _weights_heavy_chain(rs, n=30):
         h = b.op(f"mm{i}", "MatMul", [h, w], size_bytes=MiB // 64)
         h = b.op(f"t{i}", "Tanh", [h], size_bytes=MiB // 64)
     return b.build([f"w{i}" for i in range(n)], [h])
+
+
+# -- the presets with the time model (issue 19) -----------------------------------
+
+
+def test_speed_is_the_fastest_plan_under_its_generous_budget():
+    # 'speed' = the budget solvers at SPEED_BUDGET_FRACTION of the plain peak
+    # (every byte counted): within it, and exactly the plan they give; a
+    # larger fraction never makes it slower.
+    import random
+
+    from memsave.planners import budget as B
+    from memsave.planners.strategies import SPEED_BUDGET_FRACTION
+
+    fg = H.conv_chain(random.Random(2), 24)
+    problem = Problem(fg)
+    sel = planners.run("speed", problem)
+    judge = problem.judge
+    assert sel.schedule is not None and sel.strategy == "speed" and sel.budget is None
+    assert problem.peak(sel.schedule, model=judge) <= SPEED_BUDGET_FRACTION * problem.peak(
+        None, model=judge)
+    ref = B.solve(Problem(fg), SPEED_BUDGET_FRACTION, model=Problem(fg).judge)
+    assert sel.step_seconds == pytest.approx(ref.step_seconds, rel=1e-12)
+    assert sel.recompute_seconds > 0 and 1.0 < sel.step_time_ratio < 1.5
+    assert not any(why.startswith("budget") for why in sel.reason_of.values())
+    steps = [planners.run("speed", Problem(fg), options={"budget_fraction": f}).step_seconds
+             for f in (0.6, 0.75, 0.9)]
+    assert steps == sorted(steps, reverse=True) and steps[0] > steps[-1]
+
+
+def test_speed_with_an_infeasible_budget_keeps_nothing_and_says_why():
+    import random
+
+    sel = plan("speed", H.conv_chain(random.Random(2), 24), budget_fraction=0.05)
+    assert sel.schedule is None and sel.checkpoint_ids == ()
+    assert "budget_fraction=0.05" in sel.note and "smallest" in sel.note
+    with pytest.raises(memsave.OptionsError, match="budget_fraction"):
+        plan("speed", H.chain(8), budget_fraction=1.5)
+
+
+def test_memory_trades_a_peak_within_its_tolerance_for_time():
+    # With peak_tolerance=0 'memory' keeps the lowest candidate peak; 10%
+    # more peak buys a faster plan here (it stores segments the peak leaves
+    # room for), and the forecast peak stays within the tolerance.
+    import random
+
+    from memsave.planners.strategies import candidate_plan
+
+    fg = H.conv_chain(random.Random(2), 24)
+    exact = planners.run("memory", Problem(fg), options={"peak_tolerance": 0.0})
+    loose = planners.run("memory", Problem(fg), options={"peak_tolerance": 0.1})
+    problem = loose.problem
+    _, lowest, _ = candidate_plan(problem, peak_tolerance=0.0)
+    judge = problem.judge
+    assert exact.problem.peak(exact.schedule, model=judge) == lowest
+    assert lowest < problem.peak(loose.schedule, model=judge) <= int(1.1 * lowest)
+    assert loose.step_seconds < exact.step_seconds
+    assert loose.schedule.in_place  # what bought the time: stored segments
+    with pytest.raises(memsave.OptionsError, match="peak_tolerance"):
+        plan("memory", fg, peak_tolerance=1.0)
+
+
+def test_the_plan_reports_forecast_seconds_beside_flops():
+    fg = H.chain(16)
+    sel = plan("memory", fg)
+    problem = sel.problem
+    st = problem.step_time(sel.schedule)
+    assert sel.recompute_seconds == pytest.approx(st.recompute_s + st.rewrite_s)
+    assert sel.step_time_ratio == pytest.approx(st.total_s / problem.step_time(None).total_s)
+    assert sel.baseline_step_seconds == problem.step_time(None).total_s
+    assert sel.recompute_cost == problem.costs.recompute_flops(sel.schedule)
+    d = sel.to_dict()
+    assert d["recompute_seconds"] == sel.recompute_seconds
+    assert d["step_time_ratio"] == sel.step_time_ratio
+    assert "forecast step" in sel.summary()
+
+
+def test_the_device_profile_is_a_value_of_the_problem():
+    # Planning reads the problem's profile (the default one unless given):
+    # a device whose memory is ten times slower makes the same plan's
+    # recomputation slower, and nothing global changes.
+    from memsave.timemodel import CPU_DEFAULT
+
+    fg = H.chain(16)
+    default = Problem(fg)
+    slow = Problem(fg, profile=CPU_DEFAULT.replace(bytes_per_s=CPU_DEFAULT.bytes_per_s / 10))
+    assert default.profile is CPU_DEFAULT
+    sched = default.schedule(default.keepable()[::4])
+    assert slow.step_time(slow.schedule(default.keepable()[::4])).recompute_s > \
+        default.step_time(sched).recompute_s
+    assert Problem(fg).profile is CPU_DEFAULT
+    with pytest.raises(ValueError, match="profile"):
+        Problem(fg, profile="fast")

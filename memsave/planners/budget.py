@@ -1,8 +1,9 @@
-"""``memory_budget=``: the least recompute cost whose forecast peak fits (no TensorFlow).
+"""``memory_budget=``: the least recompute time whose forecast peak fits (no TensorFlow).
 
 Data flow: :func:`solve` resolves the budget (bytes, or a fraction of the
 forecast plain peak), builds the decision space of the problem's candidate
-cuts (:class:`~memsave.planners.segments.Segments`: articulation points;
+cuts (:class:`~memsave.planners.segments.Segments`, whose segments are
+recomputed, stored, or recomputed from their expensive outputs: articulation points;
 where they cannot meet the budget, the activations crossing the cuts of the
 topological order that 'memory' plans with too; every activation when there
 are none; at most :data:`MAX_CUTS` of them, :func:`memsave.candidates.coarsen`),
@@ -16,7 +17,8 @@ time_limit_s=None) -> Outcome``, and each is a planner of its own
 
 ``dp``
     exact dynamic programming on chains of candidate cuts (rotor-like, with
-    stored segments that trade memory for time); :mod:`memsave.planners.dp`.
+    stored and expensive-kept segments that trade memory for time);
+    :mod:`memsave.planners.dp`.
 ``milp``
     exact on small graphs: a MILP solved by HiGHS (optional extra
     ``memsave[milp]``, i.e. ``highspy``), seeded with ``greedy``'s plan,
@@ -27,16 +29,21 @@ time_limit_s=None) -> Outcome``, and each is a planner of its own
     :mod:`memsave.planners.greedy`.
 ``auto``
     picks one by the size of the space (:func:`choose`).
+
+Every core minimises the forecast seconds the plan adds to plain backprop
+(the time model, :mod:`memsave.timemodel`, under the problem's device
+profile), not FLOPs.
 """
 
 from __future__ import annotations
 
 import numbers
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from memsave.candidates import coarsen
 from memsave.errors import MemoryBudgetError
+from memsave.memory_model import MemoryModel
 from memsave.planners.dp import dp
 from memsave.planners.greedy import greedy
 from memsave.planners.milp import milp
@@ -46,7 +53,7 @@ from memsave.record import Budget, Plan
 from memsave.simulate import paused_gc
 
 __all__ = ["solve", "resolve_budget", "choose", "is_chain", "CORES", "DP_MAX_CUTS",
-           "MILP_MAX_CUTS", "MAX_CUTS"]
+           "MILP_MAX_CUTS", "MAX_CUTS", "FEW_POINTS"]
 
 Core = Callable[..., Outcome]
 
@@ -62,6 +69,14 @@ DP_MAX_CUTS = 12
 #: at most this many candidate cuts; its lazy cuts may take many rounds
 #: beyond that.
 MILP_MAX_CUTS = 12
+
+#: With fewer articulation points than this, the budget solvers also plan
+#: over the cuts of the topological order and keep the faster plan: the
+#: segments between few points are long (a U-Net has four, around its whole
+#: body), and a segment is stored, recomputed or expensive-kept whole. On
+#: the study's U-Net-64 the points alone gave budget 0.75 a plan forecast at
+#: 1.12x the plain step, the cuts one at 1.07x.
+FEW_POINTS = 24
 
 #: Candidate cuts a budget plan chooses from at most (:func:`coarsen` keeps
 #: this many, spread evenly over the activation bytes): every simulation
@@ -135,8 +150,10 @@ def choose(space: Segments) -> str:
 
 
 def solve(problem: Problem, memory_budget, *, solver: str = "auto",
-          time_limit_s: float | None = None, api: str = "memsave") -> Plan:
-    """The plan of least recompute cost whose forecast peak fits ``memory_budget``.
+          time_limit_s: float | None = None, api: str = "memsave",
+          model: MemoryModel | None = None, strategy: str = "budget",
+          include: Sequence[int] = (), max_simulations: int | None = None) -> Plan:
+    """The plan of least forecast recompute time whose forecast peak fits ``memory_budget``.
 
     Parameters
     ----------
@@ -150,6 +167,18 @@ def solve(problem: Problem, memory_budget, *, solver: str = "auto",
         Passed to the solver (``milp`` returns its best plan and gap then).
     api : str
         The API name error messages start with.
+    model : MemoryModel, optional
+        The memory model the budget bounds: the problem's (the device's)
+        by default. The strategies plan with :attr:`Problem.judge`.
+    strategy : str
+        The Plan's ``strategy`` (the preset that asked, or ``"budget"``).
+    include : sequence of int
+        Activations added to the candidate cuts after coarsening (the
+        checkpoints of ``'memory''s best plans), so that plans keeping them
+        are in the decision space.
+    max_simulations : int, optional
+        Passed to ``greedy`` (:func:`memsave.planners.greedy.greedy`): a
+        preset's search for time stops after that many simulations.
 
     Raises
     ------
@@ -166,37 +195,47 @@ def solve(problem: Problem, memory_budget, *, solver: str = "auto",
     # the collector does not walk the process's TensorFlow objects again and
     # again (measured: a fifth of the time on a 10,000-op graph).
     with paused_gc():
-        return _solve(problem, memory_budget, solver, time_limit_s, api)
+        return _solve(problem, memory_budget, solver, time_limit_s, api, model, strategy,
+                      include, max_simulations)
 
 
-def _solve(problem: Problem, memory_budget, solver: str, time_limit_s, api: str) -> Plan:
+def _solve(problem: Problem, memory_budget, solver: str, time_limit_s, api: str,
+           model: MemoryModel | None, strategy: str, include: Sequence[int],
+           max_simulations: int | None) -> Plan:
     start = time.perf_counter()
-    baseline = problem.peak(None)
+    baseline = problem.peak(None, model=model)
     budget_bytes = resolve_budget(memory_budget, baseline, api=api)
     fg = problem.fg
     # Articulation points first; where they cannot meet the budget (skips
     # leave few or none: a U-Net, dense and inception blocks), the
     # activations crossing the cuts of the topological order that 'memory'
-    # plans with join them. Not both at once: on a ResNet the wider set,
-    # coarsened to MAX_CUTS, forecast 15-40% more recomputation at budgets
-    # 0.2-0.5 of the plain peak.
+    # plans with join them. Not both at once where the points are many: on
+    # a ResNet the wider set, coarsened to MAX_CUTS, forecast 15-40% more
+    # recomputation at budgets 0.2-0.5 of the plain peak. Where they are
+    # few (FEW_POINTS), both, and the faster plan wins.
     points = problem.articulation_points()
     wide = list(dict.fromkeys([*points, *(t for cut in problem.topological_cuts()
                                           for t in cut.crossing)]))
     tries = [c for c in (points, wide) if c] or [problem.keepable()]
     if len(tries) == 2 and len(tries[1]) == len(tries[0]):
         tries.pop()
-    closest = None  # (outcome, core) with the smallest infeasible peak
+    closest = None  # (outcome, core, space) with the smallest infeasible peak
+    found = None  # (outcome, core, space) of the fastest plan that fits
     for cands in tries:
-        space = Segments(problem, coarsen(fg, problem.costs, cands, MAX_CUTS))
+        space = Segments(problem, [*coarsen(fg, problem.costs, cands, MAX_CUTS), *include],
+                         model=model)
         name = choose(space) if solver == "auto" else solver
-        out = CORES[name](space, budget_bytes, time_limit_s=time_limit_s)
+        extra = {"max_simulations": max_simulations} if max_simulations and name == "greedy" else {}
+        out = CORES[name](space, budget_bytes, time_limit_s=time_limit_s, **extra)
         if out.evaluation.peak_bytes <= budget_bytes:
-            break
-        if closest is None or out.evaluation.peak_bytes < closest[0].evaluation.peak_bytes:
-            closest = (out, name)
-    else:
-        out, name = closest
+            if found is None or out.evaluation.recompute_ns < found[0].evaluation.recompute_ns:
+                found = (out, name, space)
+            if len(cands) >= FEW_POINTS:
+                break
+        elif closest is None or out.evaluation.peak_bytes < closest[0].evaluation.peak_bytes:
+            closest = (out, name, space)
+    if found is None:
+        out, name, space = closest
         low = out.evaluation.peak_bytes
         raise MemoryBudgetError(
             f"{api}: memory_budget={memory_budget!r} ({budget_bytes:,} bytes) is below the "
@@ -206,8 +245,14 @@ def _solve(problem: Problem, memory_budget, solver: str, time_limit_s, api: str)
             f"(or >= {low / max(baseline, 1):.3f} as a fraction), or a smaller batch",
             min_peak_bytes=low,
         )
+    out, name, space = found
     ev = out.evaluation
     reasons = {t: f"budget ({name})" for t in ev.checkpoints}
+    for k in ev.decision.expensive:
+        for t in space.expensive_outputs[k]:
+            producer = fg.ops[fg.tensors[t].producer].type
+            reasons[t] = (f"budget ({name}): output of {producer}, kept so that recomputation "
+                          "starts from it")
     if ev.schedule is not None:
         stored = set(ev.in_place)
         for t in ev.schedule.kept:
@@ -218,5 +263,5 @@ def _solve(problem: Problem, memory_budget, solver: str, time_limit_s, api: str)
         "the budget fits tf.gradients' own forecast peak: nothing is recomputed")
     budget = Budget(budget_bytes=budget_bytes, feasible=True, optimal=out.optimal, solver=name,
                     solve_time_s=time.perf_counter() - start, gap=out.gap)
-    return problem.plan("budget", ev.checkpoints, reasons, schedule=ev.schedule, note=note,
+    return problem.plan(strategy, ev.checkpoints, reasons, schedule=ev.schedule, note=note,
                         budget=budget)

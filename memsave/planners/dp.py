@@ -3,12 +3,15 @@
 The chain model
 ---------------
 The candidates cut the ops into segments ``0 .. m`` (see
-:mod:`memsave.solvers.space`). A plan is a partition of the segments into
+:mod:`memsave.planners.segments`). A plan is a partition of the segments into
 consecutive *groups*, each either **recomputed** (``R``: its first cut is a
-checkpoint, its ops are recomputed once when backprop reaches it) or
+checkpoint, its ops are recomputed once when backprop reaches it),
 **stored** (``S``: its ops are differentiated in place on the forward
-tensors, at no recompute cost). Every decision of the space is such a
-partition (cuts inside a stored segment are kept anyway).
+tensors, at no recompute cost) or **expensive kept** (``E``: like ``R``,
+but its expensive outputs are kept too, and recomputation starts from
+them). Every decision of the space is such a partition (cuts inside a
+stored segment are kept anyway; the cut between a recomputed and an
+expensive-kept segment is kept: :meth:`Segments.canonical`).
 
 Split every buffer of the step by the group whose instruction *reads it last*
 (forward, recompute, gradient or proxy instructions belong to the group of
@@ -28,17 +31,24 @@ on the group, its mode and its neighbours' modes (*locality*). Then::
     peak = max_h [ resident + sum_{G < h} held(G) + Lmax(h | prev, next) ]
 
 and a left-to-right DP over states ``(cut, mode before it, mode after it)``
+(a neighbour's mode as :func:`_context` reduces it)
 keeps, per state, the Pareto set of labels ``(held bytes, peak so far,
-recompute FLOPs)``; it is exact because a label's future depends only on its
-state and held bytes.
+recompute nanoseconds)``; it is exact because a label's future depends only
+on its state and held bytes.
 
-The terms are not modelled: ``held`` and ``Lmax`` of a group in context are
-read off the simulator's own program and timeline for a probe plan (the prefix
-as one group, the group, the suffix as one group), so the DP optimises the
-simulator's peak. Locality is verified, not assumed: the plan found is
-simulated once more, and if its peak differs from the DP's, the result is
-marked not optimal (tests/test_solvers.py checks equality on every
-decision of random heterogeneous chains).
+The recompute time is a sum over the schedule's steps
+(:meth:`memsave.problem.Problem.step_nanoseconds`); each step belongs to
+the group of its heads' producers, and on a chain a group's steps (which
+copies run, what its gates read) depend only on the group and its mode.
+
+The terms are not modelled: ``held``, ``Lmax`` and the nanoseconds of a
+group in context are read off the simulator's own program and timeline and
+the time model's steps for a probe plan (the prefix as one group, the
+group, the suffix as one group), so the DP optimises the simulator's peak
+and the time model's seconds. Locality is verified, not assumed: the plan
+found is evaluated once more, and if its peak or time differs from the
+DP's, the result is marked not optimal (tests/test_solvers.py checks
+equality on every decision of random heterogeneous chains).
 
 Notes
 -----
@@ -62,8 +72,16 @@ from memsave.planners.segments import Decision, Outcome, Segments
 
 __all__ = ["dp"]
 
-R, S = "R", "S"
-_MODES = (R, S)
+R, S, E = "R", "S", "E"
+_MODES = (R, S, E)
+
+
+def _context(mode: str | None) -> str | None:
+    """What a group's terms depend on of a neighbour's mode: whether it is
+    stored (its ops differentiated in place) or recomputed; an
+    expensive-kept neighbour recomputes like a recomputed one, from the cut
+    kept between them (verified with the rest of the locality)."""
+    return R if mode == E else mode
 
 
 class _Terms:
@@ -88,15 +106,21 @@ class _Terms:
 
     @staticmethod
     def decision(groups: list[tuple[int, int, str]]) -> Decision:
-        kept, stored = set(), set()
+        kept, stored, expensive = set(), set(), set()
         for a, b, mode in groups:
             if a > 0:
                 kept.add(a - 1)
             if mode == S:
                 stored.update(range(a, b))
-        return Decision.of(kept, stored)
+            elif mode == E:
+                expensive.update(range(a, b))
+        return Decision.of(kept, stored, expensive)
 
-    def get(self, prev: str | None, a: int, b: int, mode: str, nxt: str | None) -> tuple[int, int]:
+    def get(self, prev: str | None, a: int, b: int, mode: str,
+            nxt: str | None) -> tuple[int, int, int]:
+        """``(held, Lmax, nanoseconds)`` of the group ``a .. b-1`` in ``mode``
+        between groups in modes ``prev`` and ``nxt``."""
+        prev, nxt = _context(prev), _context(nxt)
         key = (prev, a, b, mode, nxt)
         hit = self.memo.get(key)
         if hit is None:
@@ -114,9 +138,9 @@ class _Terms:
         p = self.p
         problem = p.problem
         ev = p.evaluate(self.decision(groups))
-        trace = problem.timeline(ev.schedule)
-        prog, _, backward_start = _build(p.fg, ev.schedule, p.costs, problem.model,
-                                         problem.forward())
+        trace = problem.timeline(ev.schedule, model=p.model)
+        prog, _, backward_start = _build(p.fg, ev.schedule, p.costs, p.model,
+                                         problem.forward(p.model))
         self.resident = trace.resident_bytes
         n_instr = len(prog.reads)
         seg_group = [0] * self.n_seg
@@ -167,14 +191,20 @@ class _Terms:
             local = alive - trace.resident_bytes - before[g]
             if lmax[g] is None or local > lmax[g]:
                 lmax[g] = local
+        ns = [0] * len(groups)
+        if ev.schedule is not None:
+            for step in ev.schedule.steps:
+                head = p.fg.tensors[step.heads[0]].producer
+                ns[seg_group[self.seg_of_op[head]]] += problem.step_nanoseconds(step)
         for gi, (a, b, mode) in enumerate(groups):
             prev = groups[gi - 1][2] if gi > 0 else None
             nx = groups[gi + 1][2] if gi + 1 < len(groups) else None
-            self.memo.setdefault((prev, a, b, mode, nx), (held[gi], lmax[gi] or 0))
+            self.memo.setdefault((_context(prev), a, b, mode, _context(nx)),
+                                 (held[gi], lmax[gi] or 0, ns[gi]))
 
 
 def _pareto_insert(labels: list, new: tuple) -> None:
-    """Keep ``labels`` (held, peak, cost, ...) Pareto-minimal in the first three."""
+    """Keep ``labels`` (held, peak, nanoseconds, ...) Pareto-minimal in the first three."""
     h, pk, c = new[0], new[1], new[2]
     for lab in labels:
         if lab[0] <= h and lab[1] <= pk and lab[2] <= c:
@@ -192,15 +222,14 @@ def _run(space: Segments, terms: _Terms, budget_bytes: float):
         states[(0, None, mode)] = [(0, 0, 0, ())]
     finals = []
     for a in range(n):
-        for prev in (None, R, S):
+        for prev in (None, *_MODES):
             for mode in _MODES:
                 labels = states.pop((a, prev, mode), None)
                 if not labels:
                     continue
                 for b in range(a + 1, n + 1):
-                    cost_g = 0 if mode == S else sum(space.segment_flops[a:b])
                     for nxt in (_MODES if b < n else (None,)):
-                        held_g, lmax_g = terms.get(prev, a, b, mode, nxt)
+                        held_g, lmax_g, cost_g = terms.get(prev, a, b, mode, nxt)
                         for held, peak, cost, groups in labels:
                             pk = max(peak, terms.resident + held + lmax_g)
                             if pk > budget_bytes:
@@ -214,7 +243,7 @@ def _run(space: Segments, terms: _Terms, budget_bytes: float):
 
 
 def dp(space: Segments, budget_bytes: int, *, time_limit_s: float | None = None) -> Outcome:
-    """Least recompute cost with forecast peak <= ``budget_bytes``, exactly, on chains.
+    """Least recompute seconds with forecast peak <= ``budget_bytes``, exactly, on chains.
 
     See the module docstring for the chain model. When no plan fits, returns
     the smallest-peak plan (``feasible=False``).
@@ -228,5 +257,6 @@ def dp(space: Segments, budget_bytes: int, *, time_limit_s: float | None = None)
         finals = _run(space, terms, float("inf"))
         best = min(finals, key=lambda lab: (lab[1], lab[2], len(lab[3])))
     ev = space.evaluate(_Terms.decision(list(best[3])))
-    exact = ev.peak_bytes == best[1] and (not ev.peak_bytes <= budget_bytes or ev.recompute_cost == best[2])
+    exact = ev.peak_bytes == best[1] and (not ev.peak_bytes <= budget_bytes
+                                          or ev.recompute_ns == best[2])
     return Outcome(ev, optimal=exact)

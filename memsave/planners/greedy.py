@@ -2,31 +2,49 @@
 
 Algorithm
 ---------
-1. *Base plans.* For a few checkpoint counts ``k`` (``0, sqrt(m),
-   2 sqrt(m), 4 sqrt(m)`` of the ``m`` candidate cuts, and every ``k`` on small
-   problems), keep ``k`` cuts spread so that the segments between them hold
-   about equal activation bytes (Chen et al.'s sqrt(n) plan), and with
-   nothing stored also every cut one candidate later and one earlier, and
-   the plans 'memory' chooses among that these candidates can express
-   (:func:`memsave.strategies.memory_plans`: greedy walks whose segments
-   shrink toward the end, and spreads). The cuts split the
-   segments into groups.
-2. *Stored sets.* Storing a segment saves its FLOPs and holds bytes until
-   its gradient runs (estimated as its ops' inputs, outputs and gradient
-   reads); a 0/1 knapsack over the segments gives the Pareto sets (most
-   FLOPs saved for the bytes held), thinned to :data:`MAX_STORE_STEPS` on
-   large graphs; the empty set is always one. Each set is combined with the
-   base plans of step 1 over the segments it leaves recomputed. Plain
-   ``tf.gradients`` (everything stored) is in the family.
-   On small problems (at most :data:`EXHAUSTIVE_CUTS` cuts) every plan's
-   one-toggle neighbours join, then a Pareto local search on the
-   (recompute cost, peak) front (:func:`_pareto_search`), within
-   :data:`PARETO_SEARCH_OPS` of simulation.
-3. *Choice.* The answer is the least ``(recompute cost, peak)`` among the
-   plans whose forecast peak fits the budget, else the smallest-peak plan
-   (``feasible=False``). Costs are known without simulating, so plans are
-   simulated (cached) in increasing cost, up to the first cost level with a
-   plan that fits.
+1. *A budget-independent family of plans* (:func:`family`), each a
+   decision of the :class:`~memsave.planners.segments.Segments` space
+   (segments recomputed, stored or expensive-kept):
+
+   * *Layered plans* (:func:`_layered`): the first segments recomputed
+     (with ``0``, ``sqrt`` or ``2 sqrt`` of their candidates kept, spread
+     over their activation bytes), the next ones expensive-kept, the rest
+     stored, for a grid of the two boundaries (:data:`LAYER_FRACTIONS`).
+     The segments the backward pass reaches last (the first layers) are
+     alive with everything after them, so they are the ones to recompute;
+     the last ones cost memory only until their gradients, soon after the
+     turn. On the study's ResNet-110 and U-Net these made the whole
+     (recompute seconds, peak) front of the plans tried.
+   * *Knapsack plans*: storing a segment saves its recompute seconds and
+     holds bytes until its gradient runs (estimated as its ops' inputs,
+     outputs and gradient reads); keeping its expensive outputs saves the
+     seconds of their producers' copies and holds those outputs
+     (:meth:`Segments.segment_nanoseconds` estimates both). A
+     multiple-choice knapsack over the segments gives the Pareto sets of
+     modes (most seconds saved for the bytes held), thinned to
+     :data:`MAX_STORE_STEPS` on large graphs, each combined with
+     ``0, sqrt(m), 2 sqrt(m), 4 sqrt(m)`` kept cuts spread over the
+     recomputed bytes (every count on small problems; with nothing stored
+     also every cut one candidate later and one earlier).
+   * The plans 'memory' weighs that these candidates can express
+     (:func:`memsave.candidates.memory_plans`: greedy walks whose segments
+     shrink toward the end, and spreads), each also with its last segments
+     stored or expensive-kept (:data:`TAIL_FRACTIONS`).
+   * Plain ``tf.gradients`` (everything stored) and every segment
+     expensive-kept (the plan ``'speed'`` used to make).
+   * On small problems (at most :data:`EXHAUSTIVE_CUTS` cuts) every plan's
+     one-toggle neighbours, then a Pareto local search on the (recompute
+     seconds, peak) front (:func:`_pareto_search`), within
+     :data:`PARETO_SEARCH_OPS` of simulation.
+
+2. *Choice.* The answer is the least ``(recompute seconds, peak)`` among
+   the plans whose forecast peak fits the budget, else the smallest-peak
+   plan (``feasible=False``). Plans whose at-turn lower bound on the peak
+   (:class:`~memsave.planners.segments.TurnBound`, no schedule needed)
+   exceeds the budget cannot fit and are dropped; the others' costs come
+   from their schedules and the time model without simulating memory, so
+   they are simulated (cached) in increasing cost, up to the first cost
+   level with a plan that fits.
 
 The family does not depend on the budget, so the answer is *monotone*: a
 smaller budget never gives a larger forecast peak (if the plan chosen under
@@ -37,8 +55,8 @@ because every plan's peak comes from the simulator.
 
 Notes
 -----
-At most ``F`` simulations of ``O(n)`` each for a family of ``F`` plans
-(about ``4 * MAX_STORE_STEPS`` on large graphs; fewer when a cheap plan
+For a family of ``F`` plans: ``F`` at-turn bounds, at most ``F`` schedules
+and simulations of ``O(n)`` each (far fewer simulations when a cheap plan
 fits), plus the knapsack over the segments, ``O(m * MAX_FRONT)``.
 
 References
@@ -49,17 +67,19 @@ Memory Cost. arXiv:1604.06174, 2016.
 
 from __future__ import annotations
 
+import heapq
 import math
-import time
 
 from memsave.candidates import spread
 from memsave.planners.segments import Decision, Evaluation, Outcome, Segments
 
 __all__ = ["greedy", "family", "MAX_STORE_STEPS", "EXHAUSTIVE_CUTS", "PARETO_ROUNDS",
-           "PARETO_SEARCH_OPS"]
+           "PARETO_SEARCH_OPS", "LAYER_FRACTIONS", "TAIL_FRACTIONS", "EXACT_COST_WORK",
+           "COARSE_LAYERS_OPS", "COARSE_LAYER_FRACTIONS"]
 
-#: Stored sets tried on large graphs (thinned from the knapsack's Pareto
-#: front), each with about four checkpoint counts: every plan is one
+#: Sets of segment modes tried on large graphs (thinned from the knapsack's
+#: Pareto front, plus every segment expensive-kept), each with about four
+#: checkpoint counts: every plan is one
 #: simulation of the whole graph (its schedule and forecast: about 0.02 s of
 #: CPU per 1000 ops, measured on experiments/bench_planner.py's 10,000-op
 #: DAG), so this bounds the planning time.
@@ -107,18 +127,30 @@ def _held_bytes(space: Segments, *, io: bool = True) -> list[int]:
     return out
 
 
-def _stored_sets(space: Segments, held: list[int]) -> list[frozenset[int]]:
-    """Pareto-optimal stored sets: most FLOPs saved for the ``held`` bytes
-    (a 0/1 knapsack solved for every capacity at once, by DP over segments)."""
-    # Points (bytes, -flops, segment added, parent point): sets are rebuilt
+def _mode_sets(space: Segments, held: list[int], *,
+               expensive: bool = True) -> list[tuple[frozenset[int], frozenset[int]]]:
+    """Pareto-optimal ``(stored, expensive-kept)`` segment sets: most
+    nanoseconds saved for the bytes held (a multiple-choice knapsack solved
+    for every capacity at once, by DP over segments). A stored segment
+    holds ``held[j]`` and saves its recompute estimate; an expensive-kept
+    one holds its expensive outputs and saves what its copies of them would
+    have cost (:meth:`Segments.segment_nanoseconds`)."""
+    counted, tensor_bytes = space.allocator.counted, space.costs.tensor_bytes
+    # Points (bytes, -ns saved, segment, mode, parent point): sets are rebuilt
     # from the parent links at the end, so a step costs O(front), not O(m).
-    front: list[tuple] = [(0, 0, -1, None)]
+    front: list[tuple] = [(0, 0, -1, None, None)]
     for j, seg in enumerate(space.segments):
         if not seg:
             continue
-        f = space.segment_flops[j]
-        merged = sorted(front + [(b + held[j], nf - f, j, pt) for pt in front
-                                 for b, nf in [(pt[0], pt[1])]],
+        whole = space.segment_nanoseconds(j)
+        options = [(held[j], whole, "S")]
+        if expensive and space.expensive_outputs[j]:
+            saved = whole - space.segment_nanoseconds(j, expensive=True)
+            if saved > 0:
+                options.append((sum(counted(tensor_bytes[t]) for t in space.expensive_outputs[j]),
+                                saved, "E"))
+        merged = sorted(front + [(pt[0] + b, pt[1] - ns, j, mode, pt) for pt in front
+                                 for b, ns, mode in options],
                         key=lambda x: (x[0], x[1]))
         front = []
         for pt in merged:  # keep points that save strictly more for more bytes
@@ -126,16 +158,33 @@ def _stored_sets(space: Segments, held: list[int]) -> list[frozenset[int]]:
                 front.append(pt)
         if len(front) > MAX_FRONT:
             front = [front[i] for i in _thin(len(front) - 1, MAX_FRONT)]
-    if front[0][2] >= 0:  # the empty set (nothing stored) is always in the family
-        front.insert(0, (0, 0, -1, None))
+    if front[0][2] >= 0:  # nothing stored or kept is always in the family
+        front.insert(0, (0, 0, -1, None, None))
     out = []
     for pt in front:
-        st = set()
+        stored, kept = set(), set()
         while pt is not None and pt[2] >= 0:
-            st.add(pt[2])
-            pt = pt[3]
-        out.append(frozenset(st))
-    return out
+            (stored if pt[3] == "S" else kept).add(pt[2])
+            pt = pt[4]
+        out.append((frozenset(stored), _spread_expensive(space, stored, kept)))
+    if expensive:  # every segment expensive-kept: the plan 'speed' used to make
+        out.append((frozenset(), frozenset(range(len(space.segments)))))
+    return list(dict.fromkeys(out))
+
+
+def _spread_expensive(space: Segments, stored: set[int], kept: set[int]) -> frozenset[int]:
+    """``kept`` (expensive-kept segments) extended over the recomputed
+    segments next to them that have no expensive outputs: the same memory,
+    without a candidate kept where the mode would change (Segments.canonical)."""
+    kept = set(kept)
+    n = len(space.segments)
+    for order in (range(n), range(n - 1, -1, -1)):
+        for j in order:
+            if j in stored or j in kept or space.expensive_outputs[j]:
+                continue
+            if (j - 1 in kept) or (j + 1 in kept):
+                kept.add(j)
+    return frozenset(kept)
 
 
 def family(space: Segments) -> list[Decision]:
@@ -145,16 +194,17 @@ def family(space: Segments) -> list[Decision]:
     seg_bytes = [sum(costs.tensor_bytes[t] for o in seg for t in fg.ops[o].outputs
                      if fg.tensors[t].trainable) for seg in space.segments]
     small = m <= EXHAUSTIVE_CUTS
-    sets = _stored_sets(space, _held_bytes(space))
+    sets = _mode_sets(space, _held_bytes(space))
     cap = max(400, PARETO_SEARCH_OPS // max(1, len(fg.ops)))  # plans, on small problems
     if small:  # both estimates of the bytes a stored segment holds
-        sets = list(dict.fromkeys(sets + _stored_sets(space, _held_bytes(space, io=False))))
+        sets = list(dict.fromkeys(sets + _mode_sets(space, _held_bytes(space, io=False))))
         if len(sets) * (m + 1) > cap // 3:
             sets = [sets[i] for i in _thin(len(sets) - 1, max(2, cap // (3 * (m + 1))))]
     else:
-        sets = [sets[i] for i in _thin(len(sets) - 1, MAX_STORE_STEPS)]
+        sets = [sets[i] for i in _thin(len(sets) - 1, MAX_STORE_STEPS)] + sets[-1:]
+        sets = list(dict.fromkeys(sets))
     plans: dict[Decision, None] = {Decision.of(stored=range(m + 1)): None}
-    for stored in sets:
+    for stored, expensive in sets:
         # Candidates free to keep (their segment recomputed), placed at the
         # recomputed bytes before them; cuts spread evenly over those bytes.
         free, pos, total = [], [], 0
@@ -172,33 +222,104 @@ def family(space: Segments) -> list[Decision]:
             ks = sorted({k for k in (0, root, 2 * root, 4 * root) if k <= len(free)})
         for k in ks:
             idx = spread(pos, total, k) if k else []
-            plans[Decision.of([free[i] for i in idx], stored)] = None
-            if not stored and not small:
+            plans[Decision.of([free[i] for i in idx], stored, expensive)] = None
+            if not stored and not expensive and not small:
                 # Cuts one candidate later or earlier: which tensor of a
                 # layer is kept (a matmul's output or its activation's)
                 # changes the peak by a layer's worth.
                 for shift in (1, -1):
                     moved = sorted({min(max(i + shift, 0), len(free) - 1) for i in idx})
                     plans[Decision.of([free[i] for i in moved], stored)] = None
+    plans.update(dict.fromkeys(_layered(space, seg_bytes, coarse=len(fg.ops) >= COARSE_LAYERS_OPS)))
     # 'memory''s own plans over these candidates (greedy walks whose segments
     # shrink toward the end, as Griewank's do): without them the smallest
     # peak this family reached was above 'memory''s (keras ResNet50, batch
     # 32: 248 vs 237 MiB forecast), so a budget 'memory' meets was called
-    # infeasible.
+    # infeasible. With their last segments stored or expensive-kept: what
+    # 'memory' weighs within its peak tolerance.
     at = {t: k for k, t in enumerate(space.candidates)}
+    n = m + 1
     for chosen in space.problem.memory_plans():
         if all(t in at for t in chosen):
-            plans[Decision.of([at[t] for t in chosen])] = None
+            kept = [at[t] for t in chosen]
+            plans[Decision.of(kept)] = None
+            for f in TAIL_FRACTIONS:
+                start = min(n - 1, int(f * n))
+                tail = range(start, n)
+                head = [k for k in kept if k < start]
+                plans[Decision.of(head, stored=tail)] = None
+                plans[Decision.of(head, expensive=tail)] = None
+    plans = {space.canonical(d): None for d in plans}
     if small:
         # Local moves: every base plan with one candidate or segment toggled,
         # then the Pareto local search from the front of them all.
         for d in list(plans):
-            for nb in _neighbours(d, m):
+            for nb in _neighbours(space, d):
                 if len(plans) < 2 * cap // 3:
                     plans.setdefault(space.canonical(nb), None)
         _pareto_search(space, plans, cap)
     return list(plans)
 
+
+#: Boundaries of the layered plans (:func:`_layered`), as fractions of the
+#: segments: every pair ``a <= b`` recomputes the segments before ``a``,
+#: expensive-keeps those from ``a`` to ``b`` and stores the rest. Twelve
+#: values, 78 pairs; on ResNet-110 a finer grid (15 values) moved no plan of
+#: the front by more than 0.5% of the step.
+LAYER_FRACTIONS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
+
+#: Where the tails of 'memory''s plans start (fractions of the segments)
+#: when the family stores them or keeps their expensive outputs.
+TAIL_FRACTIONS = (0.75, 0.9)
+
+
+#: Graphs of this many ops or more get the layered plans of
+#: :data:`COARSE_LAYER_FRACTIONS` only: on large graphs ``greedy`` orders
+#: plans by a lower bound on their cost, and the many cheap layered plans
+#: that do not fit each cost a simulation (about 0.2 s at 10,000 ops: 156
+#: of them, 60 s of CPU, on experiments/bench_planner.py's 10,000-op DAG).
+COARSE_LAYERS_OPS = 2000
+COARSE_LAYER_FRACTIONS = (0.0, 0.25, 0.5, 1.0)
+
+
+def _layered(space: Segments, seg_bytes: list[int], *, coarse: bool = False) -> list[Decision]:
+    """The layered plans (see module docstring): recomputed, then
+    expensive-kept, then stored segments, for every pair of boundaries of
+    :data:`LAYER_FRACTIONS` (``coarse``: :data:`COARSE_LAYER_FRACTIONS`);
+    the recomputed part keeps 0, ``sqrt`` and ``2 sqrt`` of its candidates
+    (spread over its activation bytes)."""
+    n = len(space.segments)
+    fractions = COARSE_LAYER_FRACTIONS if coarse else LAYER_FRACTIONS
+    bounds = sorted({round(f * n) for f in fractions})
+    out = []
+    for a in bounds:
+        # Candidates 0 .. a-2 end segments 0 .. a-2: cuts inside the recomputed part.
+        pos, total = [], 0
+        for k in range(max(0, a - 1)):
+            total += seg_bytes[k]
+            pos.append(total)
+        total += seg_bytes[a - 1] if a else 0
+        root = math.isqrt(len(pos))
+        counts = sorted({0, root, 2 * root} & set(range(len(pos) + 1)))
+        heads = [spread(pos, total, k) if k else [] for k in counts]
+        for b in bounds:
+            if b < a:
+                continue
+            for idx in heads:
+                out.append(Decision.of(idx, stored=range(b, n), expensive=range(a, b)))
+    return out
+
+
+#: Work (the graph's ops times the family's plans) up to which ``greedy``
+#: orders the plans by their exact forecast cost (a schedule each, for the
+#: plans whose lower bound is below the answer's); beyond it, by the lower
+#: bound (:meth:`Segments.lower_bound`, no schedule), evaluating plans in
+#: that order up to the first that fits. At 10,000 ops costing every plan
+#: took 25-35 s of CPU on experiments/bench_planner.py's DAG, at 1000 ops
+#: 1.2-1.5 s; the study's ResNet-110 (725 ops, about 250 plans) is costed
+#: exactly: ordered by the bound, its budget 0.75 plan was forecast at
+#: 1.109x the plain step instead of 1.073x.
+EXACT_COST_WORK = 200_000
 
 #: Rounds of the Pareto local search on small problems (each evaluates the
 #: neighbours of the plans on the (recompute cost, peak) front found so
@@ -208,33 +329,40 @@ PARETO_ROUNDS = 8
 #: Work allowed to greedy's family on small problems, in simulated ops
 #: (plans times the graph's ops; at least 400 plans): a third for the base
 #: plans, a third for their one-toggle neighbours, the rest for the Pareto
-#: local search; about 1 s of simulation here. It
-#: depends on the graph only, so the family stays budget-independent.
-PARETO_SEARCH_OPS = 100_000
+#: local search; about 3 s of simulation at most here, usually much less
+#: (the search stops when a round adds no plan to the front). It depends on
+#: the graph only, so the family stays budget-independent. With recompute
+#: time as the cost, a third of this left greedy 13% slower than the exact
+#: plan on a 100-op chain of 10 cuts (tests/test_solvers.py).
+PARETO_SEARCH_OPS = 300_000
 
 
-def _neighbours(d: Decision, m: int, *, pairs: bool = False):
-    """``d`` with one candidate or one segment toggled (``pairs``: or two segments)."""
+def _neighbours(space: Segments, d: Decision, *, pairs: bool = False):
+    """``d`` with one candidate kept or not, or one segment stored or not,
+    expensive-kept or not (``pairs``: or two segments stored or not)."""
+    m = len(space.candidates)
     for k in range(m):
-        yield Decision(d.kept ^ {k}, d.stored)
+        yield Decision(d.kept ^ {k}, d.stored, d.expensive)
     for j in range(m + 1):
-        yield Decision(d.kept, d.stored ^ {j})
+        yield Decision(d.kept, d.stored ^ {j}, d.expensive - {j})
+        if space.expensive_outputs[j]:
+            yield Decision(d.kept, d.stored - {j}, d.expensive ^ {j})
         if pairs:
             for i in range(j):
-                yield Decision(d.kept, d.stored ^ {i, j})
+                yield Decision(d.kept, d.stored ^ {i, j}, d.expensive - {i, j})
 
 
 def _front(evs) -> list[Evaluation]:
-    """The (recompute cost, peak) Pareto front of ``evs``."""
+    """The (recompute seconds, peak) Pareto front of ``evs``."""
     out: list[Evaluation] = []
-    for e in sorted(evs, key=lambda e: (e.recompute_cost, e.peak_bytes)):
+    for e in sorted(evs, key=lambda e: (e.recompute_ns, e.peak_bytes)):
         if not out or e.peak_bytes < out[-1].peak_bytes:
             out.append(e)
     return out
 
 
 def _pareto_search(space: Segments, plans: dict, cap: int) -> None:
-    """Add to ``plans`` the neighbours of the (cost, peak) front, round by round
+    """Add to ``plans`` the neighbours of the (seconds, peak) front, round by round
     (one candidate toggled, or one or two segments: moving a stored segment
     along the chain takes two toggles whose midpoint is off the front).
 
@@ -242,7 +370,6 @@ def _pareto_search(space: Segments, plans: dict, cap: int) -> None:
     (greedy stays monotone); it approaches the true trade-off curve that
     the exact solvers find, one toggle at a time.
     """
-    m = len(space.candidates)
     cap = max(cap, len(plans) + 200)
     expanded: set[Decision] = set()
     for _ in range(PARETO_ROUNDS):
@@ -252,44 +379,88 @@ def _pareto_search(space: Segments, plans: dict, cap: int) -> None:
             return
         for d in todo:  # cheapest first: the budget's cut falls in the same place every time
             expanded.add(d)
-            for nb in _neighbours(d, m, pairs=True):
+            for nb in _neighbours(space, d, pairs=True):
                 if len(plans) >= cap:
                     return
                 plans.setdefault(space.canonical(nb), None)
 
 
+def _order(d: Decision) -> tuple:
+    """A total order on decisions, for ties."""
+    return sorted(d.kept), sorted(d.stored), sorted(d.expensive)
+
+
 def _pick(evs: list[Evaluation], budget_bytes: int) -> tuple[Evaluation, bool]:
     fits = [e for e in evs if e.peak_bytes <= budget_bytes]
     if fits:
-        return min(fits, key=lambda e: (e.recompute_cost, e.peak_bytes, sorted(e.decision.kept))), True
-    return min(evs, key=lambda e: (e.peak_bytes, e.recompute_cost, sorted(e.decision.kept))), False
+        return min(fits, key=lambda e: (e.recompute_ns, e.peak_bytes, _order(e.decision))), True
+    return min(evs, key=lambda e: (e.peak_bytes, e.recompute_ns, _order(e.decision))), False
 
 
-def greedy(space: Segments, budget_bytes: int, *, time_limit_s: float | None = None) -> Outcome:
-    """Cheapest plan of :func:`family` whose forecast peak fits ``budget_bytes``.
+def greedy(space: Segments, budget_bytes: int, *, time_limit_s: float | None = None,
+           max_simulations: int | None = None) -> Outcome:
+    """Fastest plan of :func:`family` whose forecast peak fits ``budget_bytes``.
 
-    Plans are simulated lazily, in increasing recompute cost (known without
-    simulating, :meth:`Segments.recompute_cost`): the first cost level with a
+    Plans whose at-turn bound (:attr:`Segments.turn_bound`) exceeds the
+    budget cannot fit and are dropped without a schedule; the rest are
+    simulated lazily, in increasing recompute seconds (known without
+    simulating memory, :meth:`Segments.cost`, and bounded below without a
+    schedule, :meth:`Segments.lower_bound`): the first cost level with a
     plan that fits holds the answer, so the plans above it are never
-    simulated. The answer is the one simulating the whole family would give
-    (hence monotone). Only an infeasible budget simulates every plan.
+    simulated, and those whose bound is above it never scheduled. The answer is the one simulating the whole family would give
+    (hence monotone). An infeasible budget simulates plans in increasing
+    bound until the bound reaches the smallest peak found.
 
     ``time_limit_s`` is accepted for the common signature; the family is
-    small enough that it is not needed.
+    small enough that it is not needed. ``max_simulations``: stop after
+    that many plans simulated (the fastest that fits among them, else the
+    smallest peak among them), for a caller that would rather keep a plan
+    it has than search long (``'memory'``); the answer then depends on the
+    budget in more than its feasible set, and is not monotone.
     """
-    start = time.perf_counter()
-    plans = sorted(family(space), key=lambda d: (space.recompute_cost(d), sorted(d.kept),
-                                                   sorted(d.stored)))
+    plans = family(space)
+    bound = {d: space.turn_bound(d) for d in plans}
+    # Cheapest first by (cost, order), the cost known lazily: a plan enters
+    # with its lower bound (no schedule) and is re-queued with its cost
+    # when it reaches the top; so schedules are built only for plans whose
+    # bound is below the answer's cost, and the answer is the one costing
+    # every plan would give.
+    # On large problems the lower bound is the cost the plans are ordered by
+    # (a budget-independent order, so still monotone): costing every plan
+    # takes a schedule each, about 0.02 s per 1000 ops.
+    exact = len(space.fg.ops) * len(plans) <= EXACT_COST_WORK
+    heap = [(space.lower_bound(d), not exact, _order(d), d) for d in plans
+            if bound[d] <= budget_bytes]
+    heapq.heapify(heap)
     evs: list[Evaluation] = []
-    i = 0
-    while i < len(plans):
-        cost = space.recompute_cost(plans[i])
-        level = []
-        while i < len(plans) and space.recompute_cost(plans[i]) == cost:
-            level.append(space.evaluate(plans[i]))
-            i += 1
-        evs += level
-        if any(e.peak_bytes <= budget_bytes for e in level):
+    level_cost = None
+    while heap:
+        value, exact, order, d = heapq.heappop(heap)
+        if level_cost is not None and value > level_cost:
             break
-    ev, _ = _pick(evs, budget_bytes)
-    return Outcome(ev, optimal=False)
+        if not exact:
+            heapq.heappush(heap, (space.cost(d), True, order, d))
+            continue
+        e = space.evaluate(d)
+        evs.append(e)
+        if e.peak_bytes <= budget_bytes and level_cost is None:
+            level_cost = value  # the rest of this cost level may tie it
+        if max_simulations is not None and len(evs) >= max_simulations:
+            if level_cost is None:
+                return Outcome(min(evs, key=lambda e: (e.peak_bytes, e.recompute_ns,
+                                                       _order(e.decision))), optimal=False)
+            break
+    if level_cost is not None:
+        ev, _ = _pick(evs, budget_bytes)
+        return Outcome(ev, optimal=False)
+    # Nothing fits: the smallest peak, in increasing bound until the bound
+    # passes the best peak found.
+    best = None
+    for d in sorted(plans, key=lambda d: (bound[d], _order(d))):
+        if best is not None and bound[d] > best.peak_bytes:
+            break
+        e = space.evaluate(d)
+        if best is None or (e.peak_bytes, e.recompute_ns, _order(e.decision)) < (
+                best.peak_bytes, best.recompute_ns, _order(best.decision)):
+            best = e
+    return Outcome(best, optimal=False)

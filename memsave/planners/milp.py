@@ -2,15 +2,19 @@
 
 Formulation
 -----------
-A decision is the stored segments ``P`` and the kept candidates ``K`` (see
-:mod:`memsave.solvers.space`). Recompute cost depends on ``P`` only: every
-recomputable op outside ``P`` is recomputed at least once (it produces a
-head, or feeds an op recomputed through an unkept tensor), and exactly once
-unless a schedule shares it between steps. So the *master* MILP has one
-binary ``s_j`` per segment and minimises ``sum_j F_j (1 - s_j)`` (a lower
-bound on the true cost), subject to a relaxation of the memory budget that
-holds for every ``K``: when the forward pass ends, every tensor a stored
-op's gradient reads is alive, besides the resident bytes::
+A decision is the stored segments ``P``, the kept candidates ``K`` and the
+expensive-kept segments ``E`` (see :mod:`memsave.planners.segments`). Its
+cost, the seconds its recompute steps add, depends on all three (which
+copies run depends on what is kept), but part of it depends on ``P`` only:
+every recomputable op outside ``P`` is copied into some recompute step, and
+the copy of an op whose own gradient reads its outputs (a ReLU, a batch
+norm, a tanh) runs whatever else is kept. So the *master* MILP has one
+binary ``s_j`` per segment and minimises ``sum_j L_j (1 - s_j)``, ``L_j``
+the forecast nanoseconds of those certain copies of segment ``j`` (a lower
+bound on the true cost of every ``(K, E)``), subject to a relaxation of the
+memory budget that holds for every ``K`` and ``E``: when the forward pass
+ends, every tensor a stored op's gradient reads is alive, besides the
+resident bytes::
 
     resident + sum_t counted(t) z_t <= budget,   z_t >= s_j  (t read by segment j's gradients)
 
@@ -18,17 +22,20 @@ op's gradient reads is alive, besides the resident bytes::
 simulator accepts.
 
 The loop (lazy constraints, as in combinatorial Benders decomposition):
-solve the master; for its ``P``, find the cheapest ``K`` whose *simulated*
-peak fits, by enumerating the kept sets (skipping those whose own at-turn
+solve the master; for its ``P``, find the cheapest ``(K, E)`` whose
+*simulated* peak fits, by enumerating them (skipping those whose own at-turn
 bound already exceeds the budget); then add the no-good cut
 ``sum_{j in P} (1 - s_j) + sum_{j not in P} s_j >= 1`` that excludes exactly
 that ``P``, and repeat until the master's bound reaches the best true cost
 found (optimal, gap 0), the master is infeasible, or the time limit passes
 (the best plan so far, ``optimal=False``, with its gap). The incumbent starts
 as ``greedy``'s plan, so a time limit always returns a plan at least that
-good. The kept sets are enumerated exactly up to :data:`MAX_EXACT_FREE_CUTS`
-free candidates; beyond that ``greedy``'s kept sets are tried and the result
-is not claimed optimal.
+good. The ``(K, E)`` pairs are enumerated exactly up to
+:data:`MAX_EXACT_FREE_CUTS` free choices (candidates not stored, plus
+segments with expensive outputs not stored); beyond that ``greedy``'s are
+tried and the result is not claimed optimal. The master's bound ignores
+the copies whose running depends on ``K`` and ``E`` (a convolution's), so
+it is loose and many ``P`` are visited: meant for small graphs only.
 
 When nothing fits, the same loop minimises the at-turn bound and returns the
 smallest simulated peak.
@@ -45,6 +52,7 @@ Benders' cuts for mixed-integer linear programming. Oper. Res. 54(4), 2006.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 
 from memsave.planners.greedy import family, greedy
@@ -72,62 +80,23 @@ def _highspy():
     return highspy
 
 
-class _Bounds:
-    """The at-turn lower bound on the peak: buffers certainly alive when the
-    forward pass ends, for stored segments and kept candidates."""
-
-    def __init__(self, space: Segments) -> None:
-        fg, costs, counted = space.fg, space.costs, space.allocator.counted
-
-        def root(t: int) -> int:
-            while costs.alias_of[t] is not None:
-                t = costs.alias_of[t]
-            return t
-
-        self.counted = {}
-        self.seg_reads: list[set[int]] = []
-        for seg in space.segments:
-            reads: set[int] = set()
-            for o in seg:
-                if not costs.gradient[o].has_gradient:
-                    continue
-                read_ins, read_outs = costs.gradient_reads[o]
-                reads.update(root(t) for t in read_ins + read_outs
-                             if fg.tensors[root(t)].kind == "internal")
-            self.seg_reads.append(reads)
-        seg_of = {o: j for j, seg in enumerate(space.segments) for o in seg}
-        consumers = fg.consumers()
-        # A kept candidate is read by the proxy of a step recomputing one of
-        # its consumers; with every consumer stored, nothing need read it.
-        self.cand: list[tuple[int, frozenset[int]] | None] = []
-        for t in space.candidates:
-            if any(not fg.ops[c].recomputable for c in consumers[t]):
-                self.cand.append(None)
-            else:
-                self.cand.append((root(t), frozenset(seg_of[c] for c in consumers[t])))
-        for t in {r for s in self.seg_reads for r in s} | {c[0] for c in self.cand if c}:
-            self.counted[t] = counted(costs.tensor_bytes[t])
-        self.resident = space.problem.extra_resident_bytes + sum(
-            counted(costs.tensor_bytes[t.id]) for t in fg.tensors if t.kind != "internal")
-
-    def alive(self, stored, kept=()) -> set[int]:
-        out = set()
-        for j in stored:
-            out |= self.seg_reads[j]
-        for k in kept:
-            c = self.cand[k]
-            if c is not None and not c[1] <= set(stored):
-                out.add(c[0])
-        return out
-
-    def peak(self, stored, kept=()) -> int:
-        return self.resident + sum(self.counted[t] for t in self.alive(stored, kept))
+def _certain_ns(space: Segments) -> list[int]:
+    """Per segment, a lower bound on the nanoseconds its recomputation takes
+    whatever is kept: its ops whose copies run in any schedule (their own
+    gradients read their outputs), less one nanosecond per op for the
+    rounding of each step's time to whole nanoseconds."""
+    fg, costs, recompute = space.fg, space.costs, space.problem.seconds.recompute
+    out = []
+    for seg in space.segments:
+        certain = [o for o in seg if space.problem.copies_that_run((o,))]
+        out.append(max(0, math.floor(1e9 * math.fsum(recompute[o] for o in certain)) - len(seg)))
+    return out
 
 
 class _Master:
     """The MILP over stored segments, with no-good cuts added as it goes."""
 
-    def __init__(self, space: Segments, bounds: _Bounds, budget_bytes: float | None) -> None:
+    def __init__(self, space: Segments, bounds, budget_bytes: float | None) -> None:
         hs = _highspy()
         self.hs = hs
         h = hs.Highs()
@@ -149,7 +118,8 @@ class _Master:
         for j, reads in enumerate(bounds.seg_reads):
             for t in sorted(reads):
                 h.addRow(0.0, inf, 2, [zcol[t], j], [1.0, -1.0])  # z_t >= s_j
-        self.offset = float(sum(space.segment_flops))
+        lower = _certain_ns(space)
+        self.offset = float(sum(lower))
         self.mem = ([zcol[t] for t in bufs], [float(bounds.counted[t]) for t in bufs])
         if budget_bytes is None:  # minimise the at-turn bound
             for c, v in zip(*self.mem):
@@ -157,7 +127,7 @@ class _Master:
             self.offset = float(bounds.resident)
         else:
             for j in range(n_seg):
-                h.changeColCost(j, -float(space.segment_flops[j]))
+                h.changeColCost(j, -float(lower[j]))
             h.addRow(-inf, float(budget_bytes - bounds.resident), len(bufs), *self.mem)
 
     def run(self, deadline: float) -> tuple[str, frozenset[int] | None, float]:
@@ -186,19 +156,24 @@ class _Master:
 
 
 def _kept_sets(space: Segments, stored: frozenset[int]):
-    """Every kept set for ``stored`` (or greedy's, when too many); exact?"""
-    free = [k for k in range(len(space.candidates)) if k not in stored]
+    """Every ``(kept, expensive)`` pair for ``stored`` (or greedy's, when too
+    many), as ``(pairs, exact?)``."""
+    free = [("k", k) for k in range(len(space.candidates)) if k not in stored]
+    free += [("e", j) for j, es in enumerate(space.expensive_outputs) if es and j not in stored]
     if len(free) <= MAX_EXACT_FREE_CUTS:
         # Sizes near sqrt(free) first: where a feasible kept set usually is.
         root = len(free) ** 0.5
         sizes = sorted(range(len(free) + 1), key=lambda r: (abs(r - root), r))
-        sets = (c for r in sizes for c in itertools.combinations(free, r))
-        return sets, True
-    return (tuple(k for k in d.kept if k not in stored) for d in family(space)), False
+        pairs = ((tuple(i for kind, i in c if kind == "k"), tuple(i for kind, i in c if kind == "e"))
+                 for r in sizes for c in itertools.combinations(free, r))
+        return pairs, True
+    return ((tuple(k for k in d.kept if k not in stored), tuple(j for j in d.expensive
+                                                                  if j not in stored))
+            for d in family(space)), False
 
 
 def milp(space: Segments, budget_bytes: int, *, time_limit_s: float | None = None) -> Outcome:
-    """Least recompute cost with forecast peak <= ``budget_bytes``, exactly (small graphs).
+    """Least recompute seconds with forecast peak <= ``budget_bytes``, exactly (small graphs).
 
     See the module docstring. ``time_limit_s`` (default
     :data:`DEFAULT_TIME_LIMIT_S`) bounds the whole loop; past it the best
@@ -206,7 +181,7 @@ def milp(space: Segments, budget_bytes: int, *, time_limit_s: float | None = Non
     """
     start = time.perf_counter()
     deadline = start + (DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s)
-    bounds = _Bounds(space)
+    bounds = space.turn_bound
     seed = greedy(space, budget_bytes).evaluation
     best: Evaluation | None = seed if seed.peak_bytes <= budget_bytes else None
     master = _Master(space, bounds, budget_bytes)
@@ -214,7 +189,7 @@ def milp(space: Segments, budget_bytes: int, *, time_limit_s: float | None = Non
     lower = -float("inf")
     proven = False
     while True:
-        if best is not None and lower >= best.recompute_cost:
+        if best is not None and lower >= best.recompute_ns:
             proven = True
             break
         status, stored, lb = master.run(deadline)
@@ -225,18 +200,18 @@ def milp(space: Segments, budget_bytes: int, *, time_limit_s: float | None = Non
             lower = max(lower, lb)
             break
         lower = max(lower, lb)
-        if best is not None and lower >= best.recompute_cost:
+        if best is not None and lower >= best.recompute_ns:
             proven = True
             break
         sets, complete = _kept_sets(space, stored)
         exact = exact and complete
-        for kept in sets:
-            if bounds.peak(stored, kept) > budget_bytes:
+        for kept, expensive in sets:
+            if bounds.peak(stored, kept, expensive) > budget_bytes:
                 continue
-            ev = space.evaluate(Decision.of(kept, stored))
-            if ev.peak_bytes <= budget_bytes and (best is None or ev.recompute_cost < best.recompute_cost):
+            ev = space.evaluate(Decision.of(kept, stored, expensive))
+            if ev.peak_bytes <= budget_bytes and (best is None or ev.recompute_ns < best.recompute_ns):
                 best = ev
-            if best is not None and best.recompute_cost <= lb:
+            if best is not None and best.recompute_ns <= lb:
                 break  # no kept set does better than this stored set's bound
             if time.perf_counter() > deadline:
                 break
@@ -246,14 +221,14 @@ def milp(space: Segments, budget_bytes: int, *, time_limit_s: float | None = Non
     optimal = proven and exact
     if best is not None:
         gap = 0.0 if optimal else (
-            max(0.0, (best.recompute_cost - lower) / max(best.recompute_cost, 1))
+            max(0.0, (best.recompute_ns - lower) / max(best.recompute_ns, 1))
             if lower > -float("inf") else float("inf"))
         return Outcome(best, optimal=optimal, gap=gap)
     ev, exact_min = _min_peak(space, bounds, deadline)
     return Outcome(ev, optimal=optimal and exact_min)
 
 
-def _min_peak(space: Segments, bounds: _Bounds, deadline: float) -> tuple[Evaluation, bool]:
+def _min_peak(space: Segments, bounds, deadline: float) -> tuple[Evaluation, bool]:
     """Smallest simulated peak: stored sets in order of their at-turn bound."""
     master = _Master(space, bounds, None)
     best = min((space.evaluate(d) for d in family(space)), key=lambda e: e.peak_bytes)
@@ -268,10 +243,10 @@ def _min_peak(space: Segments, bounds: _Bounds, deadline: float) -> tuple[Evalua
             return best, exact
         sets, complete = _kept_sets(space, stored)
         exact = exact and complete
-        for kept in sets:
-            if bounds.peak(stored, kept) >= best.peak_bytes:
+        for kept, expensive in sets:
+            if bounds.peak(stored, kept, expensive) >= best.peak_bytes:
                 continue
-            ev = space.evaluate(Decision.of(kept, stored))
+            ev = space.evaluate(Decision.of(kept, stored, expensive))
             if ev.peak_bytes < best.peak_bytes:
                 best = ev
         master.exclude(stored)

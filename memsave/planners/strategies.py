@@ -9,7 +9,16 @@ Memory is judged by the one model, through the problem's evaluator: the
 automatic strategies (``'memory'``, ``'speed'``) compare plans counting every
 byte (:attr:`memsave.problem.Problem.judge`), and keep a plan only when it
 is forecast to save at least ``min_saving_fraction`` of the step's working
-memory (:func:`worth_it`), saying by how much when it does not.
+memory (:func:`worth_it`), saying by how much when it does not. Time is the
+time model's (:mod:`memsave.timemodel`): both choose, among the plans that
+meet their memory target, the one with the least forecast recompute time,
+through the budget solvers (:func:`memsave.planners.budget.solve`):
+
+``'memory'``
+    the lowest forecast peak of its candidate plans, within
+    :data:`MEMORY_PEAK_TOLERANCE`, as fast as possible;
+``'speed'``
+    the fastest plan under :data:`SPEED_BUDGET_FRACTION` of the plain peak.
 """
 
 from __future__ import annotations
@@ -17,18 +26,24 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from memsave.candidates import CUT_REASON, SEGMENT_LIVE_FRACTION, SMALL_TENSOR_FRACTION, spread
-from memsave.errors import CheckpointError, OptionsError
+from memsave.errors import CheckpointError, MemoryBudgetError, OptionsError
 from memsave.planners import budget as _budget
 from memsave.planners import register
 from memsave.problem import Problem
 from memsave.record import Plan
 
-__all__ = ["collection", "memory", "speed", "given", "worth_it", "EXPENSIVE_OP_TYPES",
-           "MIN_SAVING_FRACTION"]
+__all__ = ["collection", "memory", "speed", "given", "worth_it", "candidate_plan",
+           "EXPENSIVE_OP_TYPES",
+           "MIN_SAVING_FRACTION", "MEMORY_PEAK_TOLERANCE", "SPEED_BUDGET_FRACTION",
+           "MEMORY_SEARCH_OPS"]
 
-#: Op types whose outputs ``'speed'`` keeps: convolutions of every kind and
-#: matrix products, the ops that dominate a forward pass, so that what is
-#: recomputed is only the cheap elementwise work between them.
+#: Op types whose outputs ``checkpoints='speed'`` keeps when asked by rule
+#: (``strategy_options={'op_types': EXPENSIVE_OP_TYPES}``, what ``'speed'``
+#: did before it planned with the time model): convolutions of every kind
+#: and matrix products, the ops that dominate a forward pass, so that what
+#: is recomputed is only the cheap elementwise work between them. The
+#: budget solvers pick a segment's expensive outputs by forecast seconds
+#: instead (:data:`memsave.planners.segments.EXPENSIVE_FACTOR`).
 EXPENSIVE_OP_TYPES = frozenset(
     {
         "Conv",
@@ -54,6 +69,36 @@ EXPENSIVE_OP_TYPES = frozenset(
 #: predicted 3% and saved 1-5% for 1.3x step time. Override with
 #: ``min_saving_fraction=`` (0 keeps any plan).
 MIN_SAVING_FRACTION = 0.1
+
+#: ``'memory'`` takes any plan whose forecast peak (every byte counted) is
+#: within this fraction above the lowest of its candidate plans, and of
+#: those the one with the least forecast recompute time. A peak a few
+#: percent higher buys much: the segments processed last in the backward
+#: pass (the network's first layers) set the peak, so the others can keep
+#: their expensive outputs or be stored for free. On the study's ResNet-110
+#: (batch 32) 5% took the forecast step from 1.36x to 1.2x tf.gradients'
+#: (the measured figures are in experiments/study.py's report). Override
+#: with ``peak_tolerance=`` (0: the lowest peak, then the least time).
+MEMORY_PEAK_TOLERANCE = 0.05
+
+#: Work ``'memory'``'s search for time may take, in simulated ops (plans
+#: simulated times the graph's ops: ``greedy``'s ``max_simulations`` is
+#: this over the graph's ops), beyond the candidate plans: under its tight
+#: peak limit most plans do not fit, and simulating them all took 2.5 s of
+#: CPU on experiments/bench_planner.py's 1000-op DAG (0.5 s with this
+#: bound). When the search stops without a plan that fits, 'memory' keeps
+#: its fastest candidate plan.
+MEMORY_SEARCH_OPS = 40_000
+
+#: ``'speed'``'s memory budget, as a fraction of the forecast plain peak
+#: (every byte counted): a generous one, so that the plan recomputes only
+#: what is cheap to recompute and the step stays close to plain speed
+#: (issue 19: budget 0.75 within 3% of plain's step on ResNet-110). The
+#: fixed rule 'speed' followed before (keep every convolution's and
+#: product's output) peaked at 0.74x on ResNet-110 for 1.14x the step.
+#: Override with ``budget_fraction=``; for another trade-off pass
+#: ``memory_budget=`` itself.
+SPEED_BUDGET_FRACTION = 0.75
 
 #: What to do when ``'memory'`` finds nothing worth keeping.
 _CHOOSE_YOURSELF = (
@@ -164,14 +209,22 @@ def collection(problem: Problem, *, budget=None, solver: str = "auto",
 
 
 @register("speed")
-def speed(problem: Problem, *, budget=None, op_types: frozenset[str] = EXPENSIVE_OP_TYPES,
-          min_saving_fraction: float = MIN_SAVING_FRACTION,
+def speed(problem: Problem, *, budget=None, budget_fraction: float = SPEED_BUDGET_FRACTION,
+          op_types: frozenset[str] | None = None, min_saving_fraction: float = MIN_SAVING_FRACTION,
+          solver: str = "auto", time_limit_s: float | None = None,
           api: str = "memsave.gradients") -> Plan:
-    """Keep the outputs of expensive ops (:data:`EXPENSIVE_OP_TYPES`).
+    """The fastest plan under a generous memory budget (:data:`SPEED_BUDGET_FRACTION`).
 
-    Recomputation then redoes only the cheap ops between them, so the extra
-    time is small; memory drops by what those cheap ops produced. Like every
-    automatic strategy, the plan is dropped when the simulator predicts it
+    The budget solvers (:func:`memsave.planners.budget.solve`, ``solver``
+    and ``time_limit_s`` as there) find the plan of least forecast
+    recompute time whose forecast peak (every byte counted) is at most
+    ``budget_fraction`` of plain ``tf.gradients``': typically the
+    expensive outputs (convolutions, products) kept and the cheap ops after
+    them recomputed, where that saves enough, and segments kept whole where
+    memory allows. When no plan fits, nothing is kept and the note gives the
+    smallest forecast peak. With ``op_types`` (e.g.
+    :data:`EXPENSIVE_OP_TYPES`), keep the outputs of those op types instead,
+    by rule. Like every automatic strategy, the plan is dropped when it
     saves under ``min_saving_fraction`` (:func:`worth_it`).
     """
     if budget is not None:
@@ -179,14 +232,51 @@ def speed(problem: Problem, *, budget=None, op_types: frozenset[str] = EXPENSIVE
             f"{api}: memory_budget= plans the checkpoints itself; it cannot be combined with "
             "checkpoints='speed'. Pass one or the other")
     _check_fraction("min_saving_fraction", min_saving_fraction, api)
-    fg = problem.fg
-    chosen = [t for t in problem.keepable() if fg.ops[fg.tensors[t].producer].type in op_types]
-    note = "" if chosen else (
-        f"no output of {sorted(op_types)} lies between xs and ys; use checkpoints='memory'"
-    )
-    plan = _plan(problem, "speed", chosen,
-                 lambda t: f"output of {fg.ops[fg.tensors[t].producer].type}", note)
+    if op_types is not None:
+        _no_solver_options(solver, time_limit_s, "'speed' with op_types", api)
+        fg = problem.fg
+        chosen = [t for t in problem.keepable() if fg.ops[fg.tensors[t].producer].type in op_types]
+        note = "" if chosen else (
+            f"no output of {sorted(op_types)} lies between xs and ys; use checkpoints='memory'"
+        )
+        plan = _plan(problem, "speed", chosen,
+                     lambda t: f"output of {fg.ops[fg.tensors[t].producer].type}", note)
+        return worth_it(problem, plan, min_saving_fraction=min_saving_fraction, who="'speed'")
+    if isinstance(budget_fraction, bool) or not isinstance(budget_fraction, (int, float)) \
+            or not 0.0 < budget_fraction <= 1.0:
+        raise OptionsError(f"{api}: budget_fraction must be in (0, 1], got {budget_fraction!r}")
+    hopeless = can_save(problem, min_saving_fraction=min_saving_fraction)
+    if hopeless:
+        return problem.plan("speed", (), {}, note=hopeless + _CHOOSE_YOURSELF.replace(
+            "checkpoints='speed'", "checkpoints='memory'"))
+    try:
+        plan = _budget.solve(problem, float(budget_fraction), solver=solver,
+                             time_limit_s=time_limit_s, api=api, model=problem.judge,
+                             strategy="speed")
+    except MemoryBudgetError as e:
+        base = problem.peak(None, model=problem.judge)
+        return problem.plan("speed", (), {}, note=(
+            f"no plan memsave found peaks under budget_fraction={budget_fraction:g} of "
+            f"tf.gradients' forecast peak (every buffer counted; the smallest is "
+            f"{e.min_peak_bytes / max(base, 1):.1%} of it); use checkpoints='memory', or "
+            "memory_budget= with a larger fraction"))
+    plan = _relabel(problem, plan, "speed")
     return worth_it(problem, plan, min_saving_fraction=min_saving_fraction, who="'speed'")
+
+
+def _relabel(problem: Problem, plan: Plan, name: str, reason: Callable[[int], str] | None = None
+             ) -> Plan:
+    """A budget solver's plan as a strategy's: its decision and schedule, the
+    strategy's name, no budget facts (none was given), and reasons that do
+    not speak of a budget."""
+    reasons = {}
+    for t, why in plan.reason_of.items():
+        if why.startswith("budget ("):
+            why = why.split(": ", 1)[1] if ": " in why else (
+                reason(t) if reason is not None else f"{name}: least recompute time")
+        reasons[t] = why
+    return problem.plan(name, plan.checkpoint_ids, reasons, schedule=plan.schedule,
+                        note=plan.note)
 
 
 @register("memory")
@@ -198,11 +288,12 @@ def memory(
     segment_live_fraction: float = SEGMENT_LIVE_FRACTION,
     small_tensor_fraction: float = SMALL_TENSOR_FRACTION,
     min_saving_fraction: float = MIN_SAVING_FRACTION,
+    peak_tolerance: float = MEMORY_PEAK_TOLERANCE,
     solver: str = "auto",
     time_limit_s: float | None = None,
     api: str = "memsave.gradients",
 ) -> Plan:
-    """Keep the articulation points, or the tensors crossing cuts, that give the lowest predicted peak.
+    """The lowest forecast peak (within a tolerance), with the least forecast recompute time.
 
     Parameters
     ----------
@@ -222,6 +313,11 @@ def memory(
         See :data:`memsave.candidates.SMALL_TENSOR_FRACTION`.
     min_saving_fraction : float
         See :data:`MIN_SAVING_FRACTION`. Not applied with ``num_checkpoints``.
+    peak_tolerance : float
+        See :data:`MEMORY_PEAK_TOLERANCE`.
+    solver, time_limit_s
+        With a ``budget``: the budget solver and its time limit. Without
+        one, ``'auto'`` finds the fastest plan within the tolerance.
 
     Notes
     -----
@@ -234,11 +330,18 @@ def memory(
     greedy walks whose segments shrink toward the end of the graph, as in
     Griewank's schedules, and from evenly spread sets of about ``sqrt(k)``
     candidates; the simulator forecasts each distinct plan's peak (every
-    byte counted) and the lowest wins (ties: the lower peak with each
-    gradient freed when complete, then fewer checkpoints). A uniform chain
-    of ``n`` equal tensors keeps about ``sqrt(n)``: the O(sqrt(n)) memory of
-    Chen et al. (2016). ``O(k log n)`` per generated plan plus one linear
-    simulation per distinct plan (at most fifteen).
+    byte counted). A uniform chain of ``n`` equal tensors keeps about
+    ``sqrt(n)``: the O(sqrt(n)) memory of Chen et al. (2016). ``O(k log n)``
+    per generated plan plus one linear simulation per distinct plan (at
+    most fifteen).
+
+    Then time: with the lowest of those peaks ``P``, the budget solvers find
+    the plan of least forecast recompute time whose peak is at most ``(1 +
+    peak_tolerance) P`` (storing segments, keeping expensive outputs where
+    the peak allows: :mod:`memsave.planners.segments`); it is kept when it
+    is faster than the fastest candidate plan within the tolerance (ties
+    among those: the lower peak with each gradient freed when complete,
+    then fewer checkpoints).
 
     References
     ----------
@@ -272,29 +375,68 @@ def memory(
         idx = spread([cum[c.position] for c in cuts], total, min(num_checkpoints, len(cuts)))
         return _plan(problem, "memory", [t for i in idx for t in cuts[i].crossing], reason)
 
+    if isinstance(peak_tolerance, bool) or not isinstance(peak_tolerance, (int, float)) \
+            or not 0.0 <= peak_tolerance < 1.0:
+        raise OptionsError(f"{api}: peak_tolerance must be in [0, 1), got {peak_tolerance!r}")
     hopeless = can_save(problem, min_saving_fraction=min_saving_fraction)
     if hopeless:
         return problem.plan("memory", (), {}, note=hopeless + _CHOOSE_YOURSELF)
     judge = problem.judge
-    plans = problem.memory_plans(segment_live_fraction=segment_live_fraction,
-                                 small_tensor_fraction=small_tensor_fraction)
-    scored = [(problem.peak(problem.schedule(chosen), model=judge), chosen) for chosen in plans]
-    best: tuple[int, ...] = ()
-    if scored:
-        # Lowest peak; among equal peaks (a peak set by the xs' gradients at
-        # the end of the step is the same for every plan), the lowest
-        # working memory, which is the step's peak when an optimizer update
-        # consumes each gradient (see simulate's gradients_kept); then the
-        # fewest checkpoints.
-        best_peak = min(p for p, _ in scored)
-        tied = [c for p, c in scored if p == best_peak]
-        best = tied[0] if len(tied) == 1 else min(tied, key=lambda c: (
-            problem.peak(problem.schedule(c), model=judge, gradients_kept=False), len(c)))
-    if not best:
+    found = candidate_plan(problem, peak_tolerance=peak_tolerance,
+                           segment_live_fraction=segment_live_fraction,
+                           small_tensor_fraction=small_tensor_fraction)
+    if found is None:
         return problem.plan("memory", (), {}, note=(
             "no tensor cuts the forward graph in two (every activation is bypassed by "
             "another path, or all of them are inside ops that are kept anyway); "
             + _CHOOSE_YOURSELF
         ))
+    best, limit, within = found
+
+    def seconds(schedule) -> float:
+        return problem.step_time(schedule).total_s
+
     plan = _plan(problem, "memory", best, reason)
+    try:
+        fast = _budget.solve(problem, limit, solver=solver, time_limit_s=time_limit_s, api=api,
+                             model=judge, strategy="memory",
+                             include=sorted({t for c in within for t in c}),
+                             max_simulations=max(1, MEMORY_SEARCH_OPS // max(1, len(problem.fg.ops))))
+    except MemoryBudgetError:
+        fast = None  # the solvers' candidates cannot reach the limit
+    if fast is not None and fast.schedule is not None \
+            and seconds(fast.schedule) < seconds(plan.schedule):
+        plan = _relabel(problem, fast, "memory", reason)
     return worth_it(problem, plan, min_saving_fraction=min_saving_fraction, who="'memory'")
+
+
+def candidate_plan(
+    problem: Problem, *, peak_tolerance: float = MEMORY_PEAK_TOLERANCE,
+    segment_live_fraction: float = SEGMENT_LIVE_FRACTION,
+    small_tensor_fraction: float = SMALL_TENSOR_FRACTION,
+) -> tuple[tuple[int, ...], int, list[tuple[int, ...]]] | None:
+    """``'memory'``'s first stage: the fastest of its candidate plans
+    (:meth:`Problem.memory_plans`) whose forecast peak (every byte counted)
+    is within ``peak_tolerance`` of the lowest of theirs.
+
+    Returns ``(checkpoints, limit_bytes, within)``: the plan, the peak limit
+    (the lowest peak times ``1 + peak_tolerance``) and every candidate plan
+    under it; None when there is no candidate. Among equally fast plans the
+    lowest peak wins, then the lowest working memory (the step's peak when
+    an optimizer update consumes each gradient, see simulate's
+    gradients_kept: a peak set by the xs' gradients at the end of the step
+    is the same for every plan), then the fewest checkpoints.
+    """
+    judge = problem.judge
+    plans = problem.memory_plans(segment_live_fraction=segment_live_fraction,
+                                 small_tensor_fraction=small_tensor_fraction)
+    if not plans:
+        return None
+    scored = [(problem.peak(problem.schedule(chosen), model=judge), chosen) for chosen in plans]
+    limit = int(min(p for p, _ in scored) * (1.0 + peak_tolerance))
+    within = [c for p, c in scored if p <= limit]
+    best = min(within, key=lambda c: (
+        problem.step_time(problem.schedule(c)).total_s,
+        problem.peak(problem.schedule(c), model=judge),
+        problem.peak(problem.schedule(c), model=judge, gradients_kept=False), len(c)))
+    return best, limit, within
