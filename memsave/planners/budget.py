@@ -134,13 +134,13 @@ def is_chain(space: Segments) -> bool:
     return True
 
 
-def choose(space: Segments) -> str:
+def choose(space: Segments, *, milp: bool = True) -> str:
     """The core ``auto`` picks: ``dp`` on small chains, ``milp`` on small
-    spaces when highspy is installed, ``greedy`` otherwise."""
+    spaces when highspy is installed (and ``milp``), ``greedy`` otherwise."""
     m = len(space.candidates)
     if m <= DP_MAX_CUTS and is_chain(space):
         return "dp"
-    if m <= MILP_MAX_CUTS:
+    if milp and m <= MILP_MAX_CUTS:
         try:
             import highspy  # noqa: F401
         except ImportError:
@@ -224,7 +224,10 @@ def _solve(problem: Problem, memory_budget, solver: str, time_limit_s, api: str,
     for cands in tries:
         space = Segments(problem, [*coarsen(fg, problem.costs, cands, MAX_CUTS), *include],
                          model=model)
-        name = choose(space) if solver == "auto" else solver
+        # A preset's bounded search (max_simulations) is not worth MILP's
+        # proof: its loose bound visits many stored sets (seconds even on a
+        # 70-op graph, tens of seconds where nothing fits).
+        name = choose(space, milp=max_simulations is None) if solver == "auto" else solver
         extra = {"max_simulations": max_simulations} if max_simulations and name == "greedy" else {}
         out = CORES[name](space, budget_bytes, time_limit_s=time_limit_s, **extra)
         if out.evaluation.peak_bytes <= budget_bytes:

@@ -187,8 +187,13 @@ def _spread_expensive(space: Segments, stored: set[int], kept: set[int]) -> froz
     return frozenset(kept)
 
 
-def family(space: Segments) -> list[Decision]:
-    """The budget-independent plans ``greedy`` chooses from (see module docstring)."""
+def family(space: Segments, *, max_plans: int | None = None) -> list[Decision]:
+    """The budget-independent plans ``greedy`` chooses from (see module docstring).
+
+    ``max_plans`` bounds the Pareto search on small problems (a preset's
+    bounded search: on a 60-op graph the default bound is 5,000 plans, and
+    a simulation's fixed cost made that seconds).
+    """
     fg, costs = space.fg, space.costs
     m = len(space.candidates)
     seg_bytes = [sum(costs.tensor_bytes[t] for o in seg for t in fg.ops[o].outputs
@@ -196,6 +201,8 @@ def family(space: Segments) -> list[Decision]:
     small = m <= EXHAUSTIVE_CUTS
     sets = _mode_sets(space, _held_bytes(space))
     cap = max(400, PARETO_SEARCH_OPS // max(1, len(fg.ops)))  # plans, on small problems
+    if max_plans is not None:
+        cap = min(cap, max_plans)
     if small:  # both estimates of the bytes a stored segment holds
         sets = list(dict.fromkeys(sets + _mode_sets(space, _held_bytes(space, io=False))))
         if len(sets) * (m + 1) > cap // 3:
@@ -418,7 +425,7 @@ def greedy(space: Segments, budget_bytes: int, *, time_limit_s: float | None = N
     it has than search long (``'memory'``); the answer then depends on the
     budget in more than its feasible set, and is not monotone.
     """
-    plans = family(space)
+    plans = family(space, max_plans=max_simulations)
     bound = {d: space.turn_bound(d) for d in plans}
     # Cheapest first by (cost, order), the cost known lazily: a plan enters
     # with its lower bound (no schedule) and is re-queued with its cost

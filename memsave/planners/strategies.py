@@ -81,7 +81,7 @@ MIN_SAVING_FRACTION = 0.1
 #: with ``peak_tolerance=`` (0: the lowest peak, then the least time).
 MEMORY_PEAK_TOLERANCE = 0.05
 
-#: Work ``'memory'``'s search for time may take, in simulated ops (plans
+#: Work a preset's ('memory', 'speed') search for time may take, in simulated ops (plans
 #: simulated times the graph's ops: ``greedy``'s ``max_simulations`` is
 #: this over the graph's ops), beyond the candidate plans: under its tight
 #: peak limit most plans do not fit, and simulating them all took 2.5 s of
@@ -90,8 +90,11 @@ MEMORY_PEAK_TOLERANCE = 0.05
 #: its fastest candidate plan.
 MEMORY_SEARCH_OPS = 40_000
 
-#: ``'speed'``'s memory budget, as a fraction of the forecast plain peak
-#: (every byte counted): a generous one, so that the plan recomputes only
+#: ``'speed'``'s memory budget, as a fraction of the forecast plain step's
+#: working memory: its peak (every byte counted) above the bytes every plan
+#: holds (:meth:`Problem.floor`: inputs, weights, their gradients), so that
+#: a model whose weights dominate its peak still gets a plan. A generous
+#: one, so that the plan recomputes only
 #: what is cheap to recompute and the step stays close to plain speed
 #: (issue 19: budget 0.75 within 3% of plain's step on ResNet-110). The
 #: fixed rule 'speed' followed before (keep every convolution's and
@@ -217,8 +220,9 @@ def speed(problem: Problem, *, budget=None, budget_fraction: float = SPEED_BUDGE
 
     The budget solvers (:func:`memsave.planners.budget.solve`, ``solver``
     and ``time_limit_s`` as there) find the plan of least forecast
-    recompute time whose forecast peak (every byte counted) is at most
-    ``budget_fraction`` of plain ``tf.gradients``': typically the
+    recompute time whose forecast peak (every byte counted) above
+    :meth:`Problem.floor` (what every plan holds) is at most
+    ``budget_fraction`` of plain ``tf.gradients``' above it: typically the
     expensive outputs (convolutions, products) kept and the cheap ops after
     them recomputed, where that saves enough, and segments kept whole where
     memory allows. When no plan fits, nothing is kept and the note gives the
@@ -249,19 +253,27 @@ def speed(problem: Problem, *, budget=None, budget_fraction: float = SPEED_BUDGE
     if hopeless:
         return problem.plan("speed", (), {}, note=hopeless + _CHOOSE_YOURSELF.replace(
             "checkpoints='speed'", "checkpoints='memory'"))
+    base = problem.peak(None, model=problem.judge)
+    floor = problem.floor(model=problem.judge)
     try:
-        plan = _budget.solve(problem, float(budget_fraction), solver=solver,
-                             time_limit_s=time_limit_s, api=api, model=problem.judge,
-                             strategy="speed")
+        plan = _budget.solve(problem, floor + int(budget_fraction * max(base - floor, 0)),
+                             solver=solver, time_limit_s=time_limit_s, api=api,
+                             model=problem.judge, strategy="speed",
+                             max_simulations=_search_simulations(problem))
     except MemoryBudgetError as e:
-        base = problem.peak(None, model=problem.judge)
         return problem.plan("speed", (), {}, note=(
-            f"no plan memsave found peaks under budget_fraction={budget_fraction:g} of "
-            f"tf.gradients' forecast peak (every buffer counted; the smallest is "
-            f"{e.min_peak_bytes / max(base, 1):.1%} of it); use checkpoints='memory', or "
-            "memory_budget= with a larger fraction"))
+            f"no plan memsave found holds under budget_fraction={budget_fraction:g} of "
+            f"tf.gradients' forecast working memory (its peak above the {floor:,} bytes "
+            f"every plan holds; the smallest is "
+            f"{(e.min_peak_bytes - floor) / max(base - floor, 1):.1%} of it); use "
+            "checkpoints='memory', or memory_budget="))
     plan = _relabel(problem, plan, "speed")
     return worth_it(problem, plan, min_saving_fraction=min_saving_fraction, who="'speed'")
+
+
+def _search_simulations(problem: Problem) -> int:
+    """How many plans a preset's search for time may simulate (:data:`MEMORY_SEARCH_OPS`)."""
+    return max(1, MEMORY_SEARCH_OPS // max(1, len(problem.fg.ops)))
 
 
 def _relabel(problem: Problem, plan: Plan, name: str, reason: Callable[[int], str] | None = None
@@ -401,7 +413,7 @@ def memory(
         fast = _budget.solve(problem, limit, solver=solver, time_limit_s=time_limit_s, api=api,
                              model=judge, strategy="memory",
                              include=sorted({t for c in within for t in c}),
-                             max_simulations=max(1, MEMORY_SEARCH_OPS // max(1, len(problem.fg.ops))))
+                             max_simulations=_search_simulations(problem))
     except MemoryBudgetError:
         fast = None  # the solvers' candidates cannot reach the limit
     if fast is not None and fast.schedule is not None \
