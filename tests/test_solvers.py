@@ -347,3 +347,29 @@ def test_budget_planner_never_calls_a_budget_memory_meets_infeasible(seed):
             B.solve(problem, 1, api="test")
         assert e.value.min_peak_bytes <= ours
         assert B.solve(Problem(fg), ours, api="test").predicted_peak_bytes <= ours
+
+
+@pytest.mark.slow
+def test_milp_prints_nothing():
+    """HiGHS prints a banner when a process makes its first solver object,
+    before options can silence it: memsave's output stays the user's."""
+    import subprocess
+    import textwrap
+
+    pytest.importorskip("highspy")
+    code = textwrap.dedent("""
+        import random, sys
+        sys.path.insert(0, "tests")
+        import handgraphs as H
+        from memsave.planners import budget as B
+        from memsave.planners.segments import Segments
+        from memsave.problem import Problem
+        p = Segments(Problem(H.chain(6)))
+        out = B.CORES["milp"](p, p.plain.peak_bytes // 2)
+        print("peak", out.evaluation.peak_bytes)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("peak "), run.stdout
+    assert "HiGHS" not in run.stdout + run.stderr, run.stdout

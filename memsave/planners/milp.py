@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import sys
 import time
 
 from memsave.planners.greedy import family, greedy
@@ -80,6 +82,29 @@ def _highspy():
     return highspy
 
 
+def _new_highs(hs):
+    """A silent ``Highs``: the process's first one prints HiGHS' banner to
+    file descriptor 1 before any option can be set, so that one is made with
+    descriptor 1 pointed at the null device."""
+    global _BANNER_SHOWN
+    if _BANNER_SHOWN:
+        return hs.Highs()
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            h = hs.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    _BANNER_SHOWN = True
+    return h
+
+
+_BANNER_SHOWN = False
+
+
 def _certain_ns(space: Segments) -> list[int]:
     """Per segment, a lower bound on the nanoseconds its recomputation takes
     whatever is kept: its ops whose copies run in any schedule (their own
@@ -99,7 +124,7 @@ class _Master:
     def __init__(self, space: Segments, bounds, budget_bytes: float | None) -> None:
         hs = _highspy()
         self.hs = hs
-        h = hs.Highs()
+        h = _new_highs(hs)
         h.setOptionValue("output_flag", False)
         h.setOptionValue("mip_rel_gap", 0.0)
         h.setOptionValue("mip_abs_gap", 0.0)
