@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointError",
     "UnknownStrategyError",
     "MemoryBudgetError",
+    "LoopChoiceError",
 ]
 
 
@@ -59,3 +60,7 @@ class MemoryBudgetError(MemsaveError, ValueError):
     def __init__(self, message: str, min_peak_bytes: int | None = None) -> None:
         super().__init__(message)
         self.min_peak_bytes = min_peak_bytes
+
+
+class LoopChoiceError(MemsaveError, ValueError):
+    """memsave.loops was given something other than a While op and a LoopChoice."""

@@ -1,0 +1,239 @@
+"""Checkpointing inside while_v2 loops: store the loop state, recompute each trip.
+
+A ``tf.while_loop`` (every Keras RNN on CPU, ``tf.scan``, ``tf.map_fn``) is
+one While op to the rest of memsave. Its stock gradient keeps every body
+intermediate the backward body reads, once per trip: memory grows as
+T x (everything one trip keeps). :func:`prepare` changes, for one While op,
+what its gradient keeps:
+
+* ``LoopChoice.plain()``: nothing changes (while_v2's gradient).
+* ``LoopChoice.per_step()``: the forward loop stores only the loop state
+  (the body's inputs that change from trip to trip, the trip counter, and
+  the outputs of ops that must not run twice: random draws, reads of a
+  variable the loop writes); the backward loop recomputes each trip's
+  intermediates from its state, when that trip's gradient arrives.
+* ``LoopChoice.chunk(k)``: the state is stored every k trips only; the
+  backward loop recomputes each chunk of k trips from it, storing the
+  chunk's k states (``inner="per_step"``) or its intermediates
+  (``inner="store"``) for the chunk's backward trips.
+
+Data flow: the planner (or a test) calls ``prepare(op, choice)`` on a While
+op *before* the stock gradient code differentiates it, whether that is the
+original op (a backprop step) or memsave's copy of it (a recompute step);
+``tf.gradients`` then builds the gradient ``prepare`` chose. The mechanism
+(a gradient function of memsave's own, selected per op) is described in
+:mod:`memsave._tf_while`; the memory each choice needs, without
+TensorFlow, in :mod:`memsave.loopmodel`.
+
+Examples
+--------
+>>> out = tf.while_loop(cond, body, [0, h0], maximum_iterations=T)  # doctest: +SKIP
+>>> loop = out[1].op.inputs[0].op  # the While op (through an Identity)  # doctest: +SKIP
+>>> memsave.loops.prepare(loop, LoopChoice.per_step())  # doctest: +SKIP
+>>> grads = tf.gradients(loss, weights)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from memsave import _tf_private, _tf_while
+from memsave.errors import LoopChoiceError
+from memsave.loopmodel import LoopChoice
+
+__all__ = ["LoopChoice", "Prepared", "prepare", "find_loops", "stored_per_trip"]
+
+logger = logging.getLogger(__name__)
+
+#: Trips a prepared loop may run at once in the forward pass. A trip's
+#: work that does not read the loop state (a Keras LSTM's ``x_t @ W``,
+#: 2 MiB at batch 1024 and 128 units) can run ahead of the state by up to
+#: ``parallel_iterations`` trips (Keras sets 32): while_v2 keeps far more
+#: per trip than that, but a loop that keeps only its state would hold 32
+#: trips of it (measured: +36 MiB on a Keras LSTM at T=128, 20% of the
+#: per-step peak). CPU time measured unchanged at 1; override with
+#: ``prepare(..., parallel_iterations=)``.
+FORWARD_PARALLEL_ITERATIONS = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What :func:`prepare` did to a loop.
+
+    Attributes
+    ----------
+    choice : LoopChoice
+        What the caller asked for.
+    applied : LoopChoice
+        What the loop's gradient will do (``plain`` when the request was
+        refused; ``reason`` says why).
+    reason : str
+        Empty, or why ``choice`` was not applied as asked.
+    inner : str or None
+        For a chunked loop: the name of the inner While op (one chunk).
+    """
+
+    choice: LoopChoice
+    applied: LoopChoice
+    reason: str = ""
+    inner: str | None = None
+
+
+def prepare(op: tf.Operation, choice: LoopChoice, *, xs: Sequence | None = None,
+            skip_inputs: Sequence[int] | None = None,
+            parallel_iterations: int = FORWARD_PARALLEL_ITERATIONS) -> Prepared:
+    """Make ``op``'s gradient keep what ``choice`` says (see the module docstring).
+
+    Call it before ``tf.gradients`` differentiates ``op``. It never raises
+    for a loop it cannot handle: it leaves the loop's gradient as it is
+    (``plain``), logs a warning naming the loop and why, and says so in the
+    returned :class:`Prepared`.
+
+    Parameters
+    ----------
+    op : tf.Operation
+        A ``While`` or ``StatelessWhile`` op (while_v2).
+    choice : LoopChoice
+    xs : sequence of tf.Tensor or tf.Variable, optional
+        What the gradient will be taken with respect to. Loop-invariant
+        inputs that depend on none of them (a Keras RNN's input sequence,
+        when the xs are the weights) get no gradient: while_v2 would build
+        one anyway, a T-long TensorList filled trip by trip. None: every
+        input may need one.
+    skip_inputs : sequence of int, optional
+        The same, given directly as input positions of ``op`` (what a
+        planner that knows which inputs carry no gradient passes); only
+        loop-invariant positions are skipped. Overrides ``xs``.
+    parallel_iterations : int
+        Trips the prepared loop may run at once in the forward pass
+        (:data:`FORWARD_PARALLEL_ITERATIONS`).
+
+    Returns
+    -------
+    Prepared
+
+    Raises
+    ------
+    LoopChoiceError
+        ``op`` is not a While op, or ``choice`` is not a LoopChoice.
+    """
+    if not isinstance(op, tf.Operation) or op.type not in _tf_private.WHILE_OP_TYPES:
+        raise LoopChoiceError(
+            f"memsave.loops.prepare: expected a While or StatelessWhile op (while_v2), got "
+            f"{_describe(op)}; pass the op of a tf.while_loop's output (its .op, through any "
+            "Identity), e.g. from memsave.loops.find_loops(tensors)")
+    if not isinstance(choice, LoopChoice):
+        raise LoopChoiceError(
+            f"memsave.loops.prepare: choice={choice!r}; expected a LoopChoice, e.g. "
+            "LoopChoice.per_step() or LoopChoice.chunk(32)")
+    if choice.kind == "plain":
+        return Prepared(choice, choice)
+    refused = _refusal(op, choice)
+    if refused:
+        logger.warning("memsave: loop %s keeps while_v2's gradient (%s requested): %s",
+                       op.name, choice, refused)
+        return Prepared(choice, LoopChoice.plain(), reason=refused)
+    invariant = _tf_while.invariant_positions(op)
+    if skip_inputs is not None:
+        skip = tuple(sorted(j for j in set(skip_inputs) if j in invariant))
+    else:
+        skip = _without_gradient(op, invariant, xs)
+    _tf_while.set_parallel_iterations(op, parallel_iterations)
+    if choice.kind == "per_step":
+        _tf_while.mark(op, mode="per_step", skip=skip)
+        return Prepared(choice, choice)
+    if choice.kind == "chunk":
+        inner = _tf_while.nest_in_chunks(
+            op, choice.k, inner_mode="per_step" if choice.inner == "per_step" else "store",
+            skip=skip)
+        return Prepared(choice, choice, inner=inner.name)
+    raise LoopChoiceError(
+        f"memsave.loops.prepare: choice {choice} is not implemented; use plain, per_step or chunk")
+
+
+def _refusal(op: tf.Operation, choice: LoopChoice) -> str:
+    """Why ``choice`` cannot be applied to ``op`` ('' if it can)."""
+    if _tf_while.marked(op) is not None:
+        return "memsave.loops.prepare was already called on it"
+    if _tf_while.already_differentiated(op):
+        return ("its gradient was already built (its body pushes accumulators); prepare it "
+                "before tf.gradients differentiates it")
+    if _tf_while.function_graphs(op)[1] is None:
+        return "its body function could not be read"
+    return ""
+
+
+def _without_gradient(op: tf.Operation, positions, xs) -> tuple[int, ...]:
+    """Of ``op``'s input ``positions``, those that depend on none of ``xs``.
+
+    Walks back from each input over producers, through the captures of
+    function graphs (a placeholder standing for an outer tensor).
+    """
+    if xs is None:
+        return ()
+    targets = set()
+    for x in xs:
+        if _tf_private.is_resource_variable(x):
+            targets.add(x.handle.ref())
+        elif isinstance(x, tf.Variable):
+            targets.add(tf.convert_to_tensor(x).ref())  # a reference variable's value
+        else:
+            targets.add(x.ref())
+    out = []
+    for j in positions:
+        if j < 2:
+            continue  # the counter and maximum_iterations
+        seen, stack, found = set(), [op.inputs[j]], False
+        while stack and not found:
+            t = stack.pop()
+            if t.ref() in seen:
+                continue
+            seen.add(t.ref())
+            if t.ref() in targets:
+                found = True
+                break
+            if not tf.is_symbolic_tensor(t):
+                continue  # an eager tensor a function captured: a source
+            stack.extend(t.op.inputs)
+            outer = _tf_private.captured_outer(t)
+            if outer is not None:
+                stack.append(outer)
+        if not found:
+            out.append(j)
+    return tuple(out)
+
+
+def find_loops(tensors: Sequence[tf.Tensor]) -> list[tf.Operation]:
+    """The While ops ``tensors`` depend on, in the graph the tensors live in
+    (not inside function or loop bodies), in creation order."""
+    seen, loops = set(), []
+    stack = [t.op for t in tensors]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op.type in _tf_private.WHILE_OP_TYPES:
+            loops.append(op)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    return sorted(loops, key=_tf_private.op_creation_index)
+
+
+def stored_per_trip(op: tf.Operation) -> list[tf.Tensor]:
+    """The forward-body tensors ``op`` pushes onto an accumulator each trip
+    (``TensorListPushBack`` items), after its gradient was built: for a loop
+    prepared per step, the state, the counter and what must not run twice."""
+    body = _tf_while.function_graphs(op)[1]
+    pushes = [o.op for o in body.outputs if o.op.type == "TensorListPushBack"]
+    return [p.inputs[1] for p in pushes]
+
+
+def _describe(value) -> str:
+    if isinstance(value, tf.Operation):
+        return f"op {value.name!r} of type {value.type}"
+    return f"{type(value).__name__} {value!r}"
