@@ -189,6 +189,12 @@ def is_recomputable(op: tf.Operation) -> bool:
     return all(_fdef_read_only(f, op.graph) for f in fdefs)
 
 
+def runs_once(op: tf.Operation) -> bool:
+    """Whether running ``op`` again would give another value or repeat an
+    effect (a random draw, an assignment): stateful and not a read of state."""
+    return op.type not in READ_ONLY_STATEFUL_TYPES and not is_recomputable(op)
+
+
 def custom_gradient_arguments(op: tf.Operation, node_def=None) -> tuple[int, ...] | None:
     """Input positions of a ``tf.custom_gradient``'s arguments, or None for other ops.
 

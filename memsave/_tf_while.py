@@ -560,9 +560,10 @@ def nest_in_chunks(op: tf.Operation, steps: int, *, inner_mode: str,
             func_graph=util.WhileBodyFuncGraph(name),
             add_control_dependencies=op.graph._add_control_dependencies)
     # Pass invariants through as the same tensor, as while_v2's bodies do
-    # (its gradient recognises loop invariants that way).
+    # (its gradient recognises loop invariants that way); the limit too (the
+    # inner loop's start reads it: an invariant is not stored per chunk).
     outputs = list(chunked.outputs)
-    for j in invariant:
+    for j in invariant | {1}:
         outputs[j] = chunked.inputs[j]
     chunked.outputs = outputs
     op._set_func_attr("body", util.create_new_tf_function(chunked))

@@ -272,11 +272,12 @@ def _read_body(op: tf.Operation, cache: dict) -> tuple[Body | None, GradientUse 
     read = cache[key]
     if read is None:
         return None, None
-    fg, saved, stored, reads_inputs, reads_outputs, invariant = read
+    fg, saved, stored, reads_inputs, reads_outputs, invariant, state, kept = read
     loop = op.type in _tf_private.WHILE_OP_TYPES
     trips, known = (_while_trips(op) if loop else (1, True))
     body = Body(fg=fg, trips=trips, trips_known=known, saved=saved, stored=stored, loop=loop,
-                invariant=invariant)
+                invariant=invariant, state=state if loop else (), kept=kept if loop else (),
+                read_lists_B=_read_lists_bytes(op, invariant) if loop else 0)
     gradient = GradientUse(
         reads_inputs=reads_inputs, reads_outputs=() if loop else reads_outputs,
         aliases=(None,) * len(op.inputs),
@@ -324,7 +325,7 @@ def _read_function(op: tf.Operation, cache: dict):
         else:
             out_root.setdefault(r, k)
     saved, reads_inputs, reads_outputs = {}, set(), set()
-    stored = {}
+    stored, kept = {}, {}
     for node in fg.ops:
         use = node.gradient
         if use is not None:
@@ -349,6 +350,8 @@ def _read_function(op: tf.Operation, cache: dict):
             if tn.kind != "internal":
                 j = position.get(r)
                 if j is None:
+                    if loop and _tf_private.runs_once(sub.tensors[r].op):
+                        kept[r] = r  # a random draw's value: kept each trip
                     continue
                 if not loop or j in invariant:
                     reads_inputs.add(j)
@@ -361,14 +364,42 @@ def _read_function(op: tf.Operation, cache: dict):
             else:
                 saved[r] = r
         j = LIST_WRITE_ITEM.get(node.type)
-        if loop and j is not None and j < len(node.inputs):
+        if loop and j is not None and j < len(node.inputs) and not (
+                node.type == "TensorListSetItem" and fg.tensors[node.inputs[1]].constant):
+            # (A SetItem at a constant index overwrites one item: a Keras
+            # RNN without return_sequences writes each output at index 0.)
             r = root(node.inputs[j])
             if fg.tensors[r].kind == "internal":
                 stored[r] = r
     saved_ids = tuple(sorted(dict.fromkeys(saved.values())))
     stored_ids = tuple(sorted(r for r in stored if r not in set(saved_ids)))
+    # The loop state (what a per-step gradient stores) and what must not be
+    # computed twice (read by the gradient, made by a random draw).
+    state = tuple(sorted(i for i, j in position.items()
+                         if loop and j not in invariant and fg.tensors[i].dtype not in ("resource", "variant")))
     return (fg, saved_ids, stored_ids, tuple(sorted(reads_inputs)), tuple(sorted(reads_outputs)),
-            tuple(sorted(invariant)))
+            tuple(sorted(invariant)), state, tuple(sorted(kept)))
+
+
+
+def _read_lists_bytes(op: tf.Operation, invariant) -> int:
+    """Bytes of the TensorLists a While passes through that were unstacked
+    from a tensor (``TensorListFromTensor``): the items its body reads."""
+    total = 0
+    for j in invariant:
+        t = op.inputs[j]
+        while t.dtype == tf.variant:
+            if t.op.type == "TensorListFromTensor":
+                total += _size(t.op.inputs[0])[0]
+                break
+            if t.op.type == "Identity":
+                t = t.op.inputs[0]
+                continue
+            outer = _tf_private.captured_outer(t)
+            if outer is None or not tf.is_symbolic_tensor(outer):
+                break
+            t = outer
+    return total
 
 
 def _while_trips(op: tf.Operation) -> tuple[int, bool]:

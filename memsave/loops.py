@@ -45,7 +45,7 @@ from memsave import _tf_private, _tf_while
 from memsave.errors import LoopChoiceError
 from memsave.loopmodel import LoopChoice
 
-__all__ = ["LoopChoice", "Prepared", "prepare", "find_loops", "stored_per_trip"]
+__all__ = ["LoopChoice", "Prepared", "prepare", "find_loops", "accumulators"]
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,14 @@ def prepare(op: tf.Operation, choice: LoopChoice, *, xs: Sequence | None = None,
         _tf_while.mark(op, mode="per_step", skip=skip)
         return Prepared(choice, choice)
     if choice.kind == "chunk":
+        once = _runs_once(op)
+        if once is not None:
+            reason = (f"chunk(k) would run the trips of a chunk again, and its body has "
+                      f"{once.type} op {once.name!r}, whose effect or value must not repeat; "
+                      "stored per step instead")
+            logger.warning("memsave: loop %s: %s", op.name, reason)
+            _tf_while.mark(op, mode="per_step", skip=skip)
+            return Prepared(choice, LoopChoice.per_step(), reason=reason)
         inner = _tf_while.nest_in_chunks(
             op, choice.k, inner_mode="per_step" if choice.inner == "per_step" else "store",
             skip=skip)
@@ -167,14 +175,25 @@ def _refusal(op: tf.Operation, choice: LoopChoice) -> str:
     return ""
 
 
+def _runs_once(op: tf.Operation) -> tf.Operation | None:
+    """An op of ``op``'s body that must not run twice (a random draw, an
+    assignment), or None. Reads of variables may run again."""
+    body = _tf_while.function_graphs(op)[1]
+    return next((inner for inner in body.get_operations() if _tf_private.runs_once(inner)), None)
+
+
 def _without_gradient(op: tf.Operation, positions, xs) -> tuple[int, ...]:
     """Of ``op``'s input ``positions``, those that depend on none of ``xs``.
 
     Walks back from each input over producers, through the captures of
-    function graphs (a placeholder standing for an outer tensor).
+    function graphs (a placeholder standing for an outer tensor). An
+    argument of a function other than the caller's graph (the default
+    graph, where the xs are read) stands for a value of some call op's
+    caller, not known here: it may depend on an x.
     """
     if xs is None:
         return ()
+    home = tf.compat.v1.get_default_graph()
     targets = set()
     for x in xs:
         if _tf_private.is_resource_variable(x):
@@ -202,15 +221,24 @@ def _without_gradient(op: tf.Operation, positions, xs) -> tuple[int, ...]:
             outer = _tf_private.captured_outer(t)
             if outer is not None:
                 stack.append(outer)
+            elif t.op.type == "Placeholder" and t.graph is not home:
+                found = True  # an argument of a called function
+                break
         if not found:
             out.append(j)
     return tuple(out)
 
 
-def find_loops(tensors: Sequence[tf.Tensor]) -> list[tf.Operation]:
-    """The While ops ``tensors`` depend on, in the graph the tensors live in
-    (not inside function or loop bodies), in creation order."""
-    seen, loops = set(), []
+def find_loops(tensors: Sequence[tf.Tensor], *, nested: bool = False) -> list[tf.Operation]:
+    """The While ops ``tensors`` depend on, in creation order.
+
+    With ``nested=False``, those of the graph the tensors live in. With
+    ``nested=True`` also the loops inside the functions those ops call
+    (PartitionedCall, StatefulPartitionedCall, While bodies), each listed
+    after the op that runs it: :func:`prepare` handles them too, when called
+    before the gradient of the op that runs them is built.
+    """
+    seen, found = set(), []
     stack = [t.op for t in tensors]
     while stack:
         op = stack.pop()
@@ -218,19 +246,51 @@ def find_loops(tensors: Sequence[tf.Tensor]) -> list[tf.Operation]:
             continue
         seen.add(op)
         if op.type in _tf_private.WHILE_OP_TYPES:
-            loops.append(op)
+            found.append(op)
         stack.extend(t.op for t in op.inputs)
         stack.extend(op.control_inputs)
-    return sorted(loops, key=_tf_private.op_creation_index)
+    found.sort(key=_tf_private.op_creation_index)
+    if not nested:
+        return found
+    out = []
+    for op in found:
+        out.append(op)
+        out.extend(_inner_loops(op))
+    for op in sorted(seen, key=_tf_private.op_creation_index):
+        if op.type in _tf_private.CALL_OP_TYPES:
+            out.extend(_inner_loops(op))
+    return out
 
 
-def stored_per_trip(op: tf.Operation) -> list[tf.Tensor]:
-    """The forward-body tensors ``op`` pushes onto an accumulator each trip
-    (``TensorListPushBack`` items), after its gradient was built: for a loop
-    prepared per step, the state, the counter and what must not run twice."""
+def _inner_loops(op: tf.Operation) -> list[tf.Operation]:
+    """While ops in the functions ``op`` runs (recursively), creation order."""
+    out, stack, seen = [], [op], set()
+    while stack:
+        outer = stack.pop()
+        func = _tf_private.body_graph(outer)
+        if func is None or id(func) in seen:
+            continue
+        seen.add(id(func))
+        for inner in func.get_operations():
+            if inner.type in _tf_private.WHILE_OP_TYPES:
+                out.append(inner)
+                stack.append(inner)
+            elif inner.type in _tf_private.CALL_OP_TYPES:
+                stack.append(inner)
+    return out
+
+
+def accumulators(op: tf.Operation) -> list[tuple[tf.Tensor, tf.Tensor]]:
+    """What ``op`` pushes onto a TensorList each trip, once its gradient is built.
+
+    Returns (body tensor pushed each trip, output of ``op`` holding every
+    trip's entry) pairs, in the body's output order. For a loop prepared per
+    step: the state, the counter and the values that must not be computed
+    twice; for a chunked loop: the state at the start of each chunk.
+    """
     body = _tf_while.function_graphs(op)[1]
-    pushes = [o.op for o in body.outputs if o.op.type == "TensorListPushBack"]
-    return [p.inputs[1] for p in pushes]
+    return [(out.op.inputs[1], op.outputs[j]) for j, out in enumerate(body.outputs)
+            if out.op.type == "TensorListPushBack" and j < len(op.outputs)]
 
 
 def _describe(value) -> str:
