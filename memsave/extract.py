@@ -189,7 +189,8 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
         outputs = tuple(tensor_id(t) for t in op.outputs)
         body, gradient = None, None
         if op.type in _tf_private.CALL_OP_TYPES or op.type in _tf_private.WHILE_OP_TYPES:
-            body, gradient = _read_body(op, bodies)
+            external = frozenset(j for j, t in enumerate(inputs) if nodes[t].kind == "external")
+            body, gradient = _read_body(op, bodies, external)
         if gradient is None:
             gradient = _gradient_use(op, node_def)
         op_nodes.append(OpNode(
@@ -249,8 +250,12 @@ _COUNTER_COMPARISONS = {"Less": 0, "LessEqual": 1}
 UNKNOWN_TRIPS = 1
 
 
-def _read_body(op: tf.Operation, cache: dict) -> tuple[Body | None, GradientUse | None]:
+def _read_body(op: tf.Operation, cache: dict, external: frozenset = frozenset()
+               ) -> tuple[Body | None, GradientUse | None]:
     """The Body of a call or While, and what the op's gradient reads.
+
+    ``external``: positions of the op's inputs that carry no gradient in
+    the enclosing graph (a loop's ``no_gradient`` when it passes them through).
 
     What the gradient keeps is read from the body's own ops, by the rules
     TensorFlow follows when it differentiates a function call (the forward
@@ -272,12 +277,15 @@ def _read_body(op: tf.Operation, cache: dict) -> tuple[Body | None, GradientUse 
     read = cache[key]
     if read is None:
         return None, None
-    fg, saved, stored, reads_inputs, reads_outputs, invariant, state, kept = read
+    fg, saved, stored, reads_inputs, reads_outputs, invariant, state, kept, input_ids = read
     loop = op.type in _tf_private.WHILE_OP_TYPES
     trips, known = (_while_trips(op) if loop else (1, True))
+    no_gradient = tuple(sorted(input_ids[j] for j in invariant
+                               if j in external and input_ids[j] is not None)) if loop else ()
     body = Body(fg=fg, trips=trips, trips_known=known, saved=saved, stored=stored, loop=loop,
                 invariant=invariant, state=state if loop else (), kept=kept if loop else (),
-                read_lists_B=_read_lists_bytes(op, invariant) if loop else 0)
+                read_lists_B=_read_lists_bytes(op, invariant) if loop else 0,
+                no_gradient=no_gradient)
     gradient = GradientUse(
         reads_inputs=reads_inputs, reads_outputs=() if loop else reads_outputs,
         aliases=(None,) * len(op.inputs),
@@ -377,8 +385,11 @@ def _read_function(op: tf.Operation, cache: dict):
     # computed twice (read by the gradient, made by a random draw).
     state = tuple(sorted(i for i, j in position.items()
                          if loop and j not in invariant and fg.tensors[i].dtype not in ("resource", "variant")))
+    input_ids = [None] * len(inputs)
+    for i, j in position.items():
+        input_ids[j] = i
     return (fg, saved_ids, stored_ids, tuple(sorted(reads_inputs)), tuple(sorted(reads_outputs)),
-            tuple(sorted(invariant)), state, tuple(sorted(kept)))
+            tuple(sorted(invariant)), state, tuple(sorted(kept)), tuple(input_ids))
 
 
 

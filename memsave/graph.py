@@ -208,6 +208,11 @@ class Body:
         Bytes of the TensorLists the loop reads items from and passes
         through (a Keras RNN's unstacked input sequence): a gradient that
         recomputes trips reads them again, so they stay alive until it runs.
+    no_gradient : tuple of int
+        Body tensor ids of loop-invariant inputs whose gradient nobody reads
+        (their outer tensors carry none): its per-trip sum is not computed
+        (Grappler drops it from while_v2's gradient loop; memsave.loops
+        does not build it).
     """
 
     fg: "ForwardGraph"
@@ -220,6 +225,7 @@ class Body:
     state: tuple[int, ...] = ()
     kept: tuple[int, ...] = ()
     read_lists_B: int = 0
+    no_gradient: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import TYPE_CHECKING, Literal
 
 from memsave.errors import LoopChoiceError
@@ -167,9 +168,9 @@ def figures(body: "Body", choice: LoopChoice, allocator: "Allocator") -> "BodyFi
     """
     from memsave import simulate  # noqa: PLC0415 - the simulator imports this module
 
-    plain = simulate._body_figures(body, allocator)  # pylint: disable=protected-access
     if not body.loop:
-        return plain
+        return simulate._body_figures(body, allocator)  # pylint: disable=protected-access
+    plain = simulate._body_figures(_differentiated(body), allocator)  # pylint: disable=protected-access
     per = trip_bytes(body, allocator)
     trips = body.trips
     if choice.kind == "plain":
@@ -206,6 +207,26 @@ def _start_B(per: TripBytes, saved_B: int) -> int:
     transient is what 2 L exceeds ``saved_B`` by.
     """
     return max(0, 2 * per.read_lists_B - saved_B)
+
+
+_differentiated_bodies: "weakref.WeakKeyDictionary[Body, Body]" = weakref.WeakKeyDictionary()
+
+
+def _differentiated(body: "Body") -> "Body":
+    """``body`` with its ``no_gradient`` inputs out of its xs: the body as
+    its gradient runs (no per-trip gradient of a loop's input sequence, a
+    constant it reads by index, ...). Cached per body."""
+    if not body.no_gradient:
+        return body
+    found = _differentiated_bodies.get(body)
+    if found is None:
+        skip = set(body.no_gradient)
+        # (the body passes them through: they are outputs too, whose
+        # incoming gradient would be a buffer of their size)
+        fg = dataclasses.replace(body.fg, xs=tuple(x for x in body.fg.xs if x not in skip),
+                                 ys=tuple(y for y in body.fg.ys if y not in skip))
+        found = _differentiated_bodies[body] = dataclasses.replace(body, fg=fg)
+    return found
 
 
 def recomputed_trips(body: "Body", choice: LoopChoice) -> int:
