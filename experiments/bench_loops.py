@@ -93,7 +93,15 @@ def _choice(method, body):
 
 
 def _gradients(loss, weights, method, report):
-    """Forecast ``method``'s step, prepare the loops, return tf.gradients."""
+    """Forecast ``method``'s step, prepare the loops, return tf.gradients
+    (not converted by autograph: plain Python over the traced graph)."""
+    import tensorflow as tf
+
+    return tf.autograph.experimental.do_not_convert(_gradients_unconverted)(
+        loss, weights, method, report)
+
+
+def _gradients_unconverted(loss, weights, method, report):
     import tensorflow as tf
 
     from memsave import _tf_private, loops

@@ -41,8 +41,10 @@ The gradient function is everything ``_WhileGrad`` does, with that graph
 class, a trip count and a list size of memsave's choosing (needed by the
 chunked loops below). It is registered under :data:`GRADIENT_OP_TYPE` and
 selected per op by the ``_gradient_op_type`` attr, which TensorFlow's
-``ops.get_gradient_function`` reads before the op type, and which survives
-copies of the op and FunctionDef round trips (a Python attribute would not).
+``ops.get_gradient_function`` reads before the op type (after the op's
+Python-side ``_gradient_function``, which while_v2 does not set), and which
+survives copies of the op and FunctionDef round trips (a Python attribute
+would not). The registration happens when the first op is marked.
 
 k-step chunks
 -------------
@@ -107,6 +109,7 @@ _uid = itertools.count()
 def mark(op: tf.Operation, *, mode: str, steps: int = 1, bound: int = 0,
          skip: tuple[int, ...] = ()) -> None:
     """Give ``op`` memsave's gradient (see the module docstring)."""
+    _register()
     op._set_attr("_gradient_op_type", attr_value_pb2.AttrValue(s=GRADIENT_OP_TYPE.encode()))  # pylint: disable=protected-access
     op._set_attr(MODE_ATTR, attr_value_pb2.AttrValue(s=mode.encode()))  # pylint: disable=protected-access
     op._set_attr(STEPS_ATTR, attr_value_pb2.AttrValue(i=steps))  # pylint: disable=protected-access
@@ -152,7 +155,15 @@ def already_differentiated(op: tf.Operation) -> bool:
         return False
 
 
-@ops.RegisterGradient(GRADIENT_OP_TYPE)
+def _register() -> None:
+    """Register :func:`_marked_gradient` under :data:`GRADIENT_OP_TYPE` (once,
+    when the first op is marked: importing memsave changes nothing in TF)."""
+    try:
+        ops._gradient_registry.lookup(GRADIENT_OP_TYPE)  # pylint: disable=protected-access
+    except LookupError:
+        ops.RegisterGradient(GRADIENT_OP_TYPE)(_marked_gradient)
+
+
 def _marked_gradient(op, *grads):
     mode, steps, bound, skip = marked(op)
     return recomputing_gradient(op, grads, recompute=mode == "per_step", steps=steps, bound=bound,

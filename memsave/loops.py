@@ -83,6 +83,7 @@ class Prepared:
     inner: str | None = None
 
 
+@tf.autograph.experimental.do_not_convert
 def prepare(op: tf.Operation, choice: LoopChoice, *, xs: Sequence | None = None,
             skip_inputs: Sequence[int] | None = None,
             parallel_iterations: int = FORWARD_PARALLEL_ITERATIONS) -> Prepared:
@@ -132,7 +133,7 @@ def prepare(op: tf.Operation, choice: LoopChoice, *, xs: Sequence | None = None,
             "LoopChoice.per_step() or LoopChoice.chunk(32)")
     if choice.kind == "plain":
         return Prepared(choice, choice)
-    refused = _refusal(op, choice)
+    refused = _refusal(op)
     if refused:
         logger.warning("memsave: loop %s keeps while_v2's gradient (%s requested): %s",
                        op.name, choice, refused)
@@ -155,23 +156,32 @@ def prepare(op: tf.Operation, choice: LoopChoice, *, xs: Sequence | None = None,
             logger.warning("memsave: loop %s: %s", op.name, reason)
             _tf_while.mark(op, mode="per_step", skip=skip)
             return Prepared(choice, LoopChoice.per_step(), reason=reason)
-        inner = _tf_while.nest_in_chunks(
-            op, choice.k, inner_mode="per_step" if choice.inner == "per_step" else "store",
-            skip=skip)
+        try:
+            inner = _tf_while.nest_in_chunks(
+                op, choice.k, inner_mode="per_step" if choice.inner == "per_step" else "store",
+                skip=skip)
+        except Exception as e:  # noqa: BLE001 - the loop is left as it was: stored per step
+            reason = (f"its body could not be nested in chunks ({type(e).__name__}: {e}); "
+                      "stored per step instead. This is a bug in memsave: please report it")
+            logger.warning("memsave: loop %s: %s", op.name, reason)
+            _tf_while.mark(op, mode="per_step", skip=skip)
+            return Prepared(choice, LoopChoice.per_step(), reason=reason)
         return Prepared(choice, choice, inner=inner.name)
     raise LoopChoiceError(
         f"memsave.loops.prepare: choice {choice} is not implemented; use plain, per_step or chunk")
 
 
-def _refusal(op: tf.Operation, choice: LoopChoice) -> str:
-    """Why ``choice`` cannot be applied to ``op`` ('' if it can)."""
+def _refusal(op: tf.Operation) -> str:
+    """Why ``op``'s gradient cannot be changed ('' if it can)."""
     if _tf_while.marked(op) is not None:
         return "memsave.loops.prepare was already called on it"
+    try:
+        _tf_while.function_graphs(op)
+    except Exception as e:  # noqa: BLE001 - a loop that cannot be read keeps its gradient
+        return f"its body function could not be read ({type(e).__name__}: {e})"
     if _tf_while.already_differentiated(op):
         return ("its gradient was already built (its body pushes accumulators); prepare it "
                 "before tf.gradients differentiates it")
-    if _tf_while.function_graphs(op)[1] is None:
-        return "its body function could not be read"
     return ""
 
 
@@ -229,6 +239,7 @@ def _without_gradient(op: tf.Operation, positions, xs) -> tuple[int, ...]:
     return tuple(out)
 
 
+@tf.autograph.experimental.do_not_convert
 def find_loops(tensors: Sequence[tf.Tensor], *, nested: bool = False) -> list[tf.Operation]:
     """The While ops ``tensors`` depend on, in creation order.
 
@@ -280,6 +291,7 @@ def _inner_loops(op: tf.Operation) -> list[tf.Operation]:
     return out
 
 
+@tf.autograph.experimental.do_not_convert
 def accumulators(op: tf.Operation) -> list[tuple[tf.Tensor, tf.Tensor]]:
     """What ``op`` pushes onto a TensorList each trip, once its gradient is built.
 
