@@ -72,6 +72,9 @@ CASES = ("keras", "while", "scan")
 CASE_MODES = {"keras": ("function",), "while": ("session", "function"), "scan": ("session", "function")}
 KERAS_T = (128, 512, 1024)
 LOOP_T = 1000
+#: Peaks within this fraction of the smallest count as the smallest (the
+#: fastest of them is "the smallest peak's" step time).
+SAME_PEAK = 0.02
 #: Seconds a fresh measuring process may take.
 TIMEOUT_S = 1800
 
@@ -428,12 +431,16 @@ def _targets(rows, keras, exponents) -> None:
     longest = max((r["T"] for r in keras), default=None)
     if longest is not None:
         at = [r for r in keras if r["T"] == longest and r["method"] != "plain"]
-        best = min(at, key=lambda r: r["peak_ratio"])
+        smallest = min(r["peak_ratio"] for r in at)
+        # Of the methods within SAME_PEAK of the smallest peak, the fastest.
+        tied = [r for r in at if r["peak_ratio"] <= smallest * (1 + SAME_PEAK)]
+        best = min(tied, key=lambda r: r["cpu_ratio"] if r["cpu_ratio"] is not None else math.inf)
         line(best["peak_ratio"] <= 0.15, f"best <= 0.15x at T={longest}: {best['method']} "
              f"{best['peak_ratio']:.3f}")
         if best["cpu_ratio"] is not None:
             line(best["cpu_ratio"] <= 1.6, f"step time <= 1.6x at the smallest peak ({best['method']},"
-                 f" T={longest}): CPU ratio {best['cpu_ratio']:.2f}")
+                 f" T={longest}; peaks within {SAME_PEAK:.0%} count as one): CPU ratio "
+                 f"{best['cpu_ratio']:.2f}")
     for case in ("while", "scan"):
         for r in rows:
             if r["case"] == case and r["method"] != "plain" and "peak_ratio" in r:

@@ -83,6 +83,7 @@ __all__ = [
     "function_graphs",
     "invariant_positions",
     "set_parallel_iterations",
+    "read_sequences_in_place",
 ]
 
 #: The ``_gradient_op_type`` of a While op memsave differentiates.
@@ -550,6 +551,123 @@ def _import_functions(op: tf.Operation, graph) -> None:
                     graph._add_function_recursive(fn)  # pylint: disable=protected-access
                     break
                 g = getattr(g, "outer_graph", None)
+
+
+# -- reading the input sequence in place -----------------------------------------
+
+def read_sequences_in_place(op: tf.Operation, positions) -> tuple[int, ...]:
+    """Make ``op``'s body read items of its input sequences from the tensors
+    they were unstacked from; return the new input positions of those tensors.
+
+    A Keras RNN unstacks its input into a TensorList before the loop
+    (``TensorListFromTensor(transpose(x, [1, 0, 2]))``, tf.scan and map_fn
+    ``TensorListFromTensor(elems)``) and its body reads trip t's item
+    (``TensorListGetItem``). The list is a copy of the input (and the
+    transpose another): a loop that stores only its state still holds it
+    until its gradient, and building it holds two copies at the start of the
+    step. For each loop-invariant input at ``positions`` (inputs nobody needs
+    a gradient of) that is such a list, read only by ``TensorListGetItem``,
+    the body reads ``gather(x, t, axis)`` from the source tensor instead (a
+    new loop input), and the op gets a list of unset items in the list's
+    place (nothing then computes the copies). Rewrites ``op`` in place.
+    """
+    # pylint: disable=protected-access
+    cond_graph, body_graph = function_graphs(op)
+    found = []
+    for j in positions:
+        source = _unstacked_source(op.inputs[j])
+        if source is None:
+            continue
+        x, axis, perm = source
+        placeholder = body_graph.inputs[j]
+        reads = [c for c in placeholder.consumers()]
+        if not reads or any(c.type != "TensorListGetItem" or c.inputs[0] is not placeholder
+                            for c in reads):
+            continue
+        if any(c.graph is cond_graph for c in cond_graph.inputs[j].consumers()):
+            continue  # the cond reads the list
+        found.append((j, x, axis, perm, reads))
+    if not found:
+        return ()
+    new_positions = []
+    for j, x, axis, perm, reads in found:
+        with body_graph.as_default():
+            x_in = body_graph.capture(x)
+            for read in reads:
+                with ops.name_scope(None), ops.name_scope(read.name + "_in_place"):
+                    item = tf.gather(x_in, read.inputs[1], axis=axis)
+                    if perm is not None:
+                        item = tf.transpose(item, perm)
+                    item.set_shape(read.outputs[0].shape)
+                _replace_uses(read.outputs[0], item, body_graph)
+        body_graph.outputs.append(x_in)
+        with cond_graph.as_default():
+            cond_graph.capture(x)
+        new_positions.append(len(op.inputs) + len(new_positions))
+    suffix = f"_memsave{next(_uid)}"
+    cond_graph.name += suffix
+    body_graph.name += suffix
+    added = [x for _, x, _, _, _ in found]
+    op._set_func_attr("cond", util.create_new_tf_function(cond_graph))
+    op._set_func_attr("body", util.create_new_tf_function(body_graph))
+    op._set_type_list_attr("T", body_graph.output_types)
+    op._set_shape_list_attr("output_shapes", body_graph.output_shapes)
+    op._add_while_inputs(added)
+    op._add_outputs([x.dtype for x in added], [x.shape for x in added])
+    op._set_attr("_num_original_outputs", attr_value_pb2.AttrValue(i=len(op.outputs)))
+    op._cond_graph, op._body_graph = cond_graph, body_graph
+    with op.graph.as_default(), util.clear_control_inputs():
+        for j, x, axis, _, _ in found:
+            # Unset items: read (by an op TensorFlow did not prune) as zeros.
+            shape = _item_shape(op.inputs[j])
+            length = tf.shape(x, out_type=tf.int32)[axis]
+            _tf_private.update_input(op, j, list_ops.tensor_list_reserve(
+                shape, length, element_dtype=x.dtype, name="unread_sequence"))
+    return tuple(new_positions)
+
+
+def _unstacked_source(t):
+    """(x, axis, perm) when ``t`` is ``TensorListFromTensor`` of ``x`` or of
+    ``transpose(x, p)``: item i is ``gather(x, i, axis)``, transposed by
+    ``perm`` (None: no transpose). Else None."""
+    while t.op.type == "Identity":
+        t = t.op.inputs[0]
+    if t.dtype != tf.variant or t.op.type != "TensorListFromTensor":
+        return None
+    x = t.op.inputs[0]
+    if x.shape.rank is None or x.shape.rank < 1:
+        return None
+    if x.op.type != "Transpose":
+        return x, 0, None
+    p = tf.get_static_value(x.op.inputs[1])
+    src = x.op.inputs[0]
+    if p is None or src.shape.rank != len(p):
+        return x, 0, None
+    p = [int(v) for v in p]
+    axis = p[0]
+    rest = [d for d in range(len(p)) if d != axis]
+    perm = [rest.index(d) for d in p[1:]]
+    return src, axis, None if perm == sorted(perm) else perm
+
+
+def _item_shape(list_tensor):
+    data = handle_data_util.get_resource_handle_data(list_tensor)
+    if data.is_set and len(data.shape_and_type) == 1:
+        shape = tf.TensorShape(data.shape_and_type[0].shape)
+        if shape.rank is not None:
+            return [-1 if d is None else d for d in shape.as_list()]
+    return -1
+
+
+def _replace_uses(old, new, graph) -> None:
+    """Make every reader of ``old`` in ``graph`` (and its outputs) read ``new``."""
+    for consumer in old.consumers():
+        if consumer is new.op:
+            continue
+        for i, t in enumerate(consumer.inputs):
+            if t is old:
+                _tf_private.update_input(consumer, i, new)
+    graph.outputs = [new if t is old else t for t in graph.outputs]
 
 
 # -- k-step chunks ---------------------------------------------------------------

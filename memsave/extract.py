@@ -284,7 +284,8 @@ def _read_body(op: tf.Operation, cache: dict, external: frozenset = frozenset()
                                if j in external and input_ids[j] is not None)) if loop else ()
     body = Body(fg=fg, trips=trips, trips_known=known, saved=saved, stored=stored, loop=loop,
                 invariant=invariant, state=state if loop else (), kept=kept if loop else (),
-                read_lists_B=_read_lists_bytes(op, invariant) if loop else 0,
+                read_lists_B=_read_lists_bytes(op, [j for j in invariant if j not in external])
+                if loop else 0,
                 no_gradient=no_gradient)
     gradient = GradientUse(
         reads_inputs=reads_inputs, reads_outputs=() if loop else reads_outputs,
@@ -395,7 +396,9 @@ def _read_function(op: tf.Operation, cache: dict):
 
 def _read_lists_bytes(op: tf.Operation, invariant) -> int:
     """Bytes of the TensorLists a While passes through that were unstacked
-    from a tensor (``TensorListFromTensor``): the items its body reads."""
+    from a tensor (``TensorListFromTensor``): the items its body reads.
+    (Those that carry no gradient are not counted: a loop memsave prepares
+    reads their items from the source tensor, memsave.loops.prepare.)"""
     total = 0
     for j in invariant:
         t = op.inputs[j]

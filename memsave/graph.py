@@ -206,8 +206,10 @@ class Body:
         whatever the choice.
     read_lists_B : int
         Bytes of the TensorLists the loop reads items from and passes
-        through (a Keras RNN's unstacked input sequence): a gradient that
-        recomputes trips reads them again, so they stay alive until it runs.
+        through (a Keras RNN's unstacked input sequence) that need a
+        gradient: a gradient that recomputes trips reads them again, so they
+        stay alive until it runs. (Lists that need none are not counted: a
+        prepared loop reads their items from the tensor they were made of.)
     no_gradient : tuple of int
         Body tensor ids of loop-invariant inputs whose gradient nobody reads
         (their outer tensors carry none): its per-trip sum is not computed

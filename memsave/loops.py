@@ -144,6 +144,7 @@ def prepare(op: tf.Operation, choice: LoopChoice, *, xs: Sequence | None = None,
     else:
         skip = _without_gradient(op, invariant, xs)
     _tf_while.set_parallel_iterations(op, parallel_iterations)
+    skip += _tf_while.read_sequences_in_place(op, skip)
     if choice.kind == "per_step":
         _tf_while.mark(op, mode="per_step", skip=skip)
         return Prepared(choice, choice)
