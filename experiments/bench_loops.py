@@ -297,17 +297,24 @@ def _plot(rows, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    lengths = set()
     for method in METHODS:
-        pts = sorted((r["T"], r["peak_above_B"] / MiB) for r in rows
-                     if r["case"] == "keras" and r["method"] == method and "peak_above_B" in r)
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=method)
+        done = sorted((r["T"], r["peak_above_B"] / MiB, r["forecast_above_B"] / MiB) for r in rows
+                      if r["case"] == "keras" and r["method"] == method and "peak_above_B" in r)
+        if done:
+            lengths.update(t for t, _, _ in done)
+            line, = ax.plot([t for t, _, _ in done], [p for _, p, _ in done], marker="o",
+                            label=f"{method} (measured)")
+            ax.plot([t for t, _, _ in done], [f for _, _, f in done], linestyle="--",
+                    color=line.get_color(), label=f"{method} (forecast)")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_xticks(sorted(lengths), [str(t) for t in sorted(lengths)])
+    ax.minorticks_off()
     ax.set_xlabel("sequence length T")
     ax.set_ylabel("peak above resident (MiB)")
     ax.set_title("Keras LSTM(128) + Dense(10), batch 1024, one step")
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
