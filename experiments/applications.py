@@ -222,8 +222,8 @@ def child(a) -> dict:
         else:
             p = memsave.plan(loss, variables, **kwargs)
             plan_box.update(steps=len(p.steps), recomputed_ops=p.recomputed_ops,
-                            checkpoints=len(p.checkpoints), budget_B=p.budget_bytes,
-                            forecast_B=p.predicted_peak_bytes)
+                            checkpoints=len(p.checkpoints), budget_bytes=p.budget_bytes,
+                            forecast_bytes=p.predicted_peak_bytes)
             grads = memsave.gradients(loss, variables, **kwargs)
         for v, g in zip(variables, grads):
             v.assign_sub(1e-3 * g)
@@ -251,8 +251,8 @@ def child(a) -> dict:
     row["builds"] = True
     row.update(plan_steps=plan_box.get("steps"), plan_recomputed_ops=plan_box.get("recomputed_ops"),
                checkpoints=plan_box.get("checkpoints"))
-    if plan_box.get("budget_B") is not None:
-        row.update(budget_MiB=plan_box["budget_B"] / MiB, forecast_MiB=plan_box["forecast_B"] / MiB)
+    if plan_box.get("budget_bytes") is not None:
+        row.update(budget_MiB=plan_box["budget_bytes"] / MiB, forecast_MiB=plan_box["forecast_bytes"] / MiB)
     try:
         grads = [g.numpy() for g in step()]
         if measured is not step:

@@ -1,4 +1,4 @@
-"""Acceptance benchmark: peak memory and gradient build time on a tanh(matmul) chain.
+"""Acceptance benchmark: peak memory on a tanh(matmul) chain.
 
 Memory. A chain of ``--layers`` (36) layers ``h = tanh(h @ w_i)`` on a
 ``[--batch, --width]`` = [4096, 256] float32 input (4 MiB activations),
@@ -28,11 +28,7 @@ Step times are not reported: measured in separate processes on a shared
 machine they move up to 2x; experiments/study.py measures them
 round-robin in one process.
 
-Build time. In a tf.compat.v1 Graph, a chain of N layers on [8, 16]
-tensors; the time of the gradients call alone (``time.perf_counter``
-around ``tf.gradients`` or ``memsave.gradients``), median of ``--build-repeats``
-fresh graphs, for N = ``--build-layers`` (1000 and 2000). Building is linear
-when memsave(2000)/memsave(1000) is near 2.
+Build time is measured by experiments/bench_build.py.
 
 Usage::
 
@@ -51,7 +47,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 MiB = 1 << 20
 MODES = ("session", "function", "xla")
@@ -136,8 +131,8 @@ def measure(mode, method, layers, batch, width, segment, repeats):
         digest = np.array(run(), copy=True)
         peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
     return {
-        "peak_B": int(statistics.median(peaks)),
-        "peaks_B": peaks,
+        "peak_bytes": int(statistics.median(peaks)),
+        "peaks_bytes": peaks,
         "digest": [float(v) for v in digest],
     }
 
@@ -156,66 +151,25 @@ def _measure_in_child(args, mode, method):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# -- build time (one process) ----------------------------------------------------------
-
-
-def build_times(layers_list, repeats):
-    """{(method, layers): median seconds of the gradients call}."""
-    import numpy as np
-    import tensorflow as tf
-
-    import memsave
-
-    out = {}
-    for layers in layers_list:
-        for method in ("tf.gradients", "memsave-memory"):
-            samples = []
-            for _ in range(repeats):
-                graph = tf.Graph()
-                with graph.as_default():
-                    rs = np.random.RandomState(0)
-                    ws = [tf.Variable(rs.randn(16, 16).astype(np.float32) * 0.25)
-                          for _ in range(layers)]
-                    h = tf.constant(rs.randn(8, 16).astype(np.float32))
-                    for w in ws:
-                        h = tf.tanh(tf.matmul(h, w))
-                    loss = tf.reduce_sum(h * h)
-                    t0 = time.perf_counter()
-                    if method == "tf.gradients":
-                        tf.gradients(loss, ws)
-                    else:
-                        memsave.gradients(loss, ws, checkpoints="memory")
-                    samples.append(time.perf_counter() - t0)
-            out[(method, layers)] = statistics.median(samples)
-            print(f"  build {method} {layers} layers: {out[(method, layers)]:.2f} s "
-                  f"(samples {', '.join(f'{s:.2f}' for s in samples)})", file=sys.stderr)
-    return out
-
-
 # -- driver -----------------------------------------------------------------------------
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="smaller run: 16 layers of [1024, 256], build times at 250/500 layers, "
-                        "fewer repeats")
+                   help="smaller run: 16 layers of [1024, 256]")
     p.add_argument("--layers", type=int, default=36)
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--segment", type=int, default=None,
                    help="layers per tf.recompute_grad segment (default: round(sqrt(layers)))")
     p.add_argument("--repeats", type=int, default=3, help="measured runs per memory figure")
-    p.add_argument("--build-layers", type=int, nargs="+", default=[1000, 2000])
-    p.add_argument("--build-repeats", type=int, default=3)
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    p.add_argument("--skip-build", action="store_true", help="memory table only")
     p.add_argument("--child", nargs=2, metavar=("MODE", "METHOD"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.batch = 16, 1024
-        args.build_layers, args.build_repeats = [250, 500], 1
     if args.segment is None:
         args.segment = max(1, round(args.layers ** 0.5))
 
@@ -249,7 +203,7 @@ def main(argv=None):
                 print(f"| {mode} | {method} | failed | | | |")
                 ok = False
                 continue
-            ratio = f"{r['peak_B'] / base['peak_B']:.2f}" if base else "-"
+            ratio = f"{r['peak_bytes'] / base['peak_bytes']:.2f}" if base else "-"
             if base:
                 diff = max(abs(a - b) / max(abs(b), 1e-30)
                            for a, b in zip(r["digest"], base["digest"]))
@@ -257,25 +211,10 @@ def main(argv=None):
                 diff_s = f"{diff:.1e}"
             else:
                 diff_s = "-"
-            runs = " ".join(f"{b / MiB:.1f}" for b in r["peaks_B"])
-            print(f"| {mode} | {method} | {r['peak_B'] / MiB:.1f} | {ratio} | {runs} | {diff_s} |")
+            runs = " ".join(f"{b / MiB:.1f}" for b in r["peaks_bytes"])
+            print(f"| {mode} | {method} | {r['peak_bytes'] / MiB:.1f} | {ratio} | {runs} | {diff_s} |")
         sys.stdout.flush()
 
-    if not args.skip_build:
-        print(f"\n## Build time of the gradient ops: chain of N layers on [8, 16], "
-              f"median of {args.build_repeats}\n")
-        bt = build_times(args.build_layers, args.build_repeats)
-        print("| N | tf.gradients s | memsave-memory s | memsave / tf |")
-        print("|---|---|---|---|")
-        for n in args.build_layers:
-            tf_s, ms_s = bt[("tf.gradients", n)], bt[("memsave-memory", n)]
-            print(f"| {n} | {tf_s:.2f} | {ms_s:.2f} | {ms_s / tf_s:.2f} |")
-        if len(args.build_layers) >= 2:
-            n1, n2 = args.build_layers[0], args.build_layers[-1]
-            print(f"\nmemsave({n2})/memsave({n1}) = "
-                  f"{bt[('memsave-memory', n2)] / bt[('memsave-memory', n1)]:.2f} "
-                  f"(linear: {n2 / n1:.2f}); memsave({n1})/tf({n1}) = "
-                  f"{bt[('memsave-memory', n1)] / bt[('tf.gradients', n1)]:.2f}")
     return 0 if ok else 1
 
 

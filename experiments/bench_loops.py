@@ -114,7 +114,7 @@ def _gradients_unconverted(loss, weights, method, report):
     fg = extract([loss], _tf_private.convert_xs(weights)).fg
     choices = {node.name: _choice(method, node.body) for node in fg.ops
                if node.body is not None and node.body.loop}
-    report["forecast_above_B"] = _forecast(fg, estimate_costs(fg), choices)
+    report["forecast_above_bytes"] = _forecast(fg, estimate_costs(fg), choices)
     report["applied"] = {}
     for op in loops.find_loops([loss]):
         if op.name in choices:
@@ -138,7 +138,7 @@ def _forecast(fg, costs, choices) -> int:
     finally:
         for name, body in bodies.items():
             simulate._figures[body] = saved[name]  # pylint: disable=protected-access
-    return trace.peak_B - trace.resident_B
+    return trace.peak_bytes - trace.resident_bytes
 
 
 def _cell(W, U, b, x_t, h, c):
@@ -235,7 +235,7 @@ def measure_memory(case, mode, method, steps) -> dict:
     run()
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     np.savez(os.environ["BENCH_LOOPS_GRADS"], *grads)
-    return dict(report, peak_above_B=peak - resident, resident_B=resident)
+    return dict(report, peak_above_bytes=peak - resident, resident_bytes=resident)
 
 
 def measure_time(case, mode, steps, methods, rounds) -> dict:
@@ -299,8 +299,8 @@ def _plot(rows, path):
     fig, ax = plt.subplots(figsize=(6, 4))
     lengths = set()
     for method in METHODS:
-        done = sorted((r["T"], r["peak_above_B"] / MiB, r["forecast_above_B"] / MiB) for r in rows
-                      if r["case"] == "keras" and r["method"] == method and "peak_above_B" in r)
+        done = sorted((r["T"], r["peak_above_bytes"] / MiB, r["forecast_above_bytes"] / MiB) for r in rows
+                      if r["case"] == "keras" and r["method"] == method and "peak_above_bytes" in r)
         if done:
             lengths.update(t for t, _, _ in done)
             line, = ax.plot([t for t, _, _ in done], [p for _, p, _ in done], marker="o",
@@ -387,19 +387,19 @@ def report(rows, args) -> bool:
     bad = False
     for r in rows:
         base = plain.get((r["case"], r["mode"], r["T"]))
-        if "peak_above_B" not in r or base is None or "peak_above_B" not in base:
+        if "peak_above_bytes" not in r or base is None or "peak_above_bytes" not in base:
             print(f"| {r['case']} | {r['mode']} | {r['T']} | {r['method']} | failed | | | | | | | |")
             continue
-        r["peak_ratio"] = r["peak_above_B"] / base["peak_above_B"]
+        r["peak_ratio"] = r["peak_above_bytes"] / base["peak_above_bytes"]
         r["wall_ratio"] = r["wall_s"] / base["wall_s"] if "wall_s" in r and "wall_s" in base else None
         r["cpu_ratio"] = r["cpu_s"] / base["cpu_s"] if "cpu_s" in r and "cpu_s" in base else None
-        r["forecast_error"] = r["forecast_above_B"] / r["peak_above_B"] - 1
+        r["forecast_error"] = r["forecast_above_bytes"] / r["peak_above_bytes"] - 1
         bad |= not r.get("grads_equal", False)
         choice = ", ".join(sorted(set(r.get("applied", {}).values()))) or "plain"
         fmt = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
         print(f"| {r['case']} | {r['mode']} | {r['T']} | {r['method']} | {choice} | "
-              f"{r['peak_above_B'] / MiB:.1f} | {r['peak_ratio']:.3f} | {fmt(r['wall_ratio'])} | "
-              f"{fmt(r['cpu_ratio'])} | {r['forecast_above_B'] / MiB:.1f} | "
+              f"{r['peak_above_bytes'] / MiB:.1f} | {r['peak_ratio']:.3f} | {fmt(r['wall_ratio'])} | "
+              f"{fmt(r['cpu_ratio'])} | {r['forecast_above_bytes'] / MiB:.1f} | "
               f"{100 * r['forecast_error']:+.1f}% | {r.get('grads_equal')} |")
     keras = [r for r in rows if r["case"] == "keras" and "peak_ratio" in r]
     print()
@@ -407,7 +407,7 @@ def report(rows, args) -> bool:
     print("|---|---|")
     exponents = {}
     for method in args.methods:
-        pts = sorted((r["T"], r["peak_above_B"]) for r in keras if r["method"] == method)
+        pts = sorted((r["T"], r["peak_above_bytes"]) for r in keras if r["method"] == method)
         exponents[method] = _exponent(pts)
         print(f"| {method} | {'' if exponents[method] is None else f'{exponents[method]:.2f}'} |")
     _targets(rows, keras, exponents)

@@ -29,9 +29,10 @@ Measurements are cached (``--measured``, JSON, keyed by model, mode and
 method, with each model's configuration) so that calibrating the
 simulator re-predicts without re-measuring: ``--predict-only`` never
 measures; otherwise only missing (or stale) entries are measured, and
-``--processes 3`` tops every entry up to three processes. The cache is
-copied to ``--share`` (default /work/briefs/forecast_measured.json) for
-the engineer calibrating the simulator.
+``--processes 3`` tops every entry up to three processes. The cache
+lives in the repository's ``results/`` by default; ``--share PATH`` also
+copies it to PATH after each update (to hand measurements to another
+checkout).
 
 It also times ``memsave.plan`` on graphs of about 1000 ops, a tanh chain
 and a ResNet (target < 1 s; ``--timing-only`` runs just that).
@@ -47,7 +48,7 @@ Usage::
     .venv/bin/python experiments/forecast.py --predict-only    # re-predict against the cache
     .venv/bin/python experiments/forecast.py --models zoo_mlp resnet20 --methods plain memory
     # two runs in parallel on other models, then one table
-    .venv/bin/python experiments/forecast.py --models keras_resnet50 --measured b.json --share ''
+    .venv/bin/python experiments/forecast.py --models keras_resnet50 --measured b.json
     .venv/bin/python experiments/forecast.py --merge b.json --predict-only
 """
 
@@ -90,7 +91,6 @@ REPEATS = 3
 WORKER_TIMEOUT_S = 1200
 
 DEFAULT_CACHE = REPO_ROOT / "results" / "forecast_measured.json"
-DEFAULT_SHARE = Path("/work/briefs/forecast_measured.json")
 
 #: Layers of the tanh chain whose plan is timed: 3 ops a layer (MatMul,
 #: Add, Tanh) plus the loss make about 1000 forward ops.
@@ -399,7 +399,7 @@ def _peak_of(run: Callable[[], Any], repeats: int) -> dict:
         out = run()
         peaks.append(info()["peak"])
         del out  # outputs may share TF's buffers: drop them before the next reset
-    return {"peak_B": int(statistics.median(peaks)), "peaks_B": peaks, "resident_B": int(resident)}
+    return {"peak_bytes": int(statistics.median(peaks)), "peaks_bytes": peaks, "resident_bytes": int(resident)}
 
 
 def measure(model: str, mode: str, methods: list[str], repeats: int) -> dict:
@@ -409,7 +409,7 @@ def measure(model: str, mode: str, methods: list[str], repeats: int) -> dict:
     Session (closed before the next method), or a new tf.function over the
     same variables (dropped before the next method), or for Keras the same
     model (checkpointed, then restored) with a new step function. What a
-    method leaves behind would show in the next one's ``resident_B``.
+    method leaves behind would show in the next one's ``resident_bytes``.
     """
     import tensorflow as tf
 
@@ -672,7 +672,7 @@ def _measured_peak(rec: dict | None) -> float | None:
     """Median over processes of each process's median peak."""
     if not rec or not rec.get("processes"):
         return None
-    return statistics.median(p["peak_B"] for p in rec["processes"])
+    return statistics.median(p["peak_bytes"] for p in rec["processes"])
 
 
 def _rows(selected, methods, cache, predictions, selections):
@@ -704,7 +704,7 @@ def _print_table(rows, methods) -> bool:
     for r in rows:
         rec = r["rec"] or {}
         procs = rec.get("processes") or []
-        resident = statistics.median(p["resident_B"] for p in procs) if procs else None
+        resident = statistics.median(p["resident_bytes"] for p in procs) if procs else None
         err = f"{100 * r['error']:+.1f}" if r["error"] is not None else "-"
         if r["error"] is not None and abs(r["error"]) > MAX_ERROR:
             err += " !"
@@ -751,8 +751,8 @@ def _parse(argv):
                     default=[FUNCTION, SESSION, FIT])
     ap.add_argument("--quick", action="store_true", help="only the models marked quick")
     ap.add_argument("--measured", type=Path, default=DEFAULT_CACHE, help="the measurement cache (JSON)")
-    ap.add_argument("--share", default=str(DEFAULT_SHARE),
-                    help="also copy the cache here ('' for nowhere)")
+    ap.add_argument("--share", type=Path, default=None,
+                    help="also copy the cache to this path after each update (default: nowhere)")
     ap.add_argument("--merge", nargs="+", type=Path, metavar="CACHE",
                     help="first copy these caches' entries into --measured (runs made in parallel)")
     ap.add_argument("--predict-only", action="store_true", help="never measure; use the cache")
@@ -785,7 +785,7 @@ def main(argv=None) -> int:
         return 0
     names = args.models or [n for n, e in MODELS.items() if e.quick or not args.quick]
     selected = [(n, mode) for n in names for mode in MODELS[n].modes if mode in args.modes]
-    share = Path(args.share) if args.share else None
+    share = args.share
     cache = _load_cache(args.measured)
     for other in args.merge or []:  # caches of runs made in parallel, on other models
         cache["entries"].update(_load_cache(other)["entries"])
@@ -844,8 +844,8 @@ def main(argv=None) -> int:
                     if "selection" in result:
                         rec["selection"] = result.pop("selection")
                     rec["processes"].append(result)
-                    print(f"{name}|{mode}|{method}: peak {result['peak_B'] / MiB:.1f} MiB "
-                          f"(resident {result['resident_B'] / MiB:.1f})", file=sys.stderr)
+                    print(f"{name}|{mode}|{method}: peak {result['peak_bytes'] / MiB:.1f} MiB "
+                          f"(resident {result['resident_bytes'] / MiB:.1f})", file=sys.stderr)
                 print(f"  ({len(todo)} methods in {seconds} s)", file=sys.stderr)
                 _save_cache(cache, args.measured, share)
         if measured_any:

@@ -129,12 +129,12 @@ def main(argv=None) -> int:
             for method in args.methods:
                 m = out["measured"].get(method, {})
                 p = out["predicted"].get(method)
-                if "peak_B" not in m or not isinstance(p, (int, float)):
+                if "peak_bytes" not in m or not isinstance(p, (int, float)):
                     print(f"| {name} | {method} | {mode} | {m.get('error', '-')[:60]} | {p} | - |")
                     continue
-                err = (p - m["peak_B"]) / m["peak_B"]
+                err = (p - m["peak_bytes"]) / m["peak_bytes"]
                 errors.append(abs(err))
-                print(f"| {name} | {method} | {mode} | {m['peak_B'] / MiB:.1f} | {p / MiB:.1f} | "
+                print(f"| {name} | {method} | {mode} | {m['peak_bytes'] / MiB:.1f} | {p / MiB:.1f} | "
                       f"{100 * err:+.1f}{' !' if abs(err) > F.MAX_ERROR else ''} |", flush=True)
     if errors:
         errors.sort()

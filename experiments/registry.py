@@ -12,7 +12,7 @@ A method is
   for ``'collection'``, ``tf.recompute_grad`` groups), built per step;
 - ``gradients(loss_fn, variables, ctx) -> (loss, grads)``: how it
   differentiates; ``ctx`` holds what other methods measured first in the
-  same process (e.g. ``ctx["peak_B"]["recompute_grad"]``);
+  same process (e.g. ``ctx["peak_bytes"]["recompute_grad"]``);
 - ``after``: methods to measure before this one is built (their peaks go in
   ``ctx``), so a method can be defined relative to another;
 - ``largest_only``: run only at the largest size of each sweep;
@@ -105,13 +105,13 @@ def memsave_gradients(checkpoints="memory", *, memory_budget=None,
 
         budget = memory_budget
         if budget_from is not None:
-            budget = int(ctx["peak_B"][budget_from])
+            budget = int(ctx["peak_bytes"][budget_from])
         loss = loss_fn()
         if budget is None:
             return loss, memsave.gradients(loss, variables, checkpoints=checkpoints)
-        plain_B = memsave.plan(loss, variables, checkpoints="memory").baseline_peak_bytes
-        ctx["plan"] = {"forecast_plain_peak_B": plain_B,
-                       "budget_B": budget if isinstance(budget, int) else int(budget * plain_B)}
+        plain_bytes = memsave.plan(loss, variables, checkpoints="memory").baseline_peak_bytes
+        ctx["plan"] = {"forecast_plain_peak_bytes": plain_bytes,
+                       "budget_bytes": budget if isinstance(budget, int) else int(budget * plain_bytes)}
         return loss, memsave.gradients(loss, variables, memory_budget=budget)
 
     return gradients

@@ -117,7 +117,7 @@ def _make_step(model, size, params, method, lr, ctx=None):
     m = registry.METHODS[method]
     arch = m.arch()
     variables = list(params.values())
-    ctx = ctx if ctx is not None else {"peak_B": {}}
+    ctx = ctx if ctx is not None else {"peak_bytes": {}}
 
     def step(x, y):
         loss, grads = m.gradients(lambda: model.loss(size, params, x, y, arch), variables, ctx)
@@ -168,20 +168,20 @@ def child_measure(a) -> dict:
     mlog.addHandler(capture)
     mlog.setLevel(logging.INFO)
     mlog.propagate = False  # shown once, in the line below
-    res = {m: {"method": m, "error": "", "notes": "", "step_s": [], "cpu_s": [], "peak_B": [],
-               "idle_B": [], "expected_error": False} for m in a.methods}
+    res = {m: {"method": m, "error": "", "notes": "", "step_s": [], "cpu_s": [], "peak_bytes": [],
+               "idle_bytes": [], "expected_error": False} for m in a.methods}
     steps = {}
-    ctx = {"peak_B": {}}
+    ctx = {"peak_bytes": {}}
     for m in a.methods:
         r = res[m]
         capture.messages.clear()
         try:
             for dep in registry.METHODS[m].after:  # measured first: their peaks reach ctx
-                if dep in steps and dep not in ctx["peak_B"]:
+                if dep in steps and dep not in ctx["peak_bytes"]:
                     steps[dep](x, y)[0].numpy()
                     tf.config.experimental.reset_memory_stats("CPU:0")
                     steps[dep](x, y)[0].numpy()
-                    ctx["peak_B"][dep] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+                    ctx["peak_bytes"][dep] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
             ctx.pop("plan", None)
             fn = _make_step(model, a.size, params, m, lr, ctx)
             t0 = time.perf_counter()
@@ -218,20 +218,20 @@ def child_measure(a) -> dict:
             r = res[m]
             try:
                 tf.config.experimental.reset_memory_stats("CPU:0")
-                r["idle_B"].append(tf.config.experimental.get_memory_info("CPU:0")["current"])
+                r["idle_bytes"].append(tf.config.experimental.get_memory_info("CPU:0")["current"])
                 for _ in range(a.steps):
                     t0, c0 = time.perf_counter(), time.process_time()
                     steps[m](x, y)[0].numpy()
                     r["step_s"].append(time.perf_counter() - t0)
                     r["cpu_s"].append(time.process_time() - c0)
-                r["peak_B"].append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+                r["peak_bytes"].append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
             except Exception as exc:
                 log.exception("%s %s failed", label, m)
                 r["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
                 ok.remove(m)
         log.info("%-12s round %d/%d: %s", label, rnd + 1, a.rounds, ", ".join(
-            f"{m} {res[m]['peak_B'][-1] / MiB:.0f} MiB {1e3 * res[m]['step_s'][-1]:.0f} ms"
-            for m in order if res[m]["peak_B"]))
+            f"{m} {res[m]['peak_bytes'][-1] / MiB:.0f} MiB {1e3 * res[m]['step_s'][-1]:.0f} ms"
+            for m in order if res[m]["peak_bytes"]))
 
     # Correctness, against the baseline's digest at the same initial weights.
     base = res.get(BASELINE, {}).get("digest")
@@ -254,7 +254,7 @@ def child_measure(a) -> dict:
         row = {"method": m, "error": r["error"], "notes": r["notes"],
                "expected_error": r["expected_error"], **(r.get("plan") or {})}
         if not r["error"]:
-            peak, idle = statistics.median(r["peak_B"]), statistics.median(r["idle_B"])
+            peak, idle = statistics.median(r["peak_bytes"]), statistics.median(r["idle_bytes"])
             row.update(
                 peak_MiB=peak / MiB, idle_MiB=idle / MiB, step_peak_MiB=(peak - idle) / MiB,
                 step_ms=1e3 * statistics.median(r["step_s"]),
@@ -263,7 +263,7 @@ def child_measure(a) -> dict:
                 trace_s=r["trace_s"], first_call_s=r["first_call_s"],
                 build_s=r["trace_s"] + r["first_call_s"],
                 grad_err=r.get("grad_err", math.nan), loss0=r["loss0"],
-                peaks_MiB=" ".join(f"{b / MiB:.1f}" for b in r["peak_B"]),
+                peaks_MiB=" ".join(f"{b / MiB:.1f}" for b in r["peak_bytes"]),
             )
         out.append(row)
     return {"model": a.model, "size": a.size, "depth": model.depth(a.size), "label": label,
@@ -284,7 +284,7 @@ def child_probe(a) -> dict:
     t0 = time.perf_counter()
     fn(x, y)[0].numpy()
     step_s = time.perf_counter() - t0
-    return {"peak_B": tf.config.experimental.get_memory_info("CPU:0")["peak"],
+    return {"peak_bytes": tf.config.experimental.get_memory_info("CPU:0")["peak"],
             "build_s": build_s, "step_s": step_s}
 
 
@@ -349,7 +349,7 @@ def _batch(args, model: str) -> int:
     return args.batch.get(model) or args.batch_size or registry.MODELS[model].batch_size
 
 
-def _predict_size(sweep_rows, method, cap_B, batch) -> int | None:
+def _predict_size(sweep_rows, method, cap_bytes, batch) -> int | None:
     """Blocks per stage at which the sweep's peaks (interpolated in n) reach the cap."""
     pts = sorted((r["size"], r["peak_MiB"] * MiB) for r in sweep_rows
                  if r["model"] == "resnet" and r["method"] == method and not r.get("error")
@@ -357,15 +357,15 @@ def _predict_size(sweep_rows, method, cap_B, batch) -> int | None:
     if len(pts) < 2:
         return None
     for (n0, p0), (n1, p1) in zip(pts, pts[1:]):
-        if p1 >= cap_B:
+        if p1 >= cap_bytes:
             break
     if p1 <= p0:
         return None
-    return max(1, int(n0 + (cap_B - p0) * (n1 - n0) / (p1 - p0)))
+    return max(1, int(n0 + (cap_bytes - p0) * (n1 - n0) / (p1 - p0)))
 
 
 def max_depth_search(args, sweep_rows) -> list[dict]:
-    cap_B = args.cap_mib * MiB
+    cap_bytes = args.cap_mib * MiB
     bound = args.search_max_blocks
     batch = _batch(args, "resnet")
     out = []
@@ -378,14 +378,14 @@ def max_depth_search(args, sweep_rows) -> list[dict]:
                 res = _run_child("probe", "resnet", n, batch, [method], args)
                 if res is None:
                     raise RuntimeError(f"probe {method} at {n} blocks/stage failed")
-                probes[n] = res["peak_B"]
+                probes[n] = res["peak_bytes"]
                 log.info("max depth %-19s ResNet-%d: peak %.1f MiB %s cap %.0f MiB (%.0f s)",
-                         method, 6 * n + 2, res["peak_B"] / MiB,
-                         "<=" if res["peak_B"] <= cap_B else ">", args.cap_mib,
+                         method, 6 * n + 2, res["peak_bytes"] / MiB,
+                         "<=" if res["peak_bytes"] <= cap_bytes else ">", args.cap_mib,
                          time.perf_counter() - t0)
-            return probes[n] <= cap_B
+            return probes[n] <= cap_bytes
 
-        start = _predict_size(sweep_rows, method, cap_B, batch) or 1
+        start = _predict_size(sweep_rows, method, cap_bytes, batch) or 1
         start = min(max(start, 1), bound)
         lo, hi = 0, bound + 1  # largest size known to fit, smallest known not to
         try:
@@ -584,9 +584,9 @@ def targets_issue9(rows) -> list[tuple[str, bool | None, str]]:
             out.append((f"{label}: budget {f:g} measured peak <= 1.10 budget",
                         None if r.get("expected_error") else False, r["error"][-160:]))
             continue
-        ratio = r["peak_MiB"] * MiB / r["budget_B"]
+        ratio = r["peak_MiB"] * MiB / r["budget_bytes"]
         out.append((f"{label}: budget {f:g} measured peak <= 1.10 budget", ratio <= 1.10,
-                    f"{r['peak_MiB']:.1f} MiB / {r['budget_B'] / MiB:.1f} MiB = {ratio:.2f} "
+                    f"{r['peak_MiB']:.1f} MiB / {r['budget_bytes'] / MiB:.1f} MiB = {ratio:.2f} "
                     f"({r['step_ms_ratio']:.2f}x step, {r['build_s']:.0f} s build)"))
     half, mem = ok.get("memsave-budget-0.5"), ok.get("memsave-memory")
     if half and mem:

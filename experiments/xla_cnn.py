@@ -67,6 +67,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 
 from allocator import PRESPLIT_MIB, presplit_cpu_pool
 
@@ -141,8 +142,8 @@ def _one(method: str, xla: bool, batch: int, size: int, runs: int, dump: str | N
         np.save(dump, digest)
     return {
         "method": method, "xla": xla, "batch": batch, "size": size,
-        "peak_B": statistics.median(peaks), "resident_B": statistics.median(residents),
-        "peaks_B": peaks,
+        "peak_bytes": statistics.median(peaks), "resident_bytes": statistics.median(residents),
+        "peaks_bytes": peaks,
     }
 
 
@@ -186,7 +187,14 @@ def main() -> None:
                               a.presplit_mib)))
         return
 
-    tmp = f"/tmp/xla_cnn_{os.getpid()}"
+    # Each configuration's first process dumps its gradients into a temporary
+    # directory, compared with plain's there; it goes once the table is printed.
+    with tempfile.TemporaryDirectory(prefix="xla_cnn_") as tmpdir:
+        _print_table(a, os.path.join(tmpdir, "grads"))
+
+
+def _print_table(a: argparse.Namespace, tmp: str) -> None:
+    """Measure every configuration of ``a`` and print one row each; gradients go to ``tmp``_*.npy."""
     print("| XLA | batch | method | peak MiB | resident MiB | above MiB | peak ratio | above ratio | grad rel err |")
     print("|---|---|---|---|---|---|---|---|---|")
     for xla_name in a.xla:
@@ -198,19 +206,19 @@ def main() -> None:
                 for r in range(a.repeats):
                     dump = f"{tmp}_{method}_{xla_name}_{batch}.npy" if r == 0 else None
                     rs.append(_spawn(method, xla, batch, a.size, a.runs, a.presplit_mib, dump))
-                    print(f"  {xla_name} b{batch} {method}: peaks {[round(v / MiB, 1) for v in rs[-1]['peaks_B']]}"
-                          f" resident {rs[-1]['resident_B'] / MiB:.1f}", file=sys.stderr, flush=True)
+                    print(f"  {xla_name} b{batch} {method}: peaks {[round(v / MiB, 1) for v in rs[-1]['peaks_bytes']]}"
+                          f" resident {rs[-1]['resident_bytes'] / MiB:.1f}", file=sys.stderr, flush=True)
                 rows[method] = rs
             base = rows["plain"]
-            bp = statistics.median(r["peak_B"] for r in base)
-            bres = statistics.median(r["resident_B"] for r in base)
+            bp = statistics.median(r["peak_bytes"] for r in base)
+            bres = statistics.median(r["resident_bytes"] for r in base)
             for method, rs in rows.items():
-                pk = statistics.median(r["peak_B"] for r in rs)
-                res = statistics.median(r["resident_B"] for r in rs)
+                pk = statistics.median(r["peak_bytes"] for r in rs)
+                res = statistics.median(r["resident_bytes"] for r in rs)
                 err = "" if method == "plain" else "%.1e" % _grad_error(
                     f"{tmp}_plain_{xla_name}_{batch}.npy", f"{tmp}_{method}_{xla_name}_{batch}.npy")
                 above_ratio = (pk - res) / (bp - bres) if bp > bres else float("nan")
-                each = ", ".join("%.1f" % (r["peak_B"] / MiB) for r in rs)
+                each = ", ".join("%.1f" % (r["peak_bytes"] / MiB) for r in rs)
                 print(f"| {xla_name} | {batch} | {method} | {pk / MiB:.1f} ({each}) | {res / MiB:.1f} | "
                       f"{(pk - res) / MiB:.1f} | {pk / bp:.2f} | {above_ratio:.2f} | {err} |", flush=True)
 

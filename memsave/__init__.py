@@ -17,23 +17,26 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "(with GPU support), or tf-nightly."
     ) from e
 
-from memsave import costs, simulate, solvers, strategies
+from memsave import costs, planners, simulate, strategies
 from memsave.errors import (
     CheckpointError,
     EagerExecutionError,
     GraphMismatchError,
     MemoryBudgetError,
     MemsaveError,
+    OptionsError,
     UnknownStrategyError,
 )
-from memsave.gradients import (
-    Plan,
+from memsave.api import (
     gradients,
     gradients_collection,
     gradients_memory,
     gradients_speed,
     plan,
 )
+from memsave.memory_model import MemoryModel
+from memsave.problem import Problem
+from memsave.record import Plan
 from memsave.patch import Patch, patch, unpatch
 
 __version__ = "0.1.0"
@@ -58,8 +61,10 @@ __all__ = [
     "patch",
     "unpatch",
     "Patch",
+    "Problem",
+    "MemoryModel",
+    "planners",
     "strategies",
-    "solvers",
     "costs",
     "simulate",
     "MemsaveError",
@@ -68,4 +73,5 @@ __all__ = [
     "CheckpointError",
     "UnknownStrategyError",
     "MemoryBudgetError",
+    "OptionsError",
 ]

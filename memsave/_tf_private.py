@@ -4,6 +4,10 @@ TensorFlow has no public way to copy an op with new inputs, to read an op's
 statefulness or creation order, or to find the functions a call op runs.
 Everything of that kind lives here, so a TensorFlow upgrade that breaks one
 of them breaks this module only. Each function says what it relies on.
+
+It is one module of some 700 lines on purpose: the list of private APIs
+memsave depends on is what a TensorFlow upgrade has to check, and it is
+complete only if it is in one place.
 """
 
 from __future__ import annotations
@@ -82,6 +86,45 @@ def identity(t: tf.Tensor, name: str) -> tf.Tensor:
     out = op.outputs[0]
     handle_data_util.copy_handle_data(t, out)
     return out
+
+
+def raw_op(op_type: str, inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType],
+           attrs: dict, name: str) -> tf.Operation:
+    """Create ``op_type`` in the inputs' graph directly (``Graph._create_op_internal``).
+
+    ``attrs`` maps attr names to a ``tf.DType``, a bool or an int. The
+    graph's device functions, colocation and control dependencies apply, as
+    for the public op wrappers, without their per-call overhead (argument
+    conversion, dispatch): the rewrite makes a few small ops per backward
+    step, and through the wrappers they cost a tenth of the whole build.
+    """
+    values = {}
+    for key, v in attrs.items():
+        if isinstance(v, tf.DType):
+            values[key] = attr_value_pb2.AttrValue(type=v.as_datatype_enum)
+        elif isinstance(v, bool):
+            values[key] = attr_value_pb2.AttrValue(b=v)
+        else:
+            values[key] = attr_value_pb2.AttrValue(i=int(v))
+    graph = inputs[0].graph
+    return graph._create_op_internal(  # pylint: disable=protected-access
+        op_type, list(inputs), dtypes=list(out_dtypes), name=name, attrs=values)
+
+
+def passes_gradient_through(op: tf.Operation) -> bool:
+    """Whether ``op``'s gradient is its incoming gradient, unchanged: a
+    ``ReadVariableOp`` differentiated by TensorFlow's own ``_ReadGrad``
+    (``resource_variable_ops``), whose handle receives the read's gradient
+    as it is. The rewrite then passes it on without building a gradient call.
+    """
+    if op.type != "ReadVariableOp":
+        return False
+    from tensorflow.python.framework import ops as _ops
+
+    try:
+        return _ops.get_gradient_function(op) is resource_variable_ops._ReadGrad  # pylint: disable=protected-access
+    except Exception:  # noqa: BLE001 - an unexpected registry: build the call
+        return False
 
 
 def in_xla_context(graph: tf.Graph) -> bool:
@@ -412,9 +455,9 @@ def learn_gradient_use(op: tf.Operation, node_def=None):
     -------
     dict or None
         ``{"reads_inputs": tuple, "reads_outputs": tuple, "aliases": tuple,
-        "has_gradient": bool, "early_B": tuple, "by_input": tuple}``
+        "has_gradient": bool, "early_bytes": tuple, "by_input": tuple}``
         (``aliases[j]``: the output whose incoming gradient is input ``j``'s
-        gradient, buffer and all, or None; ``early_B``: bytes of the values
+        gradient, buffer and all, or None; ``early_bytes``: bytes of the values
         gradient ops compute from the op's inputs/outputs alone, which the
         executor computes in the forward pass and keeps for the gradient;
         ``by_input[j]``: (inputs, outputs, early values) read for input
@@ -576,7 +619,7 @@ def _learn_gradient_use(op: tf.Operation, node_def):
                          tuple(sorted(k for kind, k in mine if kind == "o")),
                          tuple(sorted(renumber[k] for kind, k in mine if kind == "e"))))
     return {
-        "early_B": tuple(early_sizes[k] for k in kept_early),
+        "early_bytes": tuple(early_sizes[k] for k in kept_early),
         "early_from": tuple(
             (tuple(sorted(j for kind, j in early_from[k] if kind == "i")),
              tuple(sorted(j for kind, j in early_from[k] if kind == "o")))

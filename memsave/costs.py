@@ -10,11 +10,11 @@ strategies read it; nothing here touches TensorFlow.
 
 What the numbers mean
 ---------------------
-* ``tensor_B[t]``: bytes of tensor ``t``'s buffer, from its static shape and
+* ``tensor_bytes[t]``: bytes of tensor ``t``'s buffer, from its static shape and
   dtype. An unknown first dimension takes ``batch_size`` when given; any
   other unknown dimension counts as 1. Each such guess is listed in
   ``assumptions``, never made silently. A resource handle weighs what its
-  variable holds (``TensorNode.held_B``).
+  variable holds (``TensorNode.held_bytes``).
 * ``op_flops[i]``: TensorFlow's registered FLOP count for op ``i`` (matrix
   products, convolutions, ...), else the number of elements it produces.
 * Gradient reads: the inputs/outputs of op ``i`` that its gradient reads
@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 
+from memsave.errors import ArgumentError
 from memsave.graph import Body, ForwardGraph, GradientUse
 
 __all__ = [
@@ -88,25 +89,13 @@ INPLACE_OP_TYPES = frozenset(
 SCRATCH_OP_TYPES = frozenset({"Einsum"})
 
 
-#: Whether the simulator places gradient values computed from an op's values
-#: alone (``GradientUse.early_B``: Erfc's ``square(x)``, Square's ``2 * x``)
-#: in the forward pass, where allocator records show the executor runs them.
-#: Off: it then keeps what they are computed from until the gradient, as
-#: before. Measured with it on: the Keras Transformer's forecast went from
-#: -19.5% to -15.8%, but chains ending in ``reduce_mean(square(h))`` went
-#: from about +1% to +20% (the early ``2 * h`` was counted beside
-#: ``square(h)``, which the executor frees before it runs the early op: the
-#: order of ready ops is not modelled). Set to True to experiment.
-EARLY_GRADIENT_VALUES = False
-
-
 def _without_early(use: GradientUse) -> GradientUse:
     ins, outs = set(use.reads_inputs), set(use.reads_outputs)
     for i, o in use.early_from:
         ins.update(i)
         outs.update(o)
     return dataclasses.replace(use, reads_inputs=tuple(sorted(ins)), reads_outputs=tuple(sorted(outs)),
-                               early_B=(), early_from=())
+                               early_bytes=(), early_from=())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +104,7 @@ class Costs:
 
     Attributes
     ----------
-    tensor_B : tuple of int
+    tensor_bytes : tuple of int
         Bytes of each tensor's buffer (see module docstring).
     op_flops : tuple of int
         Compute cost of each op (FLOPs, or elements produced).
@@ -127,7 +116,7 @@ class Costs:
     gradient : tuple of GradientUse
         Per op: what its gradient reads (all inputs and outputs when not
         learned).
-    resident_B : int
+    resident_bytes : int
         Bytes alive for the whole step before it starts: the variables behind
         the xs' handles and the inputs (sources and external tensors).
     assumptions : tuple of str
@@ -137,22 +126,42 @@ class Costs:
     scratch : tuple of bool
         Per op: its kernel allocates temporaries of its operands' size
         (:data:`SCRATCH_OP_TYPES`).
+    gradient_reads : tuple of (tuple of int, tuple of int)
+        Per op: the input and the output tensor ids its gradient reads (from
+        ``gradient``): the one definition of what backprop keeps alive for
+        an op, read by the simulator, the solvers and the body reader.
+    gradient_targets : tuple of tuple of (int, int)
+        Per op: ``(position, tensor id)`` of the inputs its gradient writes a
+        gradient to (:meth:`memsave.graph.ForwardGraph.receives_gradient`,
+        and only a ``tf.custom_gradient``'s arguments, ``GradientUse.gives``).
     """
 
-    tensor_B: tuple[int, ...]
+    tensor_bytes: tuple[int, ...]
     op_flops: tuple[int, ...]
     alias_of: tuple[int | None, ...]
     inplace: tuple[bool, ...]
     gradient: tuple[GradientUse, ...]
-    resident_B: int
+    resident_bytes: int
     assumptions: tuple[str, ...]
     batch_size: int | None = None
     scratch: tuple[bool, ...] = ()
+    gradient_reads: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+    gradient_targets: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @property
     def forward_flops(self) -> int:
         """Compute of one forward pass (sum of ``op_flops``)."""
         return sum(self.op_flops)
+
+    def recompute_flops(self, schedule) -> int:
+        """FLOPs of the op copies ``schedule``'s recompute steps run (None: 0).
+
+        The one definition of a plan's recompute cost.
+        """
+        if schedule is None:
+            return 0
+        op_flops = self.op_flops
+        return sum(op_flops[o] for s in schedule.steps if s.kind == "recompute" for o in s.ops)
 
 
 def is_activation(fg: ForwardGraph, t: int) -> bool:
@@ -168,10 +177,10 @@ def is_activation(fg: ForwardGraph, t: int) -> bool:
 
 def _resolve_bytes(node, batch_size: int | None) -> tuple[int, str]:
     """Bytes of ``node`` and "" / "batch" / "other" for which guess was made."""
-    if node.held_B is not None:
-        return node.held_B, ""
+    if node.held_bytes is not None:
+        return node.held_bytes, ""
     if node.shape is None or node.size_known:
-        return node.size_B, ("" if node.size_known else "rank")
+        return node.size_bytes, ("" if node.size_known else "rank")
     n = node.itemsize
     guess = ""
     for k, d in enumerate(node.shape):
@@ -186,7 +195,8 @@ def _resolve_bytes(node, batch_size: int | None) -> tuple[int, str]:
     return n, guess
 
 
-def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
+def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None,
+                   early_gradient_values: bool = False) -> Costs:
     """Bytes, compute and gradient reads of every tensor and op of ``fg``.
 
     Parameters
@@ -195,6 +205,10 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
     batch_size : int, optional
         Size of an unknown first dimension. Without it such dimensions
         count as 1 and ``assumptions`` says so.
+    early_gradient_values : bool
+        Keep ``GradientUse.early_bytes`` (see
+        :attr:`memsave.memory_model.MemoryModel.early_gradient_values`);
+        otherwise what they are computed from counts as read by the gradient.
 
     Returns
     -------
@@ -205,12 +219,12 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
     One pass over tensors and ops: linear in the graph size.
     """
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError(f"memsave: batch_size must be a positive int, got {batch_size!r}")
-    tensor_B = []
+        raise ArgumentError(f"memsave: batch_size must be a positive int, got {batch_size!r}")
+    tensor_bytes = []
     guessed: dict[str, list[str]] = {"batch": [], "other": [], "rank": []}
     for node in fg.tensors:
         b, guess = _resolve_bytes(node, batch_size)
-        tensor_B.append(b)
+        tensor_bytes.append(b)
         if guess:
             guessed[guess].append(node.name)
     assumptions = []
@@ -231,7 +245,7 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
             f"(e.g. {guessed['rank'][0]!r})"
         )
     held_unknown = [
-        n.name for n in fg.tensors if n.kind != "internal" and n.dtype == "resource" and n.held_B is None
+        n.name for n in fg.tensors if n.kind != "internal" and n.dtype == "resource" and n.held_bytes is None
     ]
     if held_unknown:
         assumptions.append(
@@ -264,9 +278,8 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
             ))
         else:
             # Inputs from outside (data, constants) need no gradient: theirs is pruned.
-            use = op.gradient.needed(
-                [fg.tensors[t].kind != "external" and fg.tensors[t].trainable for t in op.inputs])
-            if not EARLY_GRADIENT_VALUES and use.early_B:
+            use = op.gradient.needed([fg.receives_gradient(t) for t in op.inputs])
+            if not early_gradient_values and use.early_bytes:
                 use = _without_early(use)
             gradient.append(use)
         if op.body is not None:
@@ -275,7 +288,7 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
             op_flops.append(op.flops)
         else:
             op_flops.append(sum(
-                tensor_B[t] // fg.tensors[t].itemsize if fg.tensors[t].itemsize else 0
+                tensor_bytes[t] // fg.tensors[t].itemsize if fg.tensors[t].itemsize else 0
                 for t in op.outputs
             ))
     if unlearned:
@@ -297,17 +310,27 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None) -> Costs:
     resident = 0
     for node in fg.tensors:
         if node.kind != "internal":
-            resident += tensor_B[node.id]
+            resident += tensor_bytes[node.id]
+    gradient_reads = tuple(
+        (tuple(op.inputs[j] for j in use.reads_inputs if j < len(op.inputs)),
+         tuple(op.outputs[k] for k in use.reads_outputs if k < len(op.outputs)))
+        for op, use in zip(fg.ops, gradient))
+    gradient_targets = tuple(
+        tuple((j, t) for j, t in enumerate(op.inputs)
+              if fg.receives_gradient(t) and (use.gives is None or j in use.gives))
+        for op, use in zip(fg.ops, gradient))
     return Costs(
-        tensor_B=tuple(tensor_B),
+        tensor_bytes=tuple(tensor_bytes),
         op_flops=tuple(op_flops),
         alias_of=tuple(alias_of),
         inplace=tuple(inplace),
         gradient=tuple(gradient),
-        resident_B=resident,
+        resident_bytes=resident,
         assumptions=tuple(assumptions),
         batch_size=batch_size,
         scratch=tuple(op.type in SCRATCH_OP_TYPES for op in fg.ops),
+        gradient_reads=gradient_reads,
+        gradient_targets=gradient_targets,
     )
 
 

@@ -16,6 +16,10 @@ __all__ = [
     "CheckpointError",
     "UnknownStrategyError",
     "MemoryBudgetError",
+    "OptionsError",
+    "ArgumentError",
+    "PatchError",
+    "DeviceProfileError",
     "LoopChoiceError",
 ]
 
@@ -47,6 +51,21 @@ class UnknownStrategyError(MemsaveError, ValueError):
     """``checkpoints=`` names no registered strategy."""
 
 
+class OptionsError(MemsaveError, TypeError, ValueError):
+    """``strategy_options=`` (or a planner's keyword) holds an option the
+    planner does not take, a value it cannot use, or an option that needs
+    another one (a solver without a budget)."""
+
+
+class ArgumentError(MemsaveError, ValueError, TypeError):
+    """An argument of a memsave call is invalid (an empty ``ys``, a batch size
+    that is not a positive int, ...): the message says what is allowed."""
+
+
+class PatchError(MemsaveError, RuntimeError):
+    """``memsave.patch`` was undone out of order (patches nest like with-blocks)."""
+
+
 class MemoryBudgetError(MemsaveError, ValueError):
     """``memory_budget=`` is invalid, or below the smallest forecast peak.
 
@@ -60,6 +79,10 @@ class MemoryBudgetError(MemsaveError, ValueError):
     def __init__(self, message: str, min_peak_bytes: int | None = None) -> None:
         super().__init__(message)
         self.min_peak_bytes = min_peak_bytes
+
+
+class DeviceProfileError(MemsaveError, ValueError):
+    """A :class:`memsave.timemodel.DeviceProfile` was given an invalid figure."""
 
 
 class LoopChoiceError(MemsaveError, ValueError):

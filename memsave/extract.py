@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from memsave import _tf_private
-from memsave.costs import ALIAS_OP_TYPES
+from memsave.costs import ALIAS_OP_TYPES, estimate_costs
 from memsave.graph import Body, ForwardGraph, GradientUse, OpNode, TensorNode
 
 __all__ = ["Extraction", "extract"]
@@ -55,13 +55,14 @@ def _itemsize(dtype: tf.DType) -> int:
     return dtype.size if dtype not in (tf.resource, tf.variant, tf.string) else 0
 
 
-def _size(t: tf.Tensor) -> tuple[int, bool]:
-    shape = t.shape
-    itemsize = _itemsize(t.dtype)
-    if shape.rank is None:
+def _size(dims: list | None, dtype: tf.DType) -> tuple[int, bool]:
+    """Bytes of a tensor of these dimensions (None: unknown rank), unknown ones
+    counted as 1, and whether all were known."""
+    itemsize = _itemsize(dtype)
+    if dims is None:
         return itemsize, False
     n, known = 1, True
-    for d in shape.as_list():
+    for d in dims:
         if d is None:
             known = False
         else:
@@ -94,7 +95,7 @@ def _gradient_use(op: tf.Operation, node_def) -> GradientUse | None:
     return GradientUse(
         reads_inputs=learned["reads_inputs"], reads_outputs=learned["reads_outputs"],
         aliases=learned["aliases"], has_gradient=learned["has_gradient"],
-        by_input=learned.get("by_input"), early_B=learned.get("early_B", ()),
+        by_input=learned.get("by_input"), early_bytes=learned.get("early_bytes", ()),
         early_from=learned.get("early_from", ()),
     )
 
@@ -168,15 +169,17 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
             kind = "source"
         else:
             kind = "external"
-        size, known = _size(t)
+        dtype = t.dtype
+        dims = t.shape.as_list() if t.shape.rank is not None else None
+        size, known = _size(dims, dtype)
         tensors.append(t)
         nodes.append(TensorNode(
-            id=i, name=t.name, kind=kind, producer=producer, size_B=size,
+            id=i, name=t.name, kind=kind, producer=producer, size_bytes=size,
             size_known=known, trainable=_tf_private.is_trainable(t),
             tagged=key in tagged_refs,
-            shape=None if t.shape.rank is None else tuple(t.shape.as_list()),
-            itemsize=_itemsize(t.dtype), dtype=t.dtype.name,
-            held_B=_held_bytes(t) if t.dtype == tf.resource else None,
+            shape=None if dims is None else tuple(dims),
+            itemsize=_itemsize(dtype), dtype=dtype.name,
+            held_bytes=_held_bytes(t) if dtype == tf.resource else None,
             constant=t.op.type == "Const",
         ))
         return i
@@ -284,7 +287,7 @@ def _read_body(op: tf.Operation, cache: dict, external: frozenset = frozenset()
                                if j in external and input_ids[j] is not None)) if loop else ()
     body = Body(fg=fg, trips=trips, trips_known=known, saved=saved, stored=stored, loop=loop,
                 invariant=invariant, state=state if loop else (), kept=kept if loop else (),
-                read_lists_B=_read_lists_bytes(op, [j for j in invariant if j not in external])
+                read_lists_bytes=_read_lists_bytes(op, [j for j in invariant if j not in external])
                 if loop else 0,
                 no_gradient=no_gradient)
     gradient = GradientUse(
@@ -335,22 +338,13 @@ def _read_function(op: tf.Operation, cache: dict):
             out_root.setdefault(r, k)
     saved, reads_inputs, reads_outputs = {}, set(), set()
     stored, kept = {}, {}
+    # A body's backward runs apart from its forward (a function's backward
+    # function, the gradient loop): what early gradient values are computed
+    # from is what it keeps, as the costs count it by default.
+    costs = estimate_costs(fg)
     for node in fg.ops:
-        use = node.gradient
-        if use is not None:
-            use = use.needed([fg.tensors[t].kind != "external" and fg.tensors[t].trainable
-                              for t in node.inputs])
-        # A body's backward runs apart from its forward (a function's backward
-        # function, the gradient loop): what early gradient values are
-        # computed from is what it keeps.
-        ins = set() if use is None else set(use.reads_inputs)
-        outs = set() if use is None else set(use.reads_outputs)
-        for i_from, o_from in (() if use is None else use.early_from):
-            ins.update(i_from)
-            outs.update(o_from)
-        read = (node.inputs if use is None else
-                [node.inputs[j] for j in sorted(ins) if j < len(node.inputs)]
-                + [node.outputs[k] for k in sorted(outs) if k < len(node.outputs)])
+        read_ins, read_outs = costs.gradient_reads[node.index]
+        read = read_ins + read_outs
         for t in read:
             r = root(t)
             tn = fg.tensors[r]

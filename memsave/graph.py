@@ -54,8 +54,8 @@ class GradientUse:
         ``x``'s gradient, and ``x`` only when the mask needs one), so what
         stays alive depends on which inputs need a gradient
         (:meth:`needed`). None: not known, the union above for any input.
-        A third entry, when present, lists the ``early_B`` values read.
-    early_B : tuple of int
+        A third entry, when present, lists the ``early_bytes`` values read.
+    early_bytes : tuple of int
         Bytes of values the gradient computes from the op's inputs and
         outputs alone (``Square(x)`` in Erfc's gradient, ``x * y`` terms):
         they do not wait for the incoming gradient, so the executor runs
@@ -83,7 +83,7 @@ class GradientUse:
     aliases: tuple[int | None, ...]
     has_gradient: bool = True
     by_input: tuple[tuple[tuple[int, ...], ...], ...] | None = None
-    early_B: tuple[int, ...] = ()
+    early_bytes: tuple[int, ...] = ()
     early_from: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
     gives: tuple[int, ...] | None = None
     captured: bool = False
@@ -104,7 +104,7 @@ class GradientUse:
                     early.update(reads[2])
         return dataclasses.replace(
             self, reads_inputs=tuple(sorted(ins)), reads_outputs=tuple(sorted(outs)),
-            early_B=tuple(b for k, b in enumerate(self.early_B) if k in early),
+            early_bytes=tuple(b for k, b in enumerate(self.early_bytes) if k in early),
             early_from=tuple(f for k, f in enumerate(self.early_from) if k in early))
 
 
@@ -122,7 +122,7 @@ class TensorNode:
         ``"internal"``, ``"source"`` or ``"external"`` (see module docstring).
     producer : int or None
         Index of the producing op for internal tensors, else None.
-    size_B : int
+    size_bytes : int
         Static size in bytes; dimensions unknown at graph-build time count
         as 1 (see ``size_known``), so sizes stay comparable between tensors
         that share an unknown batch dimension.
@@ -135,12 +135,12 @@ class TensorNode:
         Whether the user added the tensor to the ``'checkpoints'`` collection.
     shape : tuple of (int or None), or None
         Static shape, None dimensions unknown; None when the rank is unknown
-        (or not recorded: graphs built by hand give ``size_B`` only).
+        (or not recorded: graphs built by hand give ``size_bytes`` only).
     itemsize : int
         Bytes per element (0 for handles and variants).
     dtype : str
         TensorFlow dtype name, for messages.
-    held_B : int or None
+    held_bytes : int or None
         For a resource handle: bytes of the variable it refers to (resident
         for the whole step), None if unknown or not a handle.
     constant : bool
@@ -151,14 +151,14 @@ class TensorNode:
     name: str
     kind: str
     producer: int | None
-    size_B: int
+    size_bytes: int
     size_known: bool
     trainable: bool
     tagged: bool = False
     shape: tuple[int | None, ...] | None = None
     itemsize: int = 0
     dtype: str = ""
-    held_B: int | None = None
+    held_bytes: int | None = None
     constant: bool = False
 
 
@@ -204,7 +204,7 @@ class Body:
         Body tensor ids the gradient reads that an op which must not run
         twice made (a random draw inside the body): stored each trip
         whatever the choice.
-    read_lists_B : int
+    read_lists_bytes : int
         Bytes of the TensorLists the loop reads items from and passes
         through (a Keras RNN's unstacked input sequence) that need a
         gradient: a gradient that recomputes trips reads them again, so they
@@ -226,7 +226,7 @@ class Body:
     invariant: tuple[int, ...] = ()
     state: tuple[int, ...] = ()
     kept: tuple[int, ...] = ()
-    read_lists_B: int = 0
+    read_lists_bytes: int = 0
     no_gradient: tuple[int, ...] = ()
 
 
@@ -309,6 +309,16 @@ class ForwardGraph:
             found = tuple(map(tuple, out))
             object.__setattr__(self, "_consumers", found)  # a cache, not a field
         return found
+
+    def receives_gradient(self, t: int) -> bool:
+        """Whether backprop sends tensor ``t`` a gradient: it is differentiable
+        and not external (input data and constants get none).
+
+        The one definition of "receives a gradient"; an op's inputs that do
+        are ``Costs.gradient_targets``.
+        """
+        node = self.tensors[t]
+        return node.trainable and node.kind != "external"
 
     def captured(self) -> frozenset[int]:
         """Internal tensors a gradient reads as the forward pass made them,

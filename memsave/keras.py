@@ -20,7 +20,8 @@ Data flow::
            y_pred = model(x, training=True)     (listed layers' outputs recorded)
            loss = model._compute_loss(...);  loss tracker updated
            loss = optimizer.scale_loss(loss)    (loss scaling, mixed_float16)
-           grads = memsave.gradients(loss, model.trainable_weights, checkpoints=...)
+           grads = memsave.gradients(loss, model.trainable_weights, checkpoints=...,
+                                     extra_resident_bytes=<slots, metrics, frozen weights>)
            optimizer.apply_gradients(zip(grads, weights))   (unscales, skips inf)
            return model.compute_metrics(...)
     restore(model)
@@ -30,8 +31,10 @@ Everything else ``fit`` does (callbacks, metrics, validation,
 ``steps_per_execution``, ``jit_compile``, distribution strategies, the
 optimizer's loss scaling) is Keras' own code, which calls the step.
 
-Every private Keras API this module uses is in the section "Private Keras
-API" at the end, checked against Keras 3.15; the step mirrors
+One module (some 750 lines) because it is one integration: the train step,
+its forecast and their validation share the step's code, and every private
+Keras API this module uses is in the section "Private Keras API" at the
+end, checked against Keras 3.15, in one place for a Keras upgrade to check; the step mirrors
 ``keras/src/backend/tensorflow/trainer.py`` ``TensorFlowTrainer.train_step``
 line for line, with ``tape.gradient`` replaced.
 
@@ -49,10 +52,16 @@ step, plain and checkpointed, for a batch of a given size::
     memsave.keras.plan(model, x, y, checkpoints="memory", batch_size=256)
       -> validate (as checkpointed; the model must be compiled)
       -> build what fit builds first (model, loss, metrics, optimizer slots)
-      -> trace the same train step in a FuncGraph, on TensorSpecs of the batch,
-         calling memsave.plan where the step calls memsave.gradients
-      -> the Plan, with the variables the step holds besides the trainable
-         ones (optimizer slots, metrics, moving statistics) added as resident
+      -> trace the step's forward pass and loss in a FuncGraph, on TensorSpecs
+         of the batch, and call memsave.plan where the step calls
+         memsave.gradients, with the same extra resident bytes
+      -> the Plan
+
+Both count, besides what the graph from the weights to the loss reads, the
+variables the step holds (optimizer slots, metric state, non-trainable
+weights) as resident (``extra_resident_bytes``): a forecast is of the whole
+``fit`` step, and a fractional ``memory_budget`` is a fraction of plain
+``fit``'s forecast step peak.
 """
 
 from __future__ import annotations
@@ -69,13 +78,21 @@ from typing import Any, Union
 import keras
 import tensorflow as tf
 
-from memsave import strategies
-from memsave.errors import CheckpointError, EagerExecutionError, MemsaveError
-from memsave.gradients import gradients as _memsave_gradients
-from memsave.gradients import plan as _memsave_plan
-from memsave.simulate import BFC, CPU_ONEDNN
+from memsave import planners
+from memsave.errors import (
+    ArgumentError,
+    CheckpointError,
+    EagerExecutionError,
+    MemsaveError,
+    OptionsError,
+)
+from memsave.api import device_model
+from memsave.api import gradients as _memsave_gradients
+from memsave.api import plan as _memsave_plan
+from memsave.memory_model import Allocator
 
-__all__ = ["checkpointed", "restore", "is_checkpointed", "plan", "KerasModelError"]
+__all__ = ["checkpointed", "restore", "is_checkpointed", "plan", "max_batch_size", "extra_resident_bytes",
+           "KerasModelError"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +140,13 @@ def checkpointed(
     aggregation_method, gate_gradients
         Passed to :func:`memsave.gradients` (as to ``tf.gradients``).
     memory_budget : int or float, optional
-        Passed to :func:`memsave.gradients`: the forecast peak of the train
-        step's gradient computation allowed, in bytes or as a fraction of
-        its plain peak; memsave then plans the least recomputation under it.
+        The forecast allocator peak of the whole ``fit`` train step allowed
+        (weights, optimizer slots, metric state and the batch included): in
+        bytes, or as a fraction of plain ``fit``'s forecast step peak
+        (:func:`plan`'s ``baseline_peak_bytes``). memsave then plans the
+        least recomputation under it; a budget below every plan's forecast
+        raises :class:`memsave.MemoryBudgetError` (with ``min_peak_bytes``)
+        when ``fit`` traces the step.
 
     Returns
     -------
@@ -211,6 +232,7 @@ def plan(
     checkpoints: str | Sequence[LayerRef] = "memory",
     strategy_options: Mapping[str, Any] | None = None,
     batch_size: int | None = None,
+    memory_budget: int | float | None = None,
 ):
     """Forecast one ``fit`` train step's peak memory, plain and checkpointed, before training.
 
@@ -243,6 +265,10 @@ def plan(
         every leaf of ``x`` and ``y``. Without it, the leading dimension of
         ``x`` is the batch size (an unknown one is reported in the Plan's
         assumptions).
+    memory_budget : int or float, optional
+        As for :func:`checkpointed`: the plan of least recomputation whose
+        forecast ``fit`` step peak fits (bytes, or a fraction of plain
+        ``fit``'s forecast step peak).
 
     Returns
     -------
@@ -257,6 +283,8 @@ def plan(
         When the model is compiled with ``run_eagerly=True``.
     UnknownStrategyError, CheckpointError
         As :func:`checkpointed`.
+    MemoryBudgetError
+        When ``memory_budget`` is invalid or below every plan's forecast.
 
     Notes
     -----
@@ -285,60 +313,56 @@ def plan(
         raise EagerExecutionError(_EAGER_MESSAGE.format(name=model.name))
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                    or batch_size < 1):
-        raise ValueError(f"{api}: batch_size={batch_size!r}; pass a positive int, or None to "
+        raise ArgumentError(f"{api}: batch_size={batch_size!r}; pass a positive int, or None to "
                          "take the batch size from x")
     config = _Config(
         strategy=_check_checkpoints(checkpoints, api),
         layers=_resolve_layers(model, checkpoints, api),
         gradient_options=dict(
             strategy_options=_check_strategy_options(strategy_options, checkpoints, api),
+            **({} if memory_budget is None else {"memory_budget": memory_budget}),
         ),
     )
     data = _batch_spec((x, y) if y is not None else (x,), batch_size, api)
     _private.build_as_fit_does(model, data)
-
-    planned = []
-
-    def planning_gradients(loss, weights, *, checkpoints, strategy_options):
-        planned.append(_memsave_plan(loss, weights, checkpoints=checkpoints,
-                                     strategy_options=strategy_options, batch_size=batch_size))
-        raise _Planned
-
-    def step(data):
-        _checkpointed_train_step(model, config, data, take_gradients=planning_gradients)
-
-    try:
-        tf.function(step, autograph=False).get_concrete_function(data)
-    except _Planned:
-        pass
-    if not planned:
+    if not model.trainable_weights:
         raise KerasModelError(
             f"{api}: model {model.name!r} has no trainable weights, so fit takes no gradients: "
             "there is nothing to forecast"
         )
-    return _with_resident(planned[0], _extra_resident_bytes(model, planned[0]))
+
+    planned = []
+
+    def forward(data):
+        loss, checkpoints = _forward_and_loss(model, config, data)
+        planned.append(_memsave_plan(
+            loss, model.trainable_weights, checkpoints=checkpoints, batch_size=batch_size,
+            extra_resident_bytes=extra_resident_bytes(model), **config.gradient_options))
+        return loss
+
+    tf.function(forward, autograph=False).get_concrete_function(data)
+    return planned[0]
 
 
-class _Planned(Exception):
-    """Ends the trace of :func:`plan`'s step once the plan is made (nothing after it is needed)."""
+def extra_resident_bytes(model: keras.Model, allocator: Allocator | None = None) -> int:
+    """Bytes of the variables a ``fit`` step holds besides those its gradient graph reads.
 
-
-def _extra_resident_bytes(model: keras.Model, p) -> int:
-    """Bytes of the variables a ``fit`` step holds that :func:`memsave.plan` does not see.
-
-    memsave.plan counts what the graph from the trainable weights to the
-    loss reads; fit's step also holds the optimizer's slots and counters,
-    the metrics' state and the non-trainable variables (moving
-    statistics), all resident for the whole step. Each is counted as the
-    plan's allocator counts a buffer (on CPU, none under 256 KiB).
-    A non-trainable variable read downstream of a trainable one (a frozen
-    layer after a trained one) is counted twice: by the plan and here.
+    memsave's forecast counts what the graph from the trainable weights to
+    the loss reads; fit's step also holds the optimizer's slots and
+    counters, the metrics' state and the non-trainable variables (moving
+    statistics), all resident for the whole step. Each is counted as
+    ``allocator`` (default: the device's) counts a buffer (on CPU, none
+    under 256 KiB). A non-trainable variable read downstream of a trainable
+    one (a frozen layer after a trained one) is counted twice: by the graph
+    and here.
     """
-    allocator = _ALLOCATORS.get(p.allocator, CPU_ONEDNN)
+    if allocator is None:
+        allocator = device_model().allocator
     trainable = {id(v) for v in model.trainable_variables}
     seen: set = set()
     total = 0
-    for v in [*model.variables, *model.optimizer.variables, *_private.metric_variables(model)]:
+    optimizer = [] if model.optimizer is None else model.optimizer.variables
+    for v in [*model.variables, *optimizer, *_private.metric_variables(model)]:
         if id(v) in trainable or id(v) in seen:
             continue
         seen.add(id(v))
@@ -349,26 +373,6 @@ def _extra_resident_bytes(model: keras.Model, p) -> int:
                 count *= d
             total += allocator.counted(count * tf.as_dtype(v.dtype).size)
     return total
-
-
-_ALLOCATORS = {a.name: a for a in (CPU_ONEDNN, BFC)}
-
-
-def _with_resident(p, extra_B: int):
-    """``p`` with ``extra_B`` more resident bytes in its peaks and timelines, and saying so."""
-    if not extra_B:
-        return p
-    return dataclasses.replace(
-        p,
-        predicted_peak_bytes=p.predicted_peak_bytes + extra_B,
-        baseline_peak_bytes=p.baseline_peak_bytes + extra_B,
-        resident_bytes=p.resident_bytes + extra_B,
-        timeline=tuple((b + extra_B, e) for b, e in p.timeline),
-        baseline_timeline=tuple((b + extra_B, e) for b, e in p.baseline_timeline),
-        assumptions=p.assumptions + (
-            f"fit's step also holds {extra_B:,} bytes of optimizer slots, metric state and "
-            "non-trainable variables (resident, counted in both peaks)",),
-    )
 
 
 def _batch_spec(data: tuple, batch_size: int | None, api: str) -> tuple:
@@ -384,7 +388,7 @@ def _batch_spec(data: tuple, batch_size: int | None, api: str) -> tuple:
             try:
                 t = leaf if isinstance(leaf, tf.Tensor) else tf.convert_to_tensor(leaf)
             except (TypeError, ValueError) as e:
-                raise TypeError(
+                raise ArgumentError(
                     f"{api}: cannot read the shape of a batch entry of type "
                     f"{type(leaf).__name__} ({e}); pass arrays, tensors or tf.TensorSpec"
                 ) from None
@@ -393,7 +397,7 @@ def _batch_spec(data: tuple, batch_size: int | None, api: str) -> tuple:
             dtype = floatx
         if batch_size is not None:
             if shape.rank is None or shape.rank == 0:
-                raise ValueError(f"{api}: batch_size={batch_size} needs every batch entry to have "
+                raise ArgumentError(f"{api}: batch_size={batch_size} needs every batch entry to have "
                                  f"a leading (batch) dimension; got shape {shape}")
             shape = tf.TensorShape([batch_size]).concatenate(shape[1:])
         return tf.TensorSpec(shape, dtype)
@@ -433,15 +437,33 @@ class _CheckpointedStep:
         return f"<memsave.keras checkpointed train_step, checkpoints={what!r}>"
 
 
-def _checkpointed_train_step(model: keras.Model, config: _Config, data,
-                             take_gradients=None):
+def _checkpointed_train_step(model: keras.Model, config: _Config, data):
     """Keras' TensorFlowTrainer.train_step with memsave's gradients (see module doc).
 
-    :func:`plan` passes a ``take_gradients`` that plans instead and ends the trace there;
-    by default the module's ``_memsave_gradients`` is looked up when the step is traced.
+    The module's ``_memsave_gradients`` is looked up when the step is traced.
     """
-    if take_gradients is None:
-        take_gradients = _memsave_gradients
+    x, y, sample_weight, y_pred, loss, checkpoints = _forward_and_loss(
+        model, config, data, with_outputs=True)
+    if model.trainable_weights:
+        trainable_weights = model.trainable_weights
+        gradients = _memsave_gradients(
+            loss, trainable_weights, checkpoints=checkpoints,
+            extra_resident_bytes=extra_resident_bytes(model), **config.gradient_options
+        )
+        model.optimizer.apply_gradients(zip(gradients, trainable_weights))
+    else:
+        # Keras' own step warns with warnings.warn; so does this one, for the same filters.
+        warnings.warn("The model does not have any trainable weights.")
+
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _forward_and_loss(model: keras.Model, config: _Config, data, *, with_outputs: bool = False):
+    """The train step up to its loss: ``(loss, checkpoints)`` for memsave's gradients.
+
+    With ``with_outputs``: ``(x, y, sample_weight, y_pred, loss, checkpoints)``.
+    The loss tracker is updated and the loss scaled, as Keras' step does.
+    """
     if tf.executing_eagerly():
         raise EagerExecutionError(_EAGER_MESSAGE.format(name=model.name))
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -458,21 +480,13 @@ def _checkpointed_train_step(model: keras.Model, config: _Config, data,
     )
     if model.optimizer is not None:
         loss = model.optimizer.scale_loss(loss)
-
+    checkpoints = None
     if model.trainable_weights:
-        trainable_weights = model.trainable_weights
         checkpoints = config.strategy if config.strategy is not None else _checkpoint_tensors(
-            config.layers, outputs
-        )
-        gradients = take_gradients(
-            loss, trainable_weights, checkpoints=checkpoints, **config.gradient_options
-        )
-        model.optimizer.apply_gradients(zip(gradients, trainable_weights))
-    else:
-        # Keras' own step warns with warnings.warn; so does this one, for the same filters.
-        warnings.warn("The model does not have any trainable weights.")
-
-    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            config.layers, outputs)
+    if with_outputs:
+        return x, y, sample_weight, y_pred, loss, checkpoints
+    return loss, checkpoints
 
 
 @contextlib.contextmanager
@@ -580,7 +594,7 @@ def _check_model(model, api: str = "memsave.keras.checkpointed") -> None:
 def _check_checkpoints(checkpoints, api: str = "memsave.keras.checkpointed") -> str | None:
     """The strategy name, or None for a list of layers; raise on anything else."""
     if isinstance(checkpoints, str):
-        strategies.get(checkpoints)  # UnknownStrategyError now, not deep in fit
+        planners.get(checkpoints, api=api)  # UnknownStrategyError now, not deep in fit
         return checkpoints
     if isinstance(checkpoints, Sequence) and checkpoints and all(
         isinstance(c, (str, keras.layers.Layer)) for c in checkpoints
@@ -588,7 +602,7 @@ def _check_checkpoints(checkpoints, api: str = "memsave.keras.checkpointed") -> 
         return None
     raise CheckpointError(
         f"{api}: checkpoints={checkpoints!r}; pass a strategy name "
-        f"({', '.join(strategies.available())}) or a non-empty list of the model's layers "
+        f"({', '.join(planners.available())}) or a non-empty list of the model's layers "
         "(or layer names) whose outputs to keep. Tensors do not exist before fit traces "
         "the step: tag them with tf.compat.v1.add_to_collection('checkpoints', t) in the "
         "model's call and use checkpoints='collection'"
@@ -599,12 +613,12 @@ def _check_strategy_options(options, checkpoints, api: str = "memsave.keras.chec
     if options is None:
         return None
     if not isinstance(checkpoints, str):
-        raise TypeError(
+        raise OptionsError(
             f"{api}: strategy_options apply to a strategy name only, "
             f"not to checkpoints={checkpoints!r}"
         )
     if not isinstance(options, Mapping):
-        raise TypeError(
+        raise OptionsError(
             f"{api}: strategy_options={options!r}; pass a mapping "
             "such as {'num_checkpoints': 8}"
         )
@@ -744,3 +758,6 @@ class _private:
     @staticmethod
     def metric_variables(model) -> list:
         return [v for m in model.metrics for v in m.variables]
+
+
+from memsave.capacity import max_batch_size  # noqa: E402,F401  (re-exported: "will it fit?")

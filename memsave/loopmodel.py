@@ -4,11 +4,12 @@ A :class:`LoopChoice` says how :func:`memsave.loops.prepare` makes a loop's
 gradient keep its values; :func:`figures` forecasts the bytes that choice
 holds, from the :class:`~memsave.graph.Body` that :mod:`memsave.extract`
 reads, in the terms of the simulator's figures for a body
-(:class:`memsave.simulate.BodyFigures`: what the gradient keeps from the
+(:class:`memsave.bodies.BodyFigures`: what the gradient keeps from the
 loop until it runs, the items of the loop's own TensorLists, and the
-transient peaks of one trip forward and backward), so that the simulator
-can ask ``figures(body, choice, allocator)`` where it asks
-``_body_figures(body, allocator)`` today.
+transient peaks of one trip forward and backward): the simulator takes
+``figures(body, choice, model)`` for a loop in place of
+:func:`memsave.bodies.body_figures` (``ForwardProgram(body_figures=)``,
+filled by :meth:`memsave.problem.Problem.with_loops`).
 
 The model, per trip (T trips; S: the state, the body inputs that change
 from trip to trip; I: what while_v2 keeps of a trip, its ``saved``
@@ -45,9 +46,12 @@ from typing import TYPE_CHECKING, Literal
 
 from memsave.errors import LoopChoiceError
 
-if TYPE_CHECKING:  # the simulator imports this module
+from memsave.bodies import BodyFigures, body_figures
+from memsave.costs import body_costs
+
+if TYPE_CHECKING:
     from memsave.graph import Body
-    from memsave.simulate import Allocator, BodyFigures
+    from memsave.memory_model import MemoryModel
 
 __all__ = ["LoopChoice", "TripBytes", "trip_bytes", "figures", "recomputed_trips",
            "chunk_size", "candidates"]
@@ -114,37 +118,35 @@ class TripBytes:
 
     Attributes
     ----------
-    saved_B : int
+    saved_bytes : int
         I: what while_v2's gradient keeps of a trip.
-    state_B : int
+    state_bytes : int
         S: the loop state stored per trip by a per-step gradient.
-    kept_B : int
+    kept_bytes : int
         K: values of ops that must not run twice, stored whatever the choice.
-    read_lists_B : int
+    read_lists_bytes : int
         L: the TensorLists the loop reads (its input sequence), all trips.
     """
 
-    saved_B: int
-    state_B: int
-    kept_B: int
-    read_lists_B: int
+    saved_bytes: int
+    state_bytes: int
+    kept_bytes: int
+    read_lists_bytes: int
 
 
-def trip_bytes(body: "Body", allocator: "Allocator") -> TripBytes:
-    """The per-trip figures of ``body`` as ``allocator`` counts them."""
-    from memsave.costs import body_costs  # noqa: PLC0415 - keeps this module importable first
-
-    size = body_costs(body).tensor_B
-    counted = allocator.counted
+def trip_bytes(body: "Body", model: "MemoryModel") -> TripBytes:
+    """The per-trip figures of ``body`` as ``model``'s allocator counts them."""
+    size = body_costs(body).tensor_bytes
+    counted = model.allocator.counted
     return TripBytes(
-        saved_B=sum(counted(size[t]) for t in body.saved),
-        state_B=sum(counted(size[t]) for t in body.state),
-        kept_B=sum(counted(size[t]) for t in body.kept),
-        read_lists_B=counted(body.read_lists_B),
+        saved_bytes=sum(counted(size[t]) for t in body.saved),
+        state_bytes=sum(counted(size[t]) for t in body.state),
+        kept_bytes=sum(counted(size[t]) for t in body.kept),
+        read_lists_bytes=counted(body.read_lists_bytes),
     )
 
 
-def figures(body: "Body", choice: LoopChoice, allocator: "Allocator") -> "BodyFigures":
+def figures(body: "Body", choice: LoopChoice, model: "MemoryModel") -> BodyFigures:
     """What ``body``'s op holds when its gradient is built as ``choice`` says.
 
     Parameters
@@ -152,61 +154,59 @@ def figures(body: "Body", choice: LoopChoice, allocator: "Allocator") -> "BodyFi
     body : Body
         A loop's body (``body.loop``); a call's body has one choice, plain.
     choice : LoopChoice
-    allocator : Allocator
+    model : MemoryModel
 
     Returns
     -------
     BodyFigures
-        ``saved_B`` (kept from the loop until its gradient, all trips),
-        ``stored_B`` (items of the loop's own TensorLists), ``forward_B`` and
-        ``backward_B`` (transient peaks of one trip), as the simulator's.
+        ``saved_bytes`` (kept from the loop until its gradient, all trips),
+        ``stored_bytes`` (items of the loop's own TensorLists), ``forward_bytes`` and
+        ``backward_bytes`` (transient peaks of one trip), as the simulator's.
 
     Examples
     --------
-    >>> f = figures(body, LoopChoice.chunk(32), CPU_ONEDNN)  # doctest: +SKIP
-    >>> f.saved_B  # the state every 32 trips, and the input sequence  # doctest: +SKIP
+    >>> f = figures(body, LoopChoice.chunk(32), MemoryModel())  # doctest: +SKIP
+    >>> f.saved_bytes  # the state every 32 trips, and the input sequence  # doctest: +SKIP
     """
-    from memsave import simulate  # noqa: PLC0415 - the simulator imports this module
-
     if not body.loop:
-        return simulate._body_figures(body, allocator)  # pylint: disable=protected-access
-    plain = simulate._body_figures(_differentiated(body), allocator)  # pylint: disable=protected-access
-    per = trip_bytes(body, allocator)
+        return body_figures(body, model)
+    plain = body_figures(_differentiated(body), model)
+    per = trip_bytes(body, model)
     trips = body.trips
     if choice.kind == "plain":
         # while_v2 also keeps the values of random draws (not in ``saved``).
-        return dataclasses.replace(plain, saved_B=plain.saved_B + trips * per.kept_B)
-    one_trip = max(0, per.saved_B - per.state_B)  # a trip's recomputed intermediates
-    if choice.kind == "per_step" or per.kept_B:
-        saved_B = trips * (per.state_B + per.kept_B) + per.read_lists_B
-        return simulate.BodyFigures(
-            saved_B=saved_B, stored_B=plain.stored_B,
-            forward_B=max(_start_B(per, saved_B), plain.forward_B + one_trip),
-            backward_B=plain.backward_B + per.saved_B)
+        return dataclasses.replace(plain, saved_bytes=plain.saved_bytes + trips * per.kept_bytes)
+    one_trip = max(0, per.saved_bytes - per.state_bytes)  # a trip's recomputed intermediates
+    if choice.kind == "per_step" or per.kept_bytes:
+        saved_bytes = trips * (per.state_bytes + per.kept_bytes) + per.read_lists_bytes
+        return BodyFigures(
+            saved_bytes=saved_bytes, stored_bytes=plain.stored_bytes,
+            forward_bytes=max(_start_bytes(per, saved_bytes), plain.forward_bytes + one_trip),
+            backward_bytes=plain.backward_bytes + per.saved_bytes)
     chunks = -(-trips // choice.k)
     k = min(choice.k, max(trips, 1))
     if choice.inner == "store":
-        forward_B = plain.forward_B + k * per.saved_B
-        backward_B = plain.backward_B + k * per.saved_B
+        forward_bytes = plain.forward_bytes + k * per.saved_bytes
+        backward_bytes = plain.backward_bytes + k * per.saved_bytes
     else:
-        forward_B = plain.forward_B + one_trip + k * per.state_B
-        backward_B = plain.backward_B + per.saved_B + k * per.state_B
-    saved_B = chunks * per.state_B + per.read_lists_B
-    return simulate.BodyFigures(saved_B=saved_B, stored_B=plain.stored_B,
-                                forward_B=max(_start_B(per, saved_B), forward_B),
-                                backward_B=backward_B)
+        forward_bytes = plain.forward_bytes + one_trip + k * per.state_bytes
+        backward_bytes = plain.backward_bytes + per.saved_bytes + k * per.state_bytes
+    saved_bytes = chunks * per.state_bytes + per.read_lists_bytes
+    return BodyFigures(saved_bytes=saved_bytes, stored_bytes=plain.stored_bytes,
+                                forward_bytes=max(_start_bytes(per, saved_bytes), forward_bytes),
+                                backward_bytes=backward_bytes)
 
 
-def _start_B(per: TripBytes, saved_B: int) -> int:
+def _start_bytes(per: TripBytes, saved_bytes: int) -> int:
     """The excess of the loop's start over what it keeps to its end.
 
     The input sequence's TensorList is made from a tensor just before the
     loop (Keras: a time-major transpose, then an unstack): two copies (2 L)
     are alive then, before any state is stored. The simulator holds
-    ``saved_B`` and the forward transient together at the op, so the
-    transient is what 2 L exceeds ``saved_B`` by.
+    ``saved_bytes`` and the forward transient together at the op, so the
+    transient is what 2 L exceeds ``saved_bytes`` by.
     """
-    return max(0, 2 * per.read_lists_B - saved_B)
+    return max(0, 2 * per.read_lists_bytes - saved_bytes)
 
 
 _differentiated_bodies: "weakref.WeakKeyDictionary[Body, Body]" = weakref.WeakKeyDictionary()
@@ -239,22 +239,22 @@ def recomputed_trips(body: "Body", choice: LoopChoice) -> int:
     return body.trips
 
 
-def chunk_size(body: "Body", allocator: "Allocator", *, inner: str = "per_step") -> int:
+def chunk_size(body: "Body", model: "MemoryModel", *, inner: str = "per_step") -> int:
     """The k that minimizes what a chunked gradient keeps at its peak.
 
     ``ceil(T/k) S + k X`` (X = S for ``inner="per_step"``, I for ``store``)
     is smallest near ``k = sqrt(T S / X)``: sqrt(T) trips per chunk when
     each trip is recomputed again.
     """
-    per = trip_bytes(body, allocator)
-    per_k = per.state_B if inner == "per_step" else per.saved_B
-    if body.trips <= 1 or per.state_B <= 0 or per_k <= 0:
+    per = trip_bytes(body, model)
+    per_k = per.state_bytes if inner == "per_step" else per.saved_bytes
+    if body.trips <= 1 or per.state_bytes <= 0 or per_k <= 0:
         return max(1, body.trips)
-    k = math.sqrt(body.trips * per.state_B / per_k)
+    k = math.sqrt(body.trips * per.state_bytes / per_k)
     return max(1, min(body.trips, round(k)))
 
 
-def candidates(body: "Body", allocator: "Allocator") -> list[LoopChoice]:
+def candidates(body: "Body", model: "MemoryModel") -> list[LoopChoice]:
     """The choices worth forecasting for ``body``: plain, per step, and the
     chunk sizes :func:`chunk_size` gives (both inner schedules) when the
     loop makes more than a few trips and nothing in it must not run twice."""
@@ -263,7 +263,7 @@ def candidates(body: "Body", allocator: "Allocator") -> list[LoopChoice]:
     out = [LoopChoice.plain(), LoopChoice.per_step()]
     if body.trips >= MIN_TRIPS_TO_CHUNK and not body.kept:
         for inner in ("per_step", "store"):
-            k = chunk_size(body, allocator, inner=inner)
+            k = chunk_size(body, model, inner=inner)
             if 1 < k < body.trips:
                 out.append(LoopChoice.chunk(k, inner=inner))
     return out

@@ -21,7 +21,8 @@ from typing import Any
 import tensorflow as tf
 
 from memsave import _tf_private
-from memsave.gradients import gradients as _memsave_gradients
+from memsave.errors import PatchError
+from memsave.api import gradients as _memsave_gradients
 
 __all__ = ["Patch", "patch", "unpatch"]
 
@@ -109,7 +110,7 @@ class Patch:
             if self._undone:
                 return
             if _active[-1] is not self:
-                raise RuntimeError(
+                raise PatchError(
                     "memsave.patch: undo the innermost patch first (patches nest like "
                     "with-blocks)"
                 )

@@ -6,11 +6,13 @@ Data flow, for each step of the schedule in order:
    are grad_ys on the ys).
 2. ``recompute`` steps: make a *gate*, a float32 zero that is computed from
    the heads' incoming gradients (``where(b == b, 0, nan)`` with ``b`` the
-   gradient's first element, NaN replaced by 0, so the gate is never NaN). Give each boundary tensor a fresh proxy: the checkpoints get
-   ``t + gate`` (a data dependency, which neither Grappler nor XLA removes),
-   other boundary tensors ``identity(t)``; under XLA, which ignores control
-   dependencies, every floating boundary tensor (variable reads too) gets
-   ``t + gate``, so that nothing of the step's backward can run early. Copy the step's ops in
+   gradient's first element, NaN replaced by 0, so the gate is never NaN).
+   Give each boundary tensor a fresh proxy: those the schedule gates
+   (``Step.gated``, :func:`memsave.schedule.gated_boundary`: the
+   checkpoints; under XLA, which ignores control dependencies, every
+   floating boundary tensor, variable reads too) get ``t + gate`` (a data
+   dependency, which neither Grappler nor XLA removes), the others
+   ``identity(t)``. Copy the step's ops in
    topological order, reading proxies instead of kept tensors, on the
    devices of the originals and under a control dependency on the gate, so
    the segment is recomputed only once backprop reaches it. Call the stock
@@ -62,6 +64,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import weakref
 from collections.abc import Sequence
 
 import tensorflow as tf
@@ -75,6 +78,8 @@ __all__ = ["rewrite", "aggregate"]
 logger = logging.getLogger(__name__)
 
 def _gateable(dtype: tf.DType) -> bool:
+    """The TensorFlow side of :func:`memsave.schedule.is_floating`: whether a
+    gradient of this dtype can make the gate."""
     return dtype.is_floating or dtype.is_complex
 
 
@@ -96,32 +101,88 @@ def aggregate(grads: Sequence, *, dense: bool):
 
 
 def _gate(grads: Sequence) -> tf.Tensor | None:
-    """A float32 zero that cannot be computed before ``grads`` are."""
+    """A float32 zero that cannot be computed before ``grads`` are.
+
+    ``where(b == b, 0, nan)`` with ``b`` the sum of each gradient's first
+    element, NaN replaced by 0 (a NaN in a gradient must not spread to every
+    tensor the gate touches): always 0.0, but no compiler can prove it
+    without the gradients' values. Built from raw ops (``_tf_private.raw_op``).
+    """
+    op = _tf_private.raw_op
     bits = []
     for g in grads:
         v = g.values if isinstance(g, tf.IndexedSlices) else g
         if not _gateable(v.dtype):
             continue
+        dt = v.dtype
         with v.graph.colocate_with(v.op, ignore_existing=True):
-            first = tf.reshape(v, [-1])[:1]
-            if v.dtype.is_complex:
-                first = tf.math.real(first)
-            # NaN replaced by 0: a NaN in the gradient must not spread to
-            # every tensor this gate touches.
-            first = tf.where(tf.math.is_nan(first), tf.zeros_like(first), first)
-            bits.append(tf.cast(tf.reduce_sum(first), tf.float32))
+            c = _constants(v.graph, v.op.device)
+            flat = op("Reshape", [v, c(tf.int32, [-1])], [dt], {"T": dt, "Tshape": tf.int32},
+                      "flat").outputs[0]
+            first = op("Slice", [flat, c(tf.int32, [0]), c(tf.int32, [1])], [dt],
+                       {"T": dt, "Index": tf.int32}, "first").outputs[0]
+            if dt.is_complex:
+                dt = dt.real_dtype
+                first = op("Real", [first], [dt], {"T": v.dtype, "Tout": dt}, "real").outputs[0]
+            nan = op("IsNan", [first], [tf.bool], {"T": dt}, "is_nan").outputs[0]
+            first = op("SelectV2", [nan, c(dt, 0), first], [dt], {"T": dt}, "not_nan").outputs[0]
+            b = op("Sum", [first, c(tf.int32, 0)], [dt], {"T": dt, "Tidx": tf.int32,
+                                                          "keep_dims": False}, "b").outputs[0]
+            if dt != tf.float32:
+                b = op("Cast", [b], [tf.float32], {"SrcT": dt, "DstT": tf.float32,
+                                                    "Truncate": False}, "cast").outputs[0]
+            bits.append(b)
     if not bits:
         return None
-    b = bits[0] if len(bits) == 1 else tf.math.add_n(bits)
-    # Always 0.0, but no compiler can prove it without the gradient's value.
-    return tf.where(tf.equal(b, b), tf.constant(0.0), tf.constant(float("nan")))
+    with bits[0].graph.colocate_with(bits[0].op, ignore_existing=True):
+        c = _constants(bits[0].graph, bits[0].op.device)
+        b = bits[0] if len(bits) == 1 else op(
+            "AddN", bits, [tf.float32], {"N": len(bits), "T": tf.float32}, "bits").outputs[0]
+        same = op("Equal", [b, b], [tf.bool], {"T": tf.float32,
+                                                "incompatible_shape_error": True}, "same").outputs[0]
+        return op("SelectV2", [same, c(tf.float32, 0.0), c(tf.float32, float("nan"))],
+                  [tf.float32], {"T": tf.float32}, "gate").outputs[0]
 
 
-def _proxy(t: tf.Tensor, gate: tf.Tensor | None) -> tf.Tensor:
+def _constants(graph: tf.Graph, device: str):
+    """``c(dtype, value)``: a Const of ``graph`` on ``device``, made once per
+    graph, device and value (the gates of every step share them)."""
+    per_graph = _CONSTANTS.setdefault(graph, {})
+
+    def c(dtype: tf.DType, value) -> tf.Tensor:
+        key = (dtype, repr(value), device)
+        found = per_graph.get(key)
+        if found is None:
+            with graph.colocate_with(None, ignore_existing=True), graph.device(device), \
+                    graph.control_dependencies(None):
+                found = per_graph[key] = tf.constant(value, dtype=dtype, name="gate_constant")
+        return found
+
+    return c
+
+
+#: Per graph, the constants the gates share (see _constants).
+_CONSTANTS: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDictionary()
+
+
+def _proxy(t: tf.Tensor, gate: tf.Tensor | None, gates: dict | None = None) -> tf.Tensor:
+    """``t`` read through the gate (``t + gate``), or through an identity without one.
+
+    ``gates`` caches the gate cast to each dtype, for one step.
+    """
     if gate is None:
         return _tf_private.identity(t, name="proxy")
+    dt = t.dtype
     with t.graph.colocate_with(t.op, ignore_existing=True):
-        return tf.math.add(t, tf.cast(gate, t.dtype), name="gated")
+        cast = gate if dt == tf.float32 else None
+        if cast is None and gates is not None:
+            cast = gates.get(dt)
+        if cast is None:
+            cast = _tf_private.raw_op("Cast", [gate], [dt], {"SrcT": tf.float32, "DstT": dt,
+                                                             "Truncate": False}, "gate").outputs[0]
+            if gates is not None:
+                gates[dt] = cast
+        return _tf_private.raw_op("AddV2", [t, cast], [dt], {"T": dt}, "gated").outputs[0]
 
 
 def rewrite(
@@ -155,6 +216,12 @@ def rewrite(
         heads = [h for h in step.heads if received.get(h)]
         if not heads or not step.boundary:
             continue
+        if step.kind == "backprop" and all(
+                _tf_private.passes_gradient_through(ex.ops[o]) for o in step.ops):
+            # Variable reads: each handle receives its read's gradients as they
+            # are (what tf.gradients would build, without a call per step).
+            previous = _pass_through(fg, step, received)
+            continue
         head_grads = [aggregate(received[h], dense=True) for h in heads]
         with tf.name_scope(f"{step.kind}_{k}"):
             if step.kind == "recompute":
@@ -173,6 +240,19 @@ def rewrite(
                 received[b].append(g)
                 previous.append((g.values if isinstance(g, tf.IndexedSlices) else g).op)
     return [received.get(x, []) for x in fg.xs]
+
+
+def _pass_through(fg, step: Step, received: dict) -> list:
+    """Send each read's gradients on to the handle it reads; return their ops."""
+    boundary = set(step.boundary)
+    ops = []
+    for o in step.ops:
+        node = fg.ops[o]
+        got = received.get(node.outputs[0])
+        if got and node.inputs[0] in boundary:
+            received[node.inputs[0]].extend(got)
+            ops += [(g.values if isinstance(g, tf.IndexedSlices) else g).op for g in got]
+    return ops
 
 
 def _after_forward(gy, y_ops: Sequence):
@@ -197,31 +277,10 @@ def _after_forward(gy, y_ops: Sequence):
 def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, *, xla: bool) -> list:
     fg = ex.fg
     gate = _gate(head_grads)
-    activations = [
-        b for b in step.boundary
-        if fg.tensors[b].kind == "internal"
-        and fg.ops[fg.tensors[b].producer].recomputable
-        and _gateable(ex.tensors[b].dtype)
-    ]
-    if not activations:
-        floats = [b for b in step.boundary if _gateable(ex.tensors[b].dtype)]
-        activations = sorted(floats, key=lambda b: fg.tensors[b].size_B)[:1]
-    if xla and gate is not None:
-        # XLA ignores control dependencies: whatever a recomputed segment's
-        # backward computes from ungated boundary tensors alone (the reversed
-        # and transposed filters of Conv2DBackpropInput, computed from the
-        # variable reads) is free to run in the forward pass, and XLA's
-        # scheduler does run it there and keeps it alive to the end of the
-        # forward (85 of the 184 MiB of XLA's temporaries on ResNet50 at
-        # batch 32). Gating every floating boundary tensor ties all of it to
-        # the incoming gradient. The cost is at most a transient copy of a
-        # gated weight while its segment runs (``+ gate`` fuses into
-        # elementwise consumers, not into a convolution). Without XLA the
-        # control dependencies below already hold the copies back, and the
-        # executor computes nothing from a weight alone, so only the
-        # activations are gated there (against Grappler's CSE).
-        activations = [b for b in step.boundary if _gateable(ex.tensors[b].dtype)]
-    elif xla:
+    # Which boundary tensors are read through ``t + gate`` is the schedule's
+    # decision (memsave.schedule.gated_boundary), which the simulator counts.
+    gated = set(step.gated) if gate is not None else set()
+    if gate is None and xla:
         logger.warning(
             "memsave: under XLA (jit_compile=True) the recomputation of %s cannot be tied "
             "to the incoming gradient, which has no floating-point part; XLA ignores "
@@ -229,13 +288,14 @@ def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, *
             "nothing there",
             ", ".join(fg.describe(heads)),
         )
-    gated = set(activations) if gate is not None else set()
-    proxies = {b: _proxy(ex.tensors[b], gate if b in gated else None) for b in step.boundary}
+    casts: dict = {}  # the gate cast to each dtype, for this step
+    proxies = {b: _proxy(ex.tensors[b], gate if b in gated else None, casts)
+               for b in step.boundary}
     if gate is not None:
         # The step reads what it receives through proxies of its own, never a
         # tensor an earlier step's ops also read (see "No shared inputs
         # across steps" in the module docstring).
-        head_grads = [_proxy(g, gate) if _gateable(g.dtype) else g for g in head_grads]
+        head_grads = [_proxy(g, gate, casts) if _gateable(g.dtype) else g for g in head_grads]
 
     # Recompute only once the heads' gradients (through the gate) and the
     # previous step's gradients exist.

@@ -24,6 +24,15 @@ heads depend on nothing else in the layer. The ys that are not kept form the
 first step. A head whose producer is not recomputable is differentiated in
 place (a *backprop* step on the original op) rather than copied.
 
+Gating
+------
+A recompute step must not run before backprop reaches it: the rewrite reads
+some boundary tensors through ``t + gate``, a zero computed from the heads'
+incoming gradients (a data dependency no graph pass removes), and the rest
+through identities. Which ones is decided here, once, as ``Step.gated``
+(:func:`gated_boundary`); the rewrite builds it and the simulator counts its
+copies.
+
 Complexity: each segment walk stops at kept tensors, so the total work is
 the sum of segment sizes, linear in the graph size when segments do not
 overlap (ops shared by heads of different layers are copied once per layer).
@@ -33,11 +42,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection
-from typing import Literal
+from typing import Literal, Union
 
 from memsave.graph import ForwardGraph
 
-__all__ = ["Step", "Schedule", "build_schedule"]
+__all__ = ["Step", "Schedule", "build_schedule", "gated_boundary", "is_floating"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +65,17 @@ class Step:
         Op indices, in topological order.
     boundary : tuple of int
         Differentiable kept tensor ids the step sends gradients to.
+    gated : tuple of int
+        Of a recompute step's boundary, the tensors read through ``t +
+        gate`` (:func:`gated_boundary`); the others are read through
+        identities. Empty for backprop steps.
     """
 
     kind: Literal["recompute", "backprop"]
     heads: tuple[int, ...]
     ops: tuple[int, ...]
     boundary: tuple[int, ...]
+    gated: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +142,7 @@ def build_schedule(
     _keep_shared_frontier(fg, kept, copyable)
 
     def differentiable(t: int) -> bool:
-        return t in kept and tensors[t].trainable and tensors[t].kind != "external"
+        return t in kept and fg.receives_gradient(t)
 
     def segment(*heads: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Ops recomputing ``heads`` back to kept tensors, and that boundary."""
@@ -147,38 +161,41 @@ def build_schedule(
                     stack.append(node.producer)
         return tuple(sorted(seen)), tuple(sorted(boundary))
 
-    # Units of work: ("t", tensor) recomputes a head; ("o", op) backprops a
-    # non-recomputable op in place; ("o", first op) backprops a run of stored
-    # ops in place, as one step (see _stored_runs).
+    # Units of work: a _Head recomputes a kept tensor; an _InPlace backprops
+    # a non-recomputable op, or a run of stored ops (see _stored_runs), in
+    # place, as one step.
     run_of = _stored_runs(fg, stored)
 
-    def unit_of(t: int) -> tuple[str, int]:
+    def unit_of(t: int) -> _Unit:
         producer = tensors[t].producer
         assert producer is not None, "this is a bug in memsave: unit of a non-internal tensor"
         if recomputable(producer):
-            return ("t", t)
-        return ("o", run_of.get(producer, producer))
+            return _Head(t)
+        return _InPlace(run_of.get(producer, producer))
 
     runs: dict[int, list[int]] = {}
     for o, first in run_of.items():
         runs.setdefault(first, []).append(o)
 
-    def unit_ops(u: tuple[str, int]) -> list[int]:
-        return runs.get(u[1], [u[1]])
+    def unit_ops(u: _InPlace) -> list[int]:
+        return runs.get(u.first_op, [u.first_op])
 
-    deps: dict[tuple[str, int], set[tuple[str, int]]] = {}
+    gradient_inputs = _gradient_inputs(fg)
+    deps: dict[_Unit, set[_Unit]] = {}
     segments: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for t in sorted(kept):
         if tensors[t].kind != "internal":
             continue
         unit = unit_of(t)
-        if unit[0] == "t":
+        if isinstance(unit, _Head):
             segments[t] = segment(t)
             boundary = segments[t][1]
         elif unit in deps:
             continue  # an in-place unit's boundary is its ops', whichever output
-        else:
+        elif unit.first_op in run_of:
             boundary = _outer_inputs(fg, unit_ops(unit), differentiable)
+        else:  # one op that is not recomputable: its inputs are all kept
+            boundary = gradient_inputs[unit.first_op]
         deps.setdefault(unit, set()).update(
             u for u in (unit_of(b) for b in boundary if tensors[b].kind == "internal")
             if u != unit
@@ -192,16 +209,16 @@ def build_schedule(
     )
     if y_heads:
         # One walk from all of them: the ys share their step (and often their ops).
-        steps.append(_recompute_step(y_heads, [segment(*y_heads)]))
+        steps.append(_recompute_step(fg, y_heads, [segment(*y_heads)]))
 
-    def position(u: tuple[str, int]) -> int:
-        return unit_ops(u)[-1] if u[0] == "o" else tensors[u[1]].producer
+    def position(u: _Unit) -> int:
+        return unit_ops(u)[-1] if isinstance(u, _InPlace) else tensors[u.tensor].producer
 
     for layer in reversed(_layers(deps, position)):
-        heads = sorted(u[1] for u in layer if u[0] == "t")
+        heads = sorted(u.tensor for u in layer if isinstance(u, _Head))
         if heads:
-            steps.append(_recompute_step(tuple(heads), [segments[h] for h in heads]))
-        forced = sorted(o for u in layer if u[0] == "o" for o in unit_ops(u))
+            steps.append(_recompute_step(fg, tuple(heads), [segments[h] for h in heads]))
+        forced = sorted(o for u in layer if isinstance(u, _InPlace) for o in unit_ops(u))
         if forced:
             outs = tuple(t for o in forced for t in fg.ops[o].outputs if tensors[t].trainable)
             bnd = _outer_inputs(fg, forced, differentiable)
@@ -212,6 +229,23 @@ def build_schedule(
         steps=tuple(steps),
         in_place=tuple(sorted(stored)),
     )
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class _Head:
+    """A unit of backward work: recompute the segment of a kept tensor."""
+
+    tensor: int
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class _InPlace:
+    """A unit of backward work: differentiate ops in place, from the first of its run."""
+
+    first_op: int
+
+
+_Unit = Union[_Head, _InPlace]
 
 
 def _stored_runs(fg: ForwardGraph, stored: frozenset[int]) -> dict[int, int]:
@@ -242,6 +276,18 @@ def _stored_runs(fg: ForwardGraph, stored: frozenset[int]) -> dict[int, int]:
             first = -1
             produced = set()
     return run_of
+
+
+def _gradient_inputs(fg: ForwardGraph) -> tuple[tuple[int, ...], ...]:
+    """Per op, its inputs that receive a gradient (sorted, once): the
+    boundary of a non-recomputable op differentiated in place, whose
+    inputs are all kept whatever the checkpoints (cached on the graph)."""
+    found = fg.__dict__.get("_gradient_inputs")
+    if found is None:
+        found = tuple(tuple(sorted({t for t in op.inputs if fg.receives_gradient(t)}))
+                      for op in fg.ops)
+        object.__setattr__(fg, "_gradient_inputs", found)  # a cache, not a field
+    return found
 
 
 def _outer_inputs(fg: ForwardGraph, ops, differentiable) -> tuple[int, ...]:
@@ -327,7 +373,7 @@ def _layers(deps: dict, position) -> list[set]:
     for ds in deps.values():
         units.update(ds)
     level: dict = {}
-    for u in sorted(units, key=lambda u: (position(u), u)):
+    for u in sorted(units, key=lambda u: (position(u), isinstance(u, _InPlace), u)):
         level[u] = 1 + max((level[d] for d in deps.get(u, ())), default=-1)
     out: list[set] = [set() for _ in range(1 + max(level.values(), default=-1))]
     for u, lv in level.items():
@@ -335,7 +381,38 @@ def _layers(deps: dict, position) -> list[set]:
     return out
 
 
-def _recompute_step(heads, parts) -> Step:
+def _recompute_step(fg: ForwardGraph, heads, parts) -> Step:
     ops = sorted({o for seg, _ in parts for o in seg})
-    boundary = sorted({b for _, bnd in parts for b in bnd})
-    return Step("recompute", heads, tuple(ops), tuple(boundary))
+    boundary = tuple(sorted({b for _, bnd in parts for b in bnd}))
+    return Step("recompute", heads, tuple(ops), boundary, gated_boundary(fg, boundary))
+
+
+def is_floating(dtype: str) -> bool:
+    """Whether a tensor of this dtype (its TensorFlow name) can carry the gate
+    (``t + gate``): floating and complex dtypes. Graphs built by hand, with
+    no dtype recorded (``""``), count as floating."""
+    return dtype == "" or dtype.startswith(("float", "bfloat", "half", "complex"))
+
+
+def gated_boundary(fg: ForwardGraph, boundary: tuple[int, ...]) -> tuple[int, ...]:
+    """The boundary tensors a recompute step reads through ``t + gate``.
+
+    The activations among them (floating outputs of recomputable ops): a
+    copy read through a gated proxy cannot be merged back into the original
+    by Grappler's common-subexpression elimination, and waits for the
+    gradient. With no activation on the boundary (a segment that starts at
+    the xs' reads), the smallest floating tensor, so that something holds
+    the copies back. Under XLA (``fg.xla``), which ignores control
+    dependencies, every floating boundary tensor, weight reads too:
+    otherwise XLA computes what a segment's backward derives from weights
+    alone (a convolution's reversed filters) in the forward pass and keeps it.
+    """
+    tensors = fg.tensors
+    floats = [t for t in boundary if is_floating(tensors[t].dtype)]
+    if fg.xla:
+        return tuple(floats)
+    activations = tuple(t for t in floats if tensors[t].kind == "internal"
+                        and fg.ops[tensors[t].producer].recomputable)
+    if activations:
+        return activations
+    return tuple(sorted(floats, key=lambda t: tensors[t].size_bytes)[:1])

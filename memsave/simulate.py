@@ -3,17 +3,17 @@
 Data flow: ``simulate(fg, schedule, costs)`` turns the forward graph and a
 :class:`~memsave.schedule.Schedule` (or None for plain ``tf.gradients``)
 into a straight-line *program* of buffer reads and writes, then replays it
-once with reference counts, as the executor frees a tensor when its last
-reader has run. It returns a :class:`MemoryTrace`: the allocator peak, the
-bytes resident before the step, and the timeline of bytes alive during each
-event. Every strategy, the Plan, the no-saving warning and the budget
+once, freeing a buffer after the last reader of any value on it, as the
+executor frees a tensor when its last reader has run. It returns a
+:class:`MemoryTrace`: the allocator peak, the bytes resident before the
+step, and the timeline of bytes alive during each event. Every strategy, the Plan, the no-saving warning and the budget
 solvers read this one function; nothing here touches TensorFlow.
 
 The program
 -----------
 1. Resident: the xs' variables and the inputs (sources and external
    tensors) are alive from the start to the end, and so are the gradients
-   Grappler folds into constants (:data:`CONSTANT_FOLDING_MAX_B`).
+   Grappler folds into constants (``MemoryModel.constant_folding_max_bytes``).
 2. Forward: every op in topological order allocates its outputs, except
    views (:data:`memsave.costs.ALIAS_OP_TYPES`) and elementwise ops writing
    into an input that dies there (:data:`memsave.costs.INPLACE_OP_TYPES`).
@@ -21,10 +21,11 @@ The program
    (``Costs.gradient``) is read by that gradient, so it lives until then.
 3. Backward, one stage per step of the schedule (plain backprop is one
    ``backprop`` stage over every op): a ``recompute`` step makes fresh
-   proxies of its boundary (``t + gate``, a new buffer unless the original
-   dies there; identities otherwise, and for every tensor when the heads'
-   gradients are constants: Grappler folds the gate), re-runs those of its ops whose values
-   a gradient reads (TensorFlow prunes the rest), then
+   proxies of its boundary (``t + gate`` for the tensors the schedule
+   gates, ``Step.gated``: a new buffer unless the original dies there;
+   identities otherwise, and for every tensor when the heads' gradients are
+   constants: Grappler folds the gate), re-runs those of its ops whose
+   values a gradient reads (TensorFlow prunes the rest), then
    differentiates them in reverse order. Each op's gradient sums the
    gradients its outputs received (AddN, in place), reads what it saves
    and writes one gradient per differentiable input (the incoming buffer
@@ -41,20 +42,36 @@ The program
    the body's backward transient, and a loop's gradient starts its sums
    from ``zeros_like`` of the loop invariants (constants Grappler folds).
    The body's figures come from simulating the body itself
-   (:func:`_body_figures`).
+   (:func:`memsave.bodies.body_figures`).
 
-The allocator decides what a byte costs (:class:`Allocator`): oneDNN's
-CPU allocator (``MklCPUAllocator``) sends allocations under 256 KiB to a
-small-size allocator that keeps no statistics, so the peak TensorFlow
-reports never counts them; the BFC allocator (GPU, and CPU without oneDNN)
-counts everything, rounded up to 256 bytes.
+The settings come as one value, a :class:`~memsave.memory_model.MemoryModel`:
+its allocator decides what a byte costs (oneDNN's CPU allocator does not
+report allocations under 256 KiB; the BFC allocator of GPUs counts
+everything, rounded up to 256 bytes), and it says how far a weight's
+gradient kernel overlaps the next gradient and what Grappler folds.
 
 Notes
 -----
 Building and replaying the program is linear in ops plus tensors: one pass
-to build, one to find each value's last reader, one to replay. Ops run in
+to build, one to find each value's last reader, one to replay. The replay
+does not walk the program event by event: it settles each value's buffer
+(its own, a view's, or an in-place candidate's) in order, then sums the
+bytes each buffer adds where it is made and removes after its last reader.
+A planner simulates many schedules of one graph, so what does not depend
+on the schedule is computed once per graph and memory model, in a
+:class:`ForwardProgram`: the forward pass's program and its last readers,
+and per op what a copy of it and its gradient read and write; building a
+schedule's program is then appends and lookups, op by op (the hot loops
+bind names locally and inline the common case of ``_Program.instr``: the
+simulator is a large share of planning time).
+
+This module is longer than most: the builder, the forward program and the
+replay share the program's representation (value and instruction lists),
+which is private to them.
+
+Ops run in
 topological order (one at a time), except that a weight's gradient kernel
-runs beside the next gradient (:data:`WEIGHT_GRADIENT_OVERLAP`); the real
+runs beside the next gradient (``MemoryModel.weight_gradient_overlap``); the real
 executor may overlap other independent ops, so a forecast can be off by
 the outputs of ops that ran side by side. The reported peak also counts
 whole BFC chunks (a free chunk under twice the request is not split), which
@@ -66,91 +83,46 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import gc
 import itertools
-import weakref
 from collections.abc import Sequence
 
-from memsave.costs import Costs, body_costs
-from memsave.graph import Body, ForwardGraph
+from memsave.bodies import body_figures
+from memsave.costs import Costs
+from memsave.errors import ArgumentError
+from memsave.graph import ForwardGraph
+from memsave.memory_model import BFC, CPU_ONEDNN, Allocator, MemoryModel
 from memsave.schedule import Schedule
 
 __all__ = [
+    "MemoryModel",
     "Allocator",
     "CPU_ONEDNN",
     "BFC",
     "MemoryTrace",
+    "Event",
     "simulate",
     "ForwardProgram",
     "forward_program",
+    "copies_that_run",
+    "paused_gc",
 ]
 
 
-#: Largest tensor Grappler's constant folding materializes
-#: (``ConstantFolding``'s ``max_constant_size_in_bytes``, 10 MiB). The seed
-#: gradient ``ones_like(y)`` of a y with a static shape is a constant, and so
-#: is every gradient computed from constants only (e.g. ``reduce_mean``'s:
-#: it reads no forward value, only its constant axes): Grappler folds them into Const nodes, whose
-#: tensors are allocated when the kernels are created (the first call) and
-#: stay resident. Measured: a mean over a [2048, 512] float32 leaves 4 MiB
-#: more in use after the first call, in a tf.function and in a Session; over
-#: [8192, 512] (16 MiB) nothing.
-CONSTANT_FOLDING_MAX_B = 10 * 1024 * 1024
+class Event(enum.Enum):
+    """What an instruction of the simulated program is (its label's kind)."""
 
+    FORWARD = "run "  # an op of the forward pass (ref: op index)
+    RECOMPUTE = "recompute "  # a copy of an op in a recompute step (op index)
+    GRADIENT = "gradient of "  # an op's gradient (op index)
+    SUM = "sum gradients of "  # the sum of a tensor's gradients (tensor id)
+    SEED = "seed gradient of "  # grad_ys of a y (tensor id)
+    PROXY = "proxy of "  # a recompute step's proxy of a boundary tensor (tensor id)
 
-#: How many of the following instructions that write a buffer still see the
-#: reads of an op's gradient alive, when that gradient goes both to a weight
-#: (an x or its read) and on to another op (a convolution's or matmul's).
-#: Its kernels are independent and the executor runs them side by side
-#: (inter-op threads): the input's gradient is consumed at once by the next
-#: op's gradient, while the weight's kernel (Conv2DBackpropFilter, the
-#: MatMul of x^T and dy), which nothing waits for, still reads the layer's
-#: input and the incoming gradient. Measured with step stats (the zoo U-Net
-#: at batch 32, 2 cores; plain and checkpointed): the concat's gradient (two
-#: Slices, 3 MiB) was allocated while Conv2DBackpropFilter still held the
-#: 3 MiB concat and the 1 MiB incoming gradient, and the allocator's peak
-#: was there. The overlap is one kernel: a next gradient that writes several
-#: new buffers (a concat's, one Slice per input) overlaps it with the first
-#: (the largest) only. Not under XLA (one thunk at a time). 0 turns it off.
-WEIGHT_GRADIENT_OVERLAP = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Allocator:
-    """How an allocator accounts for a buffer of ``n`` bytes.
-
-    Attributes
-    ----------
-    name : str
-    min_counted_B : int
-        Buffers smaller than this are not counted in the reported peak.
-    round_B : int
-        Counted sizes are rounded up to a multiple of this.
-    """
-
-    name: str
-    min_counted_B: int = 0
-    round_B: int = 256
-
-    def counted(self, n: int) -> int:
-        """Bytes a buffer of ``n`` bytes adds to the reported ``bytes_in_use``."""
-        if n < self.min_counted_B or n <= 0:
-            return 0
-        r = self.round_B
-        return -(-n // r) * r if r > 1 else n
-
-
-#: oneDNN's CPU allocator (TensorFlow's default on x86 Linux): allocations
-#: under ``MklCPUAllocator::kSmallAllocationsThreshold`` = 262144 bytes go to
-#: ``MklSmallSizeAllocator``, whose statistics are off
-#: (``mkl_small_allocator_collect_stats = false``), so
-#: ``get_memory_info('CPU:0')`` never sees them; larger ones go to a BFC
-#: allocator (256-byte granularity).
-CPU_ONEDNN = Allocator("CPU (oneDNN MklCPUAllocator)", min_counted_B=262144, round_B=256)
-
-#: The BFC allocator of GPUs (and of CPUs without oneDNN): counts every
-#: allocation, rounded to 256 bytes.
-BFC = Allocator("BFC", min_counted_B=0, round_B=256)
+    @property
+    def of_op(self) -> bool:
+        return self in (Event.FORWARD, Event.RECOMPUTE, Event.GRADIENT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,16 +131,16 @@ class MemoryTrace:
 
     Attributes
     ----------
-    peak_B : int
+    peak_bytes : int
         Allocator peak over the step, resident bytes included: what
         ``get_memory_info(device)['peak']`` reads when reset just before.
-    resident_B : int
+    resident_bytes : int
         Bytes alive before the step starts (variables, inputs).
     timeline : tuple of (int, str)
         Bytes alive while each event runs (its outputs allocated, its
         inputs not yet freed), in execution order (empty when
         ``simulate(..., timeline=False)``).
-    end_B : int
+    end_bytes : int
         Bytes alive after the step: resident bytes and the xs' gradients.
     peak_event : str
         The event at which the peak is reached.
@@ -176,387 +148,673 @@ class MemoryTrace:
         Index in ``timeline`` of the first backward event.
     """
 
-    peak_B: int
-    resident_B: int
+    peak_bytes: int
+    resident_bytes: int
     timeline: tuple[tuple[int, str], ...]
     peak_event: str
     backward_start: int = 0
-    end_B: int = 0
+    end_bytes: int = 0
 
 
 class _Program:
     """Values (buffers or views of buffers) and instructions reading/writing them."""
 
-    __slots__ = ("size", "alias", "resident", "reads", "writes", "labels", "pinned", "xs_grads",
-                 "lingering")
+    __slots__ = ("size", "alias", "resident_ids", "reads", "writes", "labels", "pinned",
+                 "xs_grads", "lingering")
 
     def __init__(self) -> None:
         self.size: list[int] = []
         self.alias: list[int] = []  # value it views, or -1
-        self.resident: list[bool] = []
+        self.resident_ids: list[int] = []  # values alive from before the step to its end
         self.reads: list[list[int]] = []
         self.writes: list[list[tuple[int, tuple[int, ...]]]] = []
-        self.labels: list[tuple] = []
+        self.labels: list[tuple[Event, int]] = []
         self.pinned: list[int] = []
         self.xs_grads: list[int] = []  # gradients of the xs and of their reads
         # (allocating instructions left, values): values still read by a
-        # kernel that runs beside the next instructions (WEIGHT_GRADIENT_OVERLAP).
+        # kernel that runs beside the next instructions (weight_gradient_overlap).
         self.lingering: list[tuple[int, list[int]]] = []
 
+    @property
+    def resident(self) -> list[bool]:
+        """Per value: whether it is alive from before the step to its end."""
+        flags = [False] * len(self.size)
+        for v in self.resident_ids:
+            flags[v] = True
+        return flags
+
     def value(self, size: int, alias: int = -1, resident: bool = False) -> int:
+        v = len(self.size)
         self.size.append(size)
         self.alias.append(alias)
-        self.resident.append(resident)
-        return len(self.size) - 1
+        if resident:
+            self.resident_ids.append(v)
+        return v
 
     def instr(self, label: tuple, reads: list[int], writes: list[tuple[int, tuple[int, ...]]],
               kernels: bool = False) -> None:
         """Append an instruction. ``kernels``: each new buffer it writes is
         the output of a kernel of its own (an op's input gradients)."""
-        if self.lingering and any(self.alias[v] < 0 for v, _ in writes):
-            # A kernel that writes a buffer: the one run beside the lingering one.
-            ending = [v for left, values in self.lingering if left == 1 for v in values]
-            going = [v for left, values in self.lingering if left > 1 for v in values]
-            self.lingering = [(left - 1, values) for left, values in self.lingering if left > 1]
-            new = [w for w in writes if self.alias[w[0]] < 0 and not w[1]]
-            if ending and kernels and len(new) > 1:
+        lingering = self.lingering
+        if lingering:
+            alias = self.alias
+            for v, _ in writes:
+                if alias[v] < 0:
+                    break  # a kernel that writes a buffer: the one run beside the lingering one
+            else:
+                for _, values in lingering:
+                    reads = reads + values
+                self.reads.append(reads)
+                self.writes.append(writes)
+                self.labels.append(label)
+                return
+            if len(lingering) == 1 and lingering[0][0] == 1:  # the usual case (overlap 1)
+                ending = lingering.pop()[1]
+                going: list[int] = []
+            else:
+                ending = []
+                going = []
+                still = []
+                for left, values in lingering:
+                    if left == 1:
+                        ending += values
+                    else:
+                        going += values
+                        still.append((left - 1, values))
+                lingering[:] = still  # in place: the hot loops hold this list
+            if ending and kernels and len(writes) > 1:
                 # An op's gradient writing several new buffers is one kernel
                 # each (a concat's: one Slice per input); the lingering kernel
                 # runs beside the first (the largest, as the worst case).
-                first = max(new, key=lambda w: self.size[w[0]])
-                self.reads.append(reads + ending + going)
-                self.writes.append([first])
-                self.labels.append(label)
-                writes = [w for w in writes if w is not first]
-                ending = []
+                size = self.size
+                first = None
+                n_new = 0
+                for w in writes:
+                    if alias[w[0]] < 0 and not w[1]:
+                        n_new += 1
+                        if first is None or size[w[0]] > size[first[0]]:
+                            first = w
+                if n_new > 1:
+                    self.reads.append(reads + ending + going)
+                    self.writes.append([first])
+                    self.labels.append(label)
+                    writes = writes[:]
+                    writes.remove(first)  # (values are unique: the same tuple)
+                    ending = []
             reads = reads + ending + going
-        elif self.lingering:
-            reads = reads + [v for _, values in self.lingering for v in values]
         self.reads.append(reads)
         self.writes.append(writes)
         self.labels.append(label)
 
 
-def _gateable(node) -> bool:
-    return node.dtype == "" or node.dtype.startswith(("float", "bfloat", "half", "complex"))
-
-
 class _Builder:
-    """Builds the program of one step (see module docstring)."""
+    """Builds the program of one step (see module docstring).
 
-    def __init__(self, fg: ForwardGraph, costs: Costs, allocator: Allocator,
-                 forward: ForwardProgram | None = None) -> None:
-        self.fg = fg
-        self.costs = costs
-        self.allocator = allocator
-        self.saved_of: dict[int, int] = {}  # op with a body -> what its gradient keeps
-        self.early_of: dict[int, list[int]] = {}  # op -> gradient values run in the forward
+    The per-op facts every run and gradient reads come precomputed from the
+    :class:`ForwardProgram` (``copy_plans``, ``gradient_plans``): building a
+    schedule's program is then list appends and lookups, op by op.
+    """
+
+    def __init__(self, fp: ForwardProgram) -> None:
+        self.fp = fp
         self.p = _Program()
         self.grads: dict[int, list[int]] = {}  # tensor id -> gradient values received
-        self.orig: list[int] = [-1] * len(fg.tensors)
-        self.resident_B = 0
+        self.orig: list[int] = [-1] * len(fp.fg.tensors)  # tensor id -> its forward value
+        self.resident_bytes = 0
         self.constant: set[int] = set()  # gradient values Grappler folds into constants
-        self.xs = set(fg.xs)
-        if forward is not None:  # the state after its forward pass (which it built once)
-            self.feeds_x = forward.feeds_x
-            self.gradient_reads = forward.gradient_reads
-            self.gradient_targets = forward.gradient_targets
-            forward.restore(self)
-            return
-        # An x, or the read of one (an op whose inputs are all xs, e.g.
-        # ReadVariableOp): its gradient is the x's, passed through.
-        self.feeds_x = [
-            node.id in self.xs or (node.producer is not None and bool(fg.ops[node.producer].inputs)
-                              and all(u in self.xs for u in fg.ops[node.producer].inputs))
-            for node in fg.tensors
-        ]
-        for node in fg.tensors:
-            if node.kind != "internal":
-                self.orig[node.id] = self.p.value(costs.tensor_B[node.id], resident=True)
-                self.resident_B += costs.tensor_B[node.id]
+        self.saved_of: dict[int, int] = {}  # op with a body -> what its gradient keeps
+        self.early_of: dict[int, list[int]] = {}  # op -> gradient values run in the forward
+
+    def restore(self) -> None:
+        """Put this (fresh) builder in the state after the forward pass."""
+        fp, p = self.fp, self.p
+        p.size, p.alias, p.resident_ids, p.reads, p.writes, p.labels = (
+            list(x) for x in fp.program)
+        self.orig[:] = fp.orig
+        self.saved_of = dict(fp.saved_of)
+        self.early_of = dict(fp.early_of)
+        self.resident_bytes = fp.resident_bytes
+        self.constant = set(fp.constant)
 
     # -- forward ----------------------------------------------------------
 
-    def run_op(self, i: int, vmap, phase: str) -> None:
-        fg, costs, p = self.fg, self.costs, self.p
-        op = fg.ops[i]
-        reads = [vmap(t) for t in op.inputs]
-        writes = []
-        lists = -1
-        if op.body is not None:
-            figures = _body_figures(op.body, self.allocator)
-            # What the gradient keeps (alive until it runs), what the loop's
-            # TensorLists hold (alive while the lists are), and the body's
-            # own transient peak (freed when the op ends).
-            saved = p.value(figures.saved_B)
-            self.saved_of[i] = saved
-            lists = p.value(figures.stored_B)
-            writes += [(saved, ()), (lists, ()), (p.value(figures.forward_B), ())]
-        early = costs.gradient[i].early_B
-        if early and costs.gradient[i].has_gradient:
-            # Gradient values computed from this op's values alone: they run
-            # right after it and wait for its gradient.
-            values = [p.value(b) for b in early]
-            self.early_of[i] = values
-            writes += [(v, ()) for v in values]
-        if costs.scratch and costs.scratch[i]:
-            # The kernel's temporaries (freed when it ends): one per operand.
-            writes += [(p.value(costs.tensor_B[t]), ()) for t in op.inputs]
-        for t in op.outputs:
-            src = costs.alias_of[t]
-            if lists >= 0 and self.fg.tensors[t].dtype == "variant":
-                writes.append((p.value(costs.tensor_B[t], alias=lists), ()))
-                self.bind(t, writes[-1][0])
-                continue
-            if src is not None:
-                v = p.value(costs.tensor_B[t], alias=vmap(src))
-                writes.append((v, ()))
+    def run_ops(self, ops: Sequence[int], cur: list[int], boundary=(),
+                touched: list[int] | None = None) -> None:
+        """Run ``ops`` (in order), reading the values ``cur`` maps their inputs
+        to, and map their outputs there: in the forward pass (``touched``
+        None), all; in a recompute step (copies of the ops), all but the
+        ``boundary``'s, noted in ``touched``."""
+        p = self.p
+        # Hot loop (every op copy of every simulated plan): names bound once.
+        plans, saved_of, early_of = self.fp.copy_plans, self.saved_of, self.early_of
+        size, alias, value = p.size, p.alias, p.value
+        all_reads, all_writes, all_labels, lingering = p.reads, p.writes, p.labels, p.lingering
+        forward = Event.FORWARD
+        for i in ops:
+            label, inputs, figures, early, scratch, outputs = plans[i]
+            reads = []
+            for t in inputs:
+                reads.append(cur[t])
+            writes = []
+            lists = -1
+            if figures is not None:
+                # What the gradient keeps (alive until it runs), what the loop's
+                # TensorLists hold (alive while the lists are), and the body's
+                # own transient peak (freed when the op ends).
+                saved = value(figures.saved_bytes)
+                saved_of[i] = saved
+                lists = value(figures.stored_bytes)
+                writes += [(saved, ()), (lists, ()), (value(figures.forward_bytes), ())]
+            if early:
+                # Gradient values computed from this op's values alone: they run
+                # right after it and wait for its gradient.
+                values = [value(b) for b in early]
+                early_of[i] = values
+                writes += [(v, ()) for v in values]
+            if scratch:
+                # The kernel's temporaries (freed when it ends): one per operand.
+                writes += [(value(b), ()) for b in scratch]
+            for t, nbytes, src, in_lists, same_size in outputs:
+                v = len(size)
+                size.append(nbytes)
+                if in_lists and lists >= 0:
+                    alias.append(lists)
+                    writes.append((v, ()))
+                elif src is not None:
+                    alias.append(cur[src])
+                    writes.append((v, ()))
+                else:
+                    alias.append(-1)
+                    if not same_size:
+                        writes.append((v, ()))
+                    elif len(same_size) == len(reads):  # every input: in place candidates
+                        writes.append((v, tuple(reads)))
+                    else:
+                        cands = []
+                        for j in same_size:
+                            cands.append(reads[j])
+                        writes.append((v, tuple(cands)))
+                if touched is None:
+                    cur[t] = v
+                elif t not in boundary:
+                    cur[t] = v
+                    touched.append(t)
+            if touched is None:
+                label = (forward, i)
+            if lingering:
+                p.instr(label, reads, writes)
+            else:  # (p.instr, inlined)
+                all_reads.append(reads)
+                all_writes.append(writes)
+                all_labels.append(label)
+
+    def proxies(self, boundary: Sequence[int], gated, cur: list[int], touched: list[int]) -> None:
+        """A recompute step's proxies of its ``boundary`` (``t + gate`` for the
+        ``gated``: a new buffer unless the original dies there; identities
+        otherwise), mapped in ``cur`` and noted in ``touched``."""
+        p, orig, tensor_bytes = self.p, self.fp.orig, self.fp.costs.tensor_bytes
+        size, alias = p.size, p.alias
+        all_reads, all_writes, all_labels, lingering = p.reads, p.writes, p.labels, p.lingering
+        labels = self.fp.proxy_labels
+        for t in boundary:
+            src = orig[t]
+            v = len(size)
+            size.append(tensor_bytes[t])
+            if t in gated:
+                alias.append(-1)
+                writes = [(v, (src,))]
             else:
-                v = p.value(costs.tensor_B[t])
-                cands = ()
-                if costs.inplace[i]:
-                    cands = tuple(r for r, t_in in zip(reads, op.inputs)
-                                  if costs.tensor_B[t_in] == costs.tensor_B[t])
-                writes.append((v, cands))
-            self.bind(t, v)
-        p.instr((phase, i), reads, writes)
+                alias.append(src)
+                writes = [(v, ())]
+            if lingering:
+                p.instr(labels[t], [src], writes)
+            else:  # (p.instr, inlined)
+                all_reads.append([src])
+                all_writes.append(writes)
+                all_labels.append(labels[t])
+            cur[t] = v
+            touched.append(t)
 
     # -- backward ---------------------------------------------------------
 
-    def backward(self, ops: Sequence[int], vmap, heads, boundary, phase: str) -> None:
-        """Differentiate ``ops`` (reverse order). Gradients of ``heads`` come
-        from (and of ``boundary`` go to) ``self.grads``; others stay local."""
-        fg, costs, p = self.fg, self.costs, self.p
+    def backward(self, ops: Sequence[int], cur: list[int], heads, boundary) -> None:
+        """Differentiate ``ops`` (reverse order), reading forward values
+        through ``cur``. Gradients of ``heads`` come from (and of
+        ``boundary`` go to) ``self.grads``; others stay local."""
+        fp, p = self.fp, self.p
         # Hot loop (every op of every simulated plan): names bound once.
-        tensors, gradient, tensor_B, inplace = fg.tensors, costs.gradient, costs.tensor_B, costs.inplace
-        grads, xs, constant, feeds_x = self.grads, self.xs, self.constant, self.feeds_x
-        size = p.size
+        plans, is_x, grads, constant = fp.gradient_plans, fp.is_x, self.grads, self.constant
+        saved_of, early_of = self.saved_of, self.early_of
+        size, alias, xs_grads = p.size, p.alias, p.xs_grads
+        all_reads, all_writes, all_labels, lingering = p.reads, p.writes, p.labels, p.lingering
+        overlap = fp.overlap
         local: dict[int, list[int]] = {}
         for i in reversed(ops):
-            op = fg.ops[i]
-            use = gradient[i]
+            (label, outputs, has_gradient, read_tensors, has_early, scratch, loop_constants,
+             body_bytes, targets, static_fold, kernels) = plans[i]
             out_grads: list[int | None] = []
-            any_grad = False
-            for t in op.outputs:
-                got = local.pop(t, [])
-                if t in heads or t in xs:
-                    got += grads.pop(t, [])
+            reads = []  # the gradients received, then what the gradient reads
+            for t in outputs:
+                got = local.pop(t, None)
+                if t in heads or is_x[t]:
+                    more = grads.pop(t, None)
+                    if more:
+                        got = more if got is None else got + more
                 if not got:
                     out_grads.append(None)
                     continue
-                g = got[0] if len(got) == 1 else self.accumulate(t, got, phase)
-                if t in xs:
+                g = got[0] if len(got) == 1 else self.accumulate(t, got)
+                if is_x[t]:
                     # An x produced in the graph (an activation given as x):
                     # its gradient is a result of the step and flows on.
                     grads[t] = [g]
                 out_grads.append(g)
-                any_grad = True
-            if not any_grad or not use.has_gradient:
+                reads.append(g)
+            if not reads or not has_gradient:
                 continue
-            inputs, n_in = op.inputs, len(op.inputs)
-            reads = [g for g in out_grads if g is not None]
-            read_ins, read_outs = self.gradient_reads[i]
-            reads += [vmap(t) for t in read_ins]
-            reads += [vmap(t) for t in read_outs]
-            if i in self.early_of:
-                reads += self.early_of[i]
+            for t in read_tensors:
+                reads.append(cur[t])
+            if has_early:
+                reads += early_of[i]
             writes = []
-            if costs.scratch and costs.scratch[i]:
+            if scratch:
                 # Each input's gradient is a kernel of the same type, run one
                 # after the other: temporaries of the incoming gradient and
                 # the other operand, the largest input at most.
-                writes.append((p.value(max(tensor_B[t] for t in op.outputs)), ()))
-                writes.append((p.value(max((tensor_B[t] for t in inputs), default=0)), ()))
-            if op.body is not None:
-                if i in self.saved_of:
-                    reads.append(self.saved_of[i])
-                if op.body.loop:
-                    # The gradient loop sums a loop invariant's gradient from
-                    # zeros_like(it): a constant Grappler folds when the shape is static.
-                    # while_v2 differentiates every floating loop input, used or not.
-                    for j in op.body.invariant:
-                        t = inputs[j] if j < n_in else None
-                        if (t is not None and tensors[t].trainable
-                                and tensors[t].dtype not in ("resource", "variant")
-                                and self.foldable(t)):
-                            self.constant_value(t)
-                writes.append((p.value(_body_figures(op.body, self.allocator).backward_B), ()))
+                writes += [(p.value(b), ()) for b in scratch]
+            if body_bytes is not None:
+                if i in saved_of:
+                    reads.append(saved_of[i])
+                # The gradient loop sums a loop invariant's gradient from
+                # zeros_like(it): a constant Grappler folds when the shape is static.
+                # while_v2 differentiates every floating loop input, used or not.
+                for t in loop_constants:
+                    self.constant_value(t)
+                writes.append((p.value(body_bytes), ()))
             to_weight = flows_on = False
-            aliases = use.aliases
-            folded = None  # whether Grappler folds this gradient (computed when first asked)
-            for j, t, internal in self.gradient_targets[i]:
+            for t, internal, k, nbytes, feeds_x, foldable, in_place in targets:
                 if not internal and t not in boundary:
                     continue
-                k = aliases[j] if j < len(aliases) else None
-                if k is not None and out_grads[k] is not None:
-                    v = p.value(tensor_B[t], alias=out_grads[k])
+                g = out_grads[k] if k is not None else None
+                if g is not None:  # the incoming gradient's buffer (a pass-through)
+                    v = len(size)
+                    size.append(nbytes)
+                    alias.append(g)
                     writes.append((v, ()))
-                    if out_grads[k] in constant:
+                    if g in constant:
                         constant.add(v)
+                elif static_fold and foldable and all(g in constant for g in out_grads
+                                                      if g is not None):
+                    # Computed from constants only: Grappler folds it.
+                    v = self.constant_value(t)
                 else:
-                    if folded is None:
-                        folded = (not use.reads_outputs
-                                  and all(tensors[inputs[j]].constant for j in use.reads_inputs
-                                          if j < n_in)
-                                  and all(g in constant for g in out_grads if g is not None))
-                    if folded and self.foldable(t):
-                        v = self.constant_value(t)
+                    v = len(size)
+                    size.append(nbytes)
+                    alias.append(-1)
+                    if in_place is None:
+                        writes.append((v, ()))
+                    elif in_place:  # every value read has this size: all are candidates
+                        writes.append((v, tuple(reads)))
+                    else:  # the values read of this size
+                        cands = []
+                        for r in reads:
+                            if size[r] == nbytes:
+                                cands.append(r)
+                        writes.append((v, tuple(cands)))
+                if t in boundary:
+                    found = grads.get(t)
+                    if found is None:
+                        grads[t] = [v]
                     else:
-                        v = p.value(tensor_B[t])
-                        cands = ()
-                        if inplace[i]:
-                            cands = tuple(r for r in reads if size[r] == tensor_B[t])
-                        writes.append((v, cands))
-                (grads if t in boundary else local).setdefault(t, []).append(v)
-                if feeds_x[t]:
-                    p.xs_grads.append(v)
+                        found.append(v)
+                else:
+                    found = local.get(t)
+                    if found is None:
+                        local[t] = [v]
+                    else:
+                        found.append(v)
+                if feeds_x:
+                    xs_grads.append(v)
                     to_weight = True
                 else:
                     flows_on = True
-            # A call's or loop's gradient, or a kernel's temporaries, are not
-            # one kernel per buffer.
-            p.instr(("grad", i), reads, writes,
-                    kernels=op.body is None and not (costs.scratch and costs.scratch[i]))
-            if to_weight and flows_on and WEIGHT_GRADIENT_OVERLAP and not fg.xla:
+            if lingering:
+                # A call's or loop's gradient, or a kernel's temporaries, are
+                # not one kernel per buffer.
+                p.instr(label, reads, writes, kernels)
+            else:  # (p.instr, inlined)
+                all_reads.append(reads)
+                all_writes.append(writes)
+                all_labels.append(label)
+            if to_weight and flows_on and overlap:
                 # The weight's gradient kernel (Conv2DBackpropFilter, the
                 # MatMul of x^T and dy) is ready with the input's, but nothing
                 # downstream waits for it: the executor runs it beside the
                 # next gradient ops, which allocate while it still holds what
                 # it reads (the layer's input, the incoming gradient).
-                p.lingering.append((WEIGHT_GRADIENT_OVERLAP, reads))
-
-    def foldable(self, t: int) -> bool:
-        return self.fg.tensors[t].size_known and self.costs.tensor_B[t] <= CONSTANT_FOLDING_MAX_B
+                lingering.append((overlap, reads))
 
     def constant_value(self, t: int) -> int:
         """A gradient Grappler folds: resident from before the step."""
-        v = self.p.value(self.costs.tensor_B[t], resident=True)
+        nbytes = self.fp.costs.tensor_bytes[t]
+        v = self.p.value(nbytes, resident=True)
         self.constant.add(v)
-        self.resident_B += self.costs.tensor_B[t]
+        self.resident_bytes += nbytes
         return v
 
-    def accumulate(self, t: int, got: list[int], phase: str) -> int | None:
+    def accumulate(self, t: int, got: list[int]) -> int | None:
         if not got:
             return None
         if len(got) == 1:
             return got[0]
-        if all(g in self.constant for g in got) and self.foldable(t):
+        if all(g in self.constant for g in got) and self.fp.foldable[t]:
             return self.constant_value(t)
-        v = self.p.value(self.costs.tensor_B[t])
-        self.p.instr(("sum", t), list(got), [(v, tuple(got))])
+        v = self.p.value(self.fp.costs.tensor_bytes[t])
+        self.p.instr((Event.SUM, t), list(got), [(v, tuple(got))])
         return v
-
-    def bind(self, t: int, v: int) -> None:
-        pass  # replaced per stage
 
 
 class ForwardProgram:
     """The builder's state after the forward pass, which every schedule of one graph shares.
 
     Build it once (:func:`forward_program`) and pass it to :func:`simulate`
-    as ``forward=`` to simulate many schedules of one graph (strategies'
-    candidate plans, the budget solvers) without rebuilding it. Without
-    ``forward=``, :func:`simulate` reuses the last one it built for the same
-    graph, costs and allocator.
+    as ``forward=`` to simulate many schedules of one graph (a planner's
+    candidate plans, the budget solvers) without rebuilding it;
+    :class:`memsave.problem.Problem` keeps one per memory model. Besides the
+    forward program it holds what every simulation of the graph reads per
+    op (what running a copy of it writes, what its gradient reads and
+    writes) and per value (its last reader in the forward pass), computed
+    here once.
     """
 
-    def __init__(self, fg: ForwardGraph, costs: Costs, allocator: Allocator) -> None:
-        b = _Builder(fg, costs, allocator)
-        orig = b.orig
+    def __init__(self, fg: ForwardGraph, costs: Costs, model: MemoryModel) -> None:
+        self.fg, self.costs, self.model = fg, costs, model
+        tensors, tensor_bytes = fg.tensors, costs.tensor_bytes
+        xs = set(fg.xs)
+        self.is_x = [node.id in xs for node in tensors]
+        max_folded = model.constant_folding_max_bytes
+        self.foldable = [node.size_known and tensor_bytes[node.id] <= max_folded
+                         for node in tensors]
+        self.overlap = 0 if fg.xla else model.weight_gradient_overlap
+        self._plan_ops()
 
-        def bind_orig(t: int, v: int) -> None:
-            orig[t] = v
-
-        b.bind = bind_orig
-        for i in range(len(fg.ops)):
-            b.run_op(i, orig.__getitem__, "forward")
-        self.fg, self.costs, self.allocator = fg, costs, allocator
+        b = _Builder(self)
         p = b.p
+        for node in tensors:
+            if node.kind != "internal":
+                b.orig[node.id] = p.value(tensor_bytes[node.id], resident=True)
+                b.resident_bytes += tensor_bytes[node.id]
+        b.run_ops(range(len(fg.ops)), b.orig)
         # Instruction lists are never changed once made: shared, not copied.
-        self.program = (list(p.size), list(p.alias), list(p.resident), list(p.reads),
-                        list(p.writes), list(p.labels))
-        self.orig = list(b.orig)
-        self.feeds_x = b.feeds_x
-        # Per op, the input and output tensors its gradient reads.
-        self.gradient_reads = [
-            (tuple(op.inputs[j] for j in use.reads_inputs if j < len(op.inputs)),
-             tuple(op.outputs[k] for k in use.reads_outputs if k < len(op.outputs)))
-            for op, use in zip(fg.ops, costs.gradient)
-        ]
-        # Per op, its inputs a gradient can flow to: (position, tensor, internal)
-        # (not a tf.custom_gradient's results: its function gives them none).
-        self.gradient_targets = [
-            tuple((j, t, fg.tensors[t].kind == "internal") for j, t in enumerate(op.inputs)
-                  if fg.tensors[t].trainable and fg.tensors[t].kind != "external"
-                  and (use.gives is None or j in use.gives))
-            for op, use in zip(fg.ops, costs.gradient)
-        ]
-        self.saved_of = dict(b.saved_of)
-        self.early_of = dict(b.early_of)
-        self.resident_B = b.resident_B
-        self.constant = set(b.constant)
+        self.program = (p.size, p.alias, p.resident_ids, p.reads, p.writes, p.labels)
+        self.orig = b.orig
+        self.saved_of = b.saved_of
+        self.early_of = b.early_of
+        self.resident_bytes = b.resident_bytes
+        self.constant = b.constant
+        self._prepare_replays(p)
+        self._identity: list[int] = []
+        self._names: tuple[list[str], list[str]] | None = None  # of the ops, of the tensors
+        self._forward_labels: list[str] | None = None
 
-    def restore(self, b: _Builder) -> None:
-        """Put ``b`` (fresh, for the same graph) in the state after the forward pass."""
-        p = b.p
-        p.size, p.alias, p.resident, p.reads, p.writes, p.labels = (list(x) for x in self.program)
-        b.orig[:] = self.orig
-        b.saved_of = dict(self.saved_of)
-        b.early_of = dict(self.early_of)
-        b.resident_B = self.resident_B
-        b.constant = set(self.constant)
+    def _prepare_replays(self, p: _Program) -> None:
+        """What every replay (:func:`_replay`) starts from.
+
+        ``last``: each forward value's last reader in the forward pass (or
+        where it is made); ``counted``: the bytes each value counts. Of the
+        forward's writes, a replay need not look at the new buffers (made at
+        their instruction whatever the schedule: ``made_bytes`` per
+        instruction, ``new_buffers``) nor at the views of resident values
+        (their buffer is known: ``replay_root``); ``replay_writes`` keeps the
+        others, per instruction.
+        """
+        last = [-1] * len(p.size)
+        for k, ws in enumerate(p.writes):
+            for v, _ in ws:
+                last[v] = k
+        for k, rs in enumerate(p.reads):
+            for r in rs:
+                last[r] = k
+        self.last = last
+        self.counted_of = _Counted(self.model.allocator)
+        counted = self.counted = list(map(self.counted_of.__getitem__, p.size))
+        self.resident_counted = sum([counted[v] for v in p.resident_ids])
+        root = list(range(len(p.size)))
+        on_resident = [False] * len(p.size)
+        for v in p.resident_ids:
+            on_resident[v] = True
+        saved = set(self.saved_of.values())
+        self.saved_at: dict[int, int] = {}  # what a call's gradient keeps -> its instruction
+        self.made_bytes = [0] * len(p.writes)
+        self.new_buffers: list[int] = []
+        self.replay_writes: list[list[tuple[int, tuple[int, ...]]]] = []
+        for k, ws in enumerate(p.writes):
+            left = []
+            for w in ws:
+                v, cands = w
+                a = p.alias[v]
+                if a < 0 and not cands:
+                    self.made_bytes[k] += counted[v]
+                    self.new_buffers.append(v)
+                    if v in saved:
+                        self.saved_at[v] = k
+                elif a >= 0 and on_resident[a]:
+                    root[v] = root[a]
+                    on_resident[v] = True
+                else:
+                    left.append(w)
+            self.replay_writes.append(left)
+        self.replay_root = root
+
+    def identity(self, start: int, stop: int) -> list[int]:
+        """``list(range(start, stop))``, copied from one made once (no new int objects)."""
+        if len(self._identity) < stop:
+            self._identity = list(range(max(stop, 2 * len(self._identity))))
+        return self._identity[start:stop]
+
+    def _plan_ops(self) -> None:
+        """Per op, what running a copy of it and differentiating it read and write.
+
+        ``copy_plans[i]`` (read by :meth:`_Builder.run_ops`): its label, its
+        inputs, its body's figures (or None), the bytes of its early gradient
+        values and of its kernel's temporaries, and per output (tensor,
+        bytes, the tensor it views or None, whether it lives in the loop's
+        TensorLists, the positions of the inputs it may be written into).
+
+        ``gradient_plans[i]`` (read by :meth:`_Builder.backward`): its label,
+        outputs, whether it has a gradient, the tensors the gradient reads,
+        whether it reads early values, the bytes of its temporaries, the
+        loop invariants whose zero gradients Grappler folds, its body's
+        backward bytes (or None), per input it writes a gradient to (tensor,
+        internal, the output whose gradient is passed through or None,
+        bytes, whether it feeds an x, foldable, in-place candidates: None
+        for none, True for every value read, False for those of its size),
+        whether it folds when its incoming gradients do, and whether each
+        buffer it writes is a kernel of its own.
+        """
+        fg, costs, model, is_x = self.fg, self.costs, self.model, self.is_x
+        tensors, tensor_bytes, alias_of = fg.tensors, costs.tensor_bytes, costs.alias_of
+        scratch_ops = costs.scratch or (False,) * len(fg.ops)
+        # An x, or the read of one (an op whose inputs are all xs, e.g.
+        # ReadVariableOp): its gradient is the x's, passed through.
+        feeds_x = list(is_x)
+        for op in fg.ops:
+            if op.inputs:
+                for u in op.inputs:
+                    if not is_x[u]:
+                        break
+                else:
+                    for t in op.outputs:
+                        feeds_x[t] = True
+        internal = [node.kind == "internal" for node in tensors]
+        copy_plans = []
+        gradient_plans = []
+        recompute, gradient = Event.RECOMPUTE, Event.GRADIENT  # (an Enum member lookup is slow)
+        for i, op in enumerate(fg.ops):
+            use = costs.gradient[i]
+            inputs, outputs = op.inputs, op.outputs
+            figures = body_figures(op.body, model) if op.body is not None else None
+            inplace = costs.inplace[i]
+            copied_outputs = []
+            for t in outputs:
+                nbytes = tensor_bytes[t]
+                # In-place candidates: the inputs of its size, by position.
+                same_size = (tuple([j for j, u in enumerate(inputs) if tensor_bytes[u] == nbytes])
+                             if inplace else ())
+                copied_outputs.append((t, nbytes, alias_of[t],
+                                       figures is not None and tensors[t].dtype == "variant",
+                                       same_size))
+            copy_plans.append((
+                (recompute, i),
+                inputs,
+                figures,
+                use.early_bytes if use.has_gradient else (),
+                tuple([tensor_bytes[t] for t in inputs]) if scratch_ops[i] else (),
+                tuple(copied_outputs),
+            ))
+
+            read_ins, read_outs = costs.gradient_reads[i]
+            loop_constants = ()
+            if op.body is not None and op.body.loop:
+                loop_constants = tuple([
+                    t for t in (inputs[j] for j in op.body.invariant if j < len(inputs))
+                    if tensors[t].trainable and tensors[t].dtype not in ("resource", "variant")
+                    and self.foldable[t]])
+            aliases = use.aliases
+            # The sizes of the values the gradient may read (None: not known
+            # here): when they are all a new buffer's, every value read is a
+            # candidate to write it into in place (an elementwise op's).
+            read_sizes = None
+            if inplace and figures is None:
+                read_sizes = {tensor_bytes[t] for t in (*outputs, *read_ins, *read_outs)}
+                read_sizes.update(use.early_bytes if use.has_gradient else ())
+            targets = []
+            for j, t in costs.gradient_targets[i]:
+                nbytes = tensor_bytes[t]
+                targets.append((
+                    t, internal[t], aliases[j] if j < len(aliases) else None, nbytes,
+                    feeds_x[t], self.foldable[t],
+                    # In-place candidates: none, every value read, or those of its size.
+                    None if not inplace else read_sizes == {nbytes}))
+            gradient_plans.append((
+                (gradient, i),
+                outputs,
+                use.has_gradient,
+                read_ins + read_outs,
+                bool(use.early_bytes) and use.has_gradient,
+                (max([tensor_bytes[t] for t in outputs]),
+                 max([tensor_bytes[t] for t in inputs], default=0)) if scratch_ops[i] else (),
+                loop_constants,
+                figures.backward_bytes if figures is not None else None,
+                tuple(targets),
+                not use.reads_outputs and all([tensors[inputs[j]].constant
+                                               for j in use.reads_inputs if j < len(inputs)]),
+                op.body is None and not scratch_ops[i],
+            ))
+        self.copy_plans, self.gradient_plans = copy_plans, gradient_plans
+        self.needed_copies = copies_that_run(fg, costs)
+        proxy = Event.PROXY
+        self.proxy_labels = [(proxy, t) for t in range(len(fg.tensors))]
+
+    def label(self, label: tuple[Event, int]) -> str:
+        """An event's name (``"run dense/MatMul"``)."""
+        return self._named([label])[0]
+
+    def labels(self, labels: Sequence[tuple[Event, int]]) -> list[str]:
+        """The names of the events of a program built on this one (the forward
+        pass's events come first: their names are made once)."""
+        if self._forward_labels is None:
+            self._forward_labels = self._named(self.program[5])
+        return self._forward_labels + self._named(labels[len(self._forward_labels):])
+
+    def _named(self, labels: Sequence[tuple[Event, int]]) -> list[str]:
+        if self._names is None:
+            self._names = ([op.name for op in self.fg.ops],
+                           [node.name for node in self.fg.tensors])
+        op_names, tensor_names = self._names
+        prefix, of_op = _PREFIX, _OF_OP
+        return [prefix[kind] + (op_names if kind in of_op else tensor_names)[ref]
+                for kind, ref in labels]
+
+
+#: The last reader of a value that outlives the step (resident, or one of its outputs).
+_NEVER = 1 << 62
+
+_PREFIX = {kind: kind.value for kind in Event}
+_OF_OP = frozenset(kind for kind in Event if kind.of_op)
+
+
+class _Counted(dict):
+    """Bytes an allocator counts, per buffer size (a graph has few distinct sizes)."""
+
+    def __init__(self, allocator: Allocator) -> None:
+        super().__init__()
+        self.allocator = allocator
+
+    def __missing__(self, nbytes: int) -> int:
+        found = self[nbytes] = self.allocator.counted(nbytes)
+        return found
+
+
+def copies_that_run(fg: ForwardGraph, costs: Costs):
+    """The rule for which op copies of a recompute step run, as a function ``ops -> ops``.
+
+    Those a gradient reads (through other copies), and calls and loops
+    whose gradient keeps what they compute, and ops with gradient values
+    computed in the forward pass; the rest (the copy of the loss itself,
+    say) feed nothing that is fetched, and TensorFlow prunes them. Built
+    once per graph; the simulator and the time model read the same rule.
+    """
+    needs = [ins + outs for ins, outs in costs.gradient_reads]
+    always = [(op.body is not None and bool(op.body.saved)) or bool(use.early_bytes)
+              for op, use in zip(fg.ops, costs.gradient)]
+    inputs = [op.inputs for op in fg.ops]
+    outputs = [op.outputs for op in fg.ops]
+
+    def run(ops: Sequence[int]) -> list[int]:
+        need = set(itertools.chain.from_iterable(map(needs.__getitem__, ops)))
+        live = []
+        for i in reversed(ops):
+            if always[i] or not need.isdisjoint(outputs[i]):
+                live.append(i)
+                need.update(inputs[i])
+        live.reverse()
+        return live
+
+    return run
 
 
 def forward_program(fg: ForwardGraph, costs: Costs,
-                    allocator: Allocator = CPU_ONEDNN) -> ForwardProgram:
+                    model: MemoryModel = MemoryModel()) -> ForwardProgram:
     """The schedule-independent forward program of ``fg`` (for ``simulate(forward=)``)."""
     with paused_gc():
-        return ForwardProgram(fg, costs, allocator)
+        return ForwardProgram(fg, costs, model)
 
 
-class _LastForward:
-    """The last forward program :func:`simulate` built itself, keyed by identity.
-
-    A plan simulates one graph many times (the baseline, each candidate of a
-    strategy, the chosen plan): the forward part is the same every time.
-    """
-
-    def __init__(self) -> None:
-        self.key: tuple = ()
-        self.forward: ForwardProgram | None = None
-
-    def get(self, fg, costs, allocator) -> ForwardProgram:
-        key = self.key
-        if not (self.forward is not None and key[0]() is fg and key[1]() is costs
-                and key[2] == allocator):
-            forward = ForwardProgram(fg, costs, allocator)
-            try:
-                self.key = (weakref.ref(fg), weakref.ref(costs), allocator)
-                self.forward = forward
-            except TypeError:  # not weakly referable: do not keep it
-                self.key, self.forward = (), None
-            return forward
-        return self.forward
-
-
-_last_forward = _LastForward()
-
-
-def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator: Allocator,
-           forward: ForwardProgram | None = None) -> tuple[_Program, int, int]:
+def _forward_of(fg: ForwardGraph, costs: Costs, model: MemoryModel,
+                forward: ForwardProgram | None) -> ForwardProgram:
     if forward is None:
-        forward = _last_forward.get(fg, costs, allocator)
-    elif forward.fg is not fg or forward.costs is not costs or forward.allocator != allocator:
-        raise ValueError(
-            "memsave.simulate: forward= was built for another graph, costs or allocator")
-    b = _Builder(fg, costs, allocator, forward)
+        return ForwardProgram(fg, costs, model)
+    if forward.fg is not fg or forward.costs is not costs or forward.model != model:
+        raise ArgumentError(
+            "memsave.simulate: forward= was built for another graph, costs or memory model")
+    return forward
+
+
+def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, model: MemoryModel,
+           forward: ForwardProgram | None = None) -> tuple[_Program, int, int]:
+    """The program of ``schedule``, the bytes resident before the step, and
+    the index of the first backward instruction."""
+    return _build_program(_forward_of(fg, costs, model, forward), schedule)
+
+
+def _build_program(forward: ForwardProgram, schedule: Schedule | None) -> tuple[_Program, int, int]:
+    fg, costs = forward.fg, forward.costs
+    b = _Builder(forward)
+    b.restore()
     p = b.p
-    orig = b.orig
-
-    def bind_orig(t: int, v: int) -> None:
-        orig[t] = v
-
-    b.bind = bind_orig
+    cur = b.orig  # tensor id -> the value read for it (a recompute step's copies and proxies)
+    orig = forward.orig
     if schedule is not None:
         # TensorFlow adds what a call's or loop's gradient keeps (the forward
         # function's extra outputs, while_v2's accumulators) only to the op
@@ -570,154 +828,45 @@ def _build(fg: ForwardGraph, schedule: Schedule | None, costs: Costs, allocator:
 
     # Seeds: grad_ys = ones_like(y), a folded constant when y's shape is static.
     for y in dict.fromkeys(fg.ys):
-        if b.foldable(y):
+        if forward.foldable[y]:
             v = b.constant_value(y)
         else:
-            v = p.value(costs.tensor_B[y])
-            p.instr(("seed", y), [], [(v, ())])
+            v = p.value(costs.tensor_bytes[y])
+            p.instr((Event.SEED, y), [], [(v, ())])
         b.grads.setdefault(y, []).append(v)
 
-    xs = set(fg.xs)
     if schedule is None:
-        b.backward(range(len(fg.ops)), orig.__getitem__, set(fg.ys), xs, "backprop")
+        b.backward(range(len(fg.ops)), cur, set(fg.ys), set(fg.xs))
     else:
-        tensors, ops, tensor_B, grads = fg.tensors, fg.ops, costs.tensor_B, b.grads
+        grads, constant = b.grads, b.constant
         for step in schedule.steps:
             heads = set(step.heads)
             boundary = set(step.boundary)
             if step.kind == "backprop":
-                b.backward(step.ops, orig.__getitem__, heads, boundary, "backprop")
+                b.backward(step.ops, cur, heads, boundary)
                 continue
             if not any(grads.get(h) for h in step.heads):
                 continue
-            local = dict()
-            gated = [t for t in step.boundary
-                     if tensors[t].kind == "internal"
-                     and ops[tensors[t].producer].recomputable
-                     and _gateable(tensors[t])]
-            if not gated:
-                floats = [t for t in step.boundary if _gateable(tensors[t])]
-                gated = sorted(floats, key=lambda t: tensor_B[t])[:1]
-            if fg.xla and gated:
-                # Under XLA the rewrite gates every floating boundary tensor,
-                # the weight reads too: a fresh copy of each for the step.
-                gated = [t for t in step.boundary if _gateable(tensors[t])]
-            if not fg.xla and all(g in b.constant for h in step.heads for g in b.grads.get(h, ())):
+            gated = set(step.gated)
+            if not fg.xla and all(g in constant for h in step.heads for g in grads.get(h, ())):
                 # The heads' gradients are constants (the seeds ones_like(y)):
                 # Grappler folds the gate to 0 and ``t + 0`` into an Identity
                 # (step stats: the first step's gated proxy of a U-Net's 3 MiB
                 # concat ran as Identity, allocating nothing).
-                gated = []
-            gated_set = set(gated)
-            for t in step.boundary:
-                src = orig[t]
-                if t in gated_set:
-                    v = p.value(tensor_B[t])
-                    p.instr(("proxy", t), [src], [(v, (src,))])
-                else:
-                    v = p.value(tensor_B[t], alias=src)
-                    p.instr(("proxy", t), [src], [(v, ())])
-                local[t] = v
-
-            def vmap(t: int, local=local) -> int:
-                v = local.get(t)
-                return orig[t] if v is None else v
-
-            def bind_local(t: int, v: int, local=local, boundary=boundary) -> None:
-                if t not in boundary:
-                    local[t] = v
-
-            b.bind = bind_local
-            for i in _needed_copies(fg, costs, step.ops, b.gradient_reads):
-                b.run_op(i, vmap, "recompute")
-            b.backward(step.ops, vmap, heads, boundary, "recompute")
+                gated = set()
+            touched: list[int] = []  # tensors whose value is the step's own
+            b.proxies(step.boundary, gated, cur, touched)
+            b.run_ops(forward.needed_copies(step.ops), cur, boundary, touched)
+            b.backward(step.ops, cur, heads, boundary)
+            for t in touched:
+                cur[t] = orig[t]
     # The xs' gradients are the step's outputs.
+    grads, pinned = b.grads, p.pinned
     for x in dict.fromkeys(fg.xs):
-        g = b.accumulate(x, b.grads.pop(x, []), "end")
-        if g is not None:
-            p.pinned.append(g)
-    return p, b.resident_B, backward_start
-
-
-def _needed_copies(fg: ForwardGraph, costs: Costs, ops: Sequence[int],
-                   gradient_reads: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[int]:
-    """The ops of a recompute step whose copies run: those a gradient reads
-    (through other copies). The rest, e.g. the copy of the loss itself, feed
-    nothing that is fetched, and TensorFlow prunes them. ``gradient_reads``:
-    per op, the inputs and outputs its gradient reads (ForwardProgram's)."""
-    need: set[int] = set()
-    for i in ops:
-        read_ins, read_outs = gradient_reads[i]
-        need.update(read_ins)
-        need.update(read_outs)
-    live = []
-    gradient = costs.gradient
-    for i in reversed(ops):
-        op = fg.ops[i]
-        if (any(t in need for t in op.outputs) or (op.body is not None and op.body.saved)
-                or gradient[i].early_B):
-            live.append(i)
-            need.update(op.inputs)
-    live.reverse()
-    return live
-
-
-@dataclasses.dataclass(frozen=True)
-class BodyFigures:
-    """Bytes a call or loop op holds beyond its inputs and outputs.
-
-    Attributes
-    ----------
-    saved_B : int
-        What its gradient keeps, for all trips (from the op until its gradient).
-    stored_B : int
-        The items the loop's TensorLists hold (as long as the lists live).
-    forward_B, backward_B : int
-        The body's transient peak above what it keeps, while the op runs and
-        while its gradient runs (a loop's gradient also holds one trip's
-        gradients beside the sums it carries).
-    """
-
-    saved_B: int
-    stored_B: int
-    forward_B: int
-    backward_B: int
-
-
-_figures: "weakref.WeakKeyDictionary[Body, dict]" = weakref.WeakKeyDictionary()
-
-
-def _body_figures(body: Body, allocator: Allocator) -> BodyFigures:
-    """Simulate the body once (plain backprop) and read its figures (cached)."""
-    per = _figures.setdefault(body, {})
-    if allocator in per:
-        return per[allocator]
-    bc = body_costs(body)
-    fg = body.fg
-    counted = allocator.counted
-
-    def root(t: int) -> int:
-        while bc.alias_of[t] is not None:
-            t = bc.alias_of[t]
-        return t
-
-    saved = sum(counted(bc.tensor_B[t]) for t in body.saved)
-    stored = sum(counted(bc.tensor_B[t]) for t in body.stored)
-    outs = {root(t) for t in fg.ys if fg.tensors[root(t)].kind == "internal"}
-    out_B = sum(counted(bc.tensor_B[t]) for t in outs if t not in set(body.saved))
-    trace = simulate(fg, None, bc, allocator=allocator)
-    alive = [b for b, _ in trace.timeline]
-    start = trace.backward_start
-    forward_peak = max(alive[:start], default=trace.resident_B)
-    backward_peak = max(alive[start:], default=trace.resident_B)
-    forward = max(0, forward_peak - trace.resident_B - saved - stored - out_B)
-    base = trace.resident_B if body.loop else trace.end_B
-    backward = max(0, backward_peak - base - saved)
-    found = per[allocator] = BodyFigures(
-        saved_B=body.trips * saved, stored_B=body.trips * stored,
-        forward_B=forward, backward_B=backward,
-    )
-    return found
+        got = grads.pop(x, None)
+        if got:
+            pinned.append(got[0] if len(got) == 1 else b.accumulate(x, got))
+    return p, b.resident_bytes, backward_start
 
 
 def simulate(
@@ -725,10 +874,11 @@ def simulate(
     schedule: Schedule | None,
     costs: Costs,
     *,
-    allocator: Allocator = CPU_ONEDNN,
+    model: MemoryModel = MemoryModel(),
     timeline: bool = True,
     forward: ForwardProgram | None = None,
     gradients_kept: bool = True,
+    extra_resident_bytes: int = 0,
 ) -> MemoryTrace:
     """Forecast the allocator peak of one step: forward and gradients.
 
@@ -739,13 +889,14 @@ def simulate(
         The checkpointed backward pass, or None for plain ``tf.gradients``.
     costs : Costs
         From :func:`memsave.costs.estimate_costs` on the same ``fg``.
-    allocator : Allocator
-        :data:`CPU_ONEDNN` (default) or :data:`BFC` (GPU).
+    model : MemoryModel
+        The memory model's settings (the allocator among them:
+        :data:`CPU_ONEDNN` by default, :data:`BFC` for a GPU).
     timeline : bool
         Record the bytes alive after every event (off for solvers that only
         need the peak).
     forward : ForwardProgram, optional
-        :func:`forward_program` of ``fg``, ``costs`` and ``allocator``, built
+        :func:`forward_program` of ``fg``, ``costs`` and ``model``, built
         once for many simulations of one graph (the same result, less work).
     gradients_kept : bool
         True (default): the xs' gradients are the step's outputs, alive to
@@ -759,6 +910,10 @@ def simulate(
         activations is at the end of the step and the same for every plan.
         (A weight read by several segments has its parts summed; counting
         them as free makes this an estimate for such weights.)
+    extra_resident_bytes : int
+        Bytes the step holds besides what the graph reads (an optimizer's
+        slots, metric state), resident from start to end: counted in every
+        figure of the trace.
 
     Returns
     -------
@@ -768,10 +923,11 @@ def simulate(
     --------
     >>> from memsave.costs import estimate_costs
     >>> trace = simulate(fg, None, estimate_costs(fg))  # doctest: +SKIP
-    >>> trace.peak_B  # doctest: +SKIP
+    >>> trace.peak_bytes  # doctest: +SKIP
     """
     with paused_gc():
-        return _simulate(fg, schedule, costs, allocator, timeline, forward, gradients_kept)
+        return _simulate(fg, schedule, costs, model, timeline, forward, gradients_kept,
+                         extra_resident_bytes)
 
 
 @contextlib.contextmanager
@@ -779,11 +935,12 @@ def paused_gc():
     """Pause Python's cyclic garbage collector for a burst of allocations.
 
     Building and replaying a program allocates tens of thousands of small
-    lists and tuples, which triggers full collections; in a process holding
-    a TensorFlow graph each one walks every Python object of that graph
-    (measured: a third of ``memsave.plan``'s time on a 1000-op chain). The
-    program holds no reference cycles, so nothing is left for the collector;
-    its previous state is restored on exit.
+    lists and tuples, and the rewrite thousands of TensorFlow objects, which
+    trigger full collections; in a process holding a TensorFlow graph each
+    one walks every Python object of that graph (measured: a third of
+    ``memsave.plan``'s time on a 1000-op chain). What memsave builds holds
+    no cycles for the collector to find: it runs again, if it must, after
+    the burst. Its previous state is restored on exit; works as a decorator.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -794,94 +951,112 @@ def paused_gc():
             gc.enable()
 
 
-def _simulate(fg, schedule, costs, allocator, timeline, forward, gradients_kept) -> MemoryTrace:
-    p, resident_B, backward_start = _build(fg, schedule, costs, allocator, forward)
+def _simulate(fg, schedule, costs, model, timeline, forward, gradients_kept,
+              extra_resident_bytes) -> MemoryTrace:
+    forward = _forward_of(fg, costs, model, forward)
+    p, _, backward_start = _build_program(forward, schedule)
+    return _replay(forward, p, backward_start, timeline, gradients_kept, extra_resident_bytes)
+
+
+def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline: bool,
+            gradients_kept: bool, extra_resident_bytes: int) -> MemoryTrace:
+    """The trace of program ``p`` (built from ``forward``).
+
+    The same as replaying it event by event with reference counts (each
+    value holds its buffer from its write to its last reader; a buffer is
+    freed with its last holder; a new value goes in place into a candidate's
+    buffer when the candidate's last reader is this instruction, it is the
+    buffer's only holder left and the sizes match), but each buffer is
+    settled once: the in-place test reads, per buffer, the latest last
+    reader of the values on it so far (``top``, read by ``top_value``) and
+    the latest of the others (``second``). The candidate is the only holder
+    left when it is ``top_value`` and ``second`` is before this instruction.
+    """
     reads, writes, size, alias = p.reads, p.writes, p.size, p.alias
     n_instr = len(reads)
     n_val = len(size)
-    # Each value's last reader, or where it is made if nothing reads it.
-    last = [-1] * n_val
-    for k, ws in enumerate(writes):
-        for v, _ in ws:
+    # Each value's last reader, or where it is made if nothing reads it: the
+    # forward pass's are known, the backward's readers come after them.
+    n_forward = len(forward.last)
+    last = forward.last + [-1] * (n_val - n_forward)
+    for k in range(backward_start, n_instr):
+        for v, _ in writes[k]:
             last[v] = k
-    for k, rs in enumerate(reads):
-        for r in rs:
+        for r in reads[k]:
             last[r] = k
     if gradients_kept:
         for v in p.pinned:
-            last[v] = n_instr  # past the last instruction: the step's outputs
-    resident = list(itertools.compress(range(n_val), p.resident))
-    for v in resident:
-        last[v] = n_instr  # alive before and after the step
-    dying: list[list[int]] = [[] for _ in range(n_instr)]
-    for v, k in enumerate(last):
-        if 0 <= k < n_instr:
-            dying[k].append(v)
-    # A view holds a reference to its buffer's root; a buffer is freed when
-    # the last value on it (base or view) has had its last reader.
-    counted_of = {n: allocator.counted(n) for n in set(size)}  # few distinct sizes
-    counted = [counted_of[n] for n in size]
+            last[v] = _NEVER  # the step's outputs: alive after it
+    counted_of = forward.counted_of
+    counted = forward.counted + list(map(counted_of.__getitem__, size[n_forward:]))
+    # Bytes made at each instruction, minus those freed before it (the
+    # forward's new buffers made).
+    delta = forward.made_bytes + [0] * (n_instr + 1 - backward_start)
+    for v, k in forward.saved_at.items():
+        counted[v] = counted_of[size[v]]  # (zero when its op's copy is differentiated)
+        delta[k] += counted[v] - forward.counted[v]
     if not gradients_kept:
         for v in p.xs_grads:
             counted[v] = 0  # consumed by the update as soon as written
-    root = list(range(n_val))
-    refs = [0] * n_val
-    alive = 0
+    # The resident values (the forward's, then the folded constants of the
+    # backward) are alive before and after the step.
+    resident = p.resident_ids
     for v in resident:
-        refs[v] = 1 << 30
+        last[v] = _NEVER
+    alive = extra_resident_bytes + forward.resident_counted
+    for v in resident[len(forward.program[2]):]:
         alive += counted[v]
-    resident_counted = alive
-    peak = alive
-    peak_k = -1
-    events: list[tuple[int, str]] = []
-    for k, dies in enumerate(dying):
-        for v, cands in writes[k]:
+
+    # Buffers: a value is a new buffer, or a view of another value's buffer,
+    # or written into a candidate's buffer (in place) when that candidate
+    # dies here and is the only value still on it. A buffer lives from the
+    # instruction that makes it to the last reader of any value on it.
+    # ``top`` is that last reader so far, ``top_value`` the value it reads,
+    # ``second`` the latest last reader of the other values on it. (A
+    # resident buffer's top is _NEVER: none of its values is written into.)
+    root = forward.replay_root + forward.identity(n_forward, n_val)
+    top = last[:]
+    top_value = forward.identity(0, n_val)
+    second = [-1] * n_val
+    buffers = []
+    for k, ws in enumerate(itertools.chain(forward.replay_writes, writes[backward_start:])):
+        for v, cands in ws:
             a = alias[v]
-            if a >= 0:
-                r = root[a]
-                root[v] = r
-                refs[r] += 1
-                continue
-            chosen = -1
-            for c in cands:
-                r = root[c]
-                if last[c] == k and refs[r] == 1 and size[r] == size[v]:
-                    chosen = r
-                    break
-            if chosen >= 0:
-                root[v] = chosen
-                refs[chosen] += 1
-            else:
-                refs[v] = 1
-                alive += counted[v]
-        if alive > peak:
-            peak, peak_k = alive, k
-        if timeline:
-            events.append((alive, _label(fg, p.labels[k])))
-        for v in dies:
-            r = root[v]
-            refs[r] -= 1
-            if not refs[r]:
-                alive -= counted[r]
+            if a < 0:
+                for c in cands:
+                    r = root[c]
+                    if (last[c] == k and top_value[r] == c and second[r] < k
+                            and size[r] == size[v]):
+                        a = c
+                        break
+                else:
+                    delta[k] += counted[v]
+                    buffers.append(v)
+                    continue
+            r = root[v] = root[a]
+            t = last[v]
+            if t > top[r]:
+                second[r] = top[r]
+                top[r] = t
+                top_value[r] = v
+            elif t > second[r]:
+                second[r] = t
+    for r in itertools.chain(forward.new_buffers, buffers):
+        t = top[r]
+        if t < n_instr:
+            delta[t + 1] -= counted[r]
+    events = list(itertools.accumulate(delta, initial=alive))[1:]
+    end = events.pop()  # after the last instruction
+    peak = max(events, default=alive)
+    if peak > alive:
+        peak_k = events.index(peak)
+    else:
+        peak, peak_k = alive, -1
     return MemoryTrace(
-        peak_B=peak,
-        resident_B=resident_counted,
-        timeline=tuple(events),
-        peak_event=_label(fg, p.labels[peak_k]) if peak_k >= 0 else "start",
+        peak_bytes=peak,
+        resident_bytes=alive,
+        timeline=tuple(zip(events, forward.labels(p.labels))) if timeline else (),
+        peak_event=forward.label(p.labels[peak_k]) if peak_k >= 0 else "start",
         backward_start=backward_start,
-        end_B=alive,
+        end_bytes=end,
     )
-
-
-def _label(fg: ForwardGraph, label: tuple) -> str:
-    kind, ref = label
-    if kind in ("forward", "recompute", "grad"):
-        name = fg.ops[ref].name
-        return {"forward": "run ", "recompute": "recompute ", "grad": "gradient of "}[kind] + name
-    if kind == "sum":
-        return f"sum gradients of {fg.tensors[ref].name}"
-    if kind == "seed":
-        return f"seed gradient of {fg.tensors[ref].name}"
-    if kind == "proxy":
-        return f"proxy of {fg.tensors[ref].name}"
-    return str(label)

@@ -50,7 +50,7 @@ satisfied() {
     "$VPY" -I - "$ROOT" <<'EOF' >/dev/null 2>&1
 import importlib.metadata as md, importlib.util, json, os, sys
 root = sys.argv[1]
-for mod in ("tensorflow", "networkx", "toposort", "pytest", "matplotlib"):
+for mod in ("tensorflow", "networkx", "pytest", "xdist", "build", "matplotlib"):
     if importlib.util.find_spec(mod) is None:
         sys.exit(f"missing {mod}")
 direct = json.loads(md.distribution("memsave").read_text("direct_url.json") or "{}")

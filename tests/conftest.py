@@ -1,18 +1,54 @@
-"""Shared pytest fixtures for the memsave tests.
+"""Shared pytest fixtures for the memsave tests, and the ``--cpu-durations`` report.
 
-Fixtures only: model builders live in tests/zoo.py, helpers next to the tests
-that use them. No global session and no global TensorFlow state is changed
+Fixtures and one report only: model builders live in tests/zoo.py, helpers
+next to the tests that use them. No global session and no global TensorFlow state is changed
 here: every graph-mode run gets its own graph, entered and left by a context
 manager, and its own session, closed after the run.
+
+How the suite stays fast enough to run often (a test file added later
+should follow the same rules):
+
+* Tiers. ``./run_all_tests.sh -m "not slow"`` is the fast tier: every
+  module keeps tests in it, and it runs in a few minutes. A test that takes
+  more than about 5 s of CPU is marked ``@pytest.mark.slow``; it still runs
+  in the full suite, ``./run_all_tests.sh``, which CI runs. Mark the test,
+  not the module, so that each module keeps a fast check. Wall times on a
+  shared machine say little: ``--cpu-durations=N`` lists the N tests that
+  used the most CPU time (the test process's threads and the processes it
+  waited for, setup and teardown included; 0 lists all) and their sum.
+* Fresh processes. A test that must run something in a fresh process (an
+  allocator peak, process-wide TensorFlow state, a command) uses the
+  session fixture ``fresh`` (:class:`fresh.Fresh`, see tests/fresh.py):
+  ``fresh.call(function, *args)`` runs a module-level function in a child
+  once per session, shares its JSON result with every test that asks for
+  it (also across parallel workers), caches failures too, and has a
+  timeout; ``fresh.run(argv)`` runs a command with a timeout. A child may
+  make several measurements one after the other
+  (``fresh.one_after_another``), which checks that none leaves tensors for
+  the next to count.
+* Shared fixtures. Build what is expensive (a model, its forecasts, a
+  measurement) once, in a module- or session-scoped fixture, and make tests
+  read it rather than rebuild it.
+* Parallel workers. ``./run_all_tests.sh`` runs pytest-xdist with
+  ``--dist loadgroup``: tests are spread over the workers one by one, except
+  those marked ``pytest.mark.xdist_group(name)``, which run on one worker
+  together. Give a module with an expensive module-scoped fixture built in
+  the test process (not through ``fresh``) ``pytestmark =
+  pytest.mark.xdist_group("<module>")``, or each worker builds it.
 """
 
 from __future__ import annotations
 
+import os
+import resource
+import time
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import pytest
 import tensorflow as tf
+
+from fresh import Fresh
 
 SESSION = "session"
 FUNCTION = "function"
@@ -145,3 +181,67 @@ def session(graph):
 def rng():
     """A seeded numpy RandomState, so random test data is reproducible."""
     return np.random.RandomState(0)
+
+
+@pytest.fixture(scope="session")
+def fresh(tmp_path_factory) -> Fresh:
+    """Run code in fresh processes, each call once per session (see tests/fresh.py)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory, shared by its workers
+    return Fresh(root / "fresh")
+
+
+# -- --cpu-durations -------------------------------------------------------------------
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-durations", type=int, default=None, metavar="N",
+        help="list the N tests that used the most CPU time, this process's and its "
+             "children's (0: all), and the sum over every test")
+
+
+def _cpu_seconds() -> float:
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def _timed_phase(item):
+    start = _cpu_seconds()
+    yield
+    item.user_properties.append(("cpu_s", _cpu_seconds() - start))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _timed_phase(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _timed_phase(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    yield from _timed_phase(item)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    n = config.getoption("--cpu-durations")
+    if n is None:
+        return
+    # Each phase's report carries the properties recorded so far: keep the largest
+    # count of cpu_s entries seen per test (the teardown report has all three).
+    phases: dict[str, list[float]] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            props = [v for k, v in getattr(report, "user_properties", ()) if k == "cpu_s"]
+            if len(props) > len(phases.get(getattr(report, "nodeid", ""), ())):
+                phases[report.nodeid] = props
+    totals = sorted(((sum(v), k) for k, v in phases.items()), reverse=True)
+    terminalreporter.write_sep("=", f"CPU seconds per test (sum of {len(totals)} tests: "
+                                    f"{sum(t for t, _ in totals):.1f} s)")
+    for seconds, nodeid in totals[:n or None]:
+        terminalreporter.write_line(f"{seconds:8.2f}s {nodeid}")

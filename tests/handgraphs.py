@@ -49,12 +49,12 @@ class Builder:
         self.ops: list[OpNode] = []
         self.ids: dict[str, int] = {}
 
-    def _tensor(self, name, kind, producer=None, *, size_B=MiB, trainable=True, tagged=False):
+    def _tensor(self, name, kind, producer=None, *, size_bytes=MiB, trainable=True, tagged=False):
         if name in self.ids:
             raise ValueError(f"tensor {name!r} already exists")
         i = len(self.tensors)
         self.tensors.append(TensorNode(
-            id=i, name=name, kind=kind, producer=producer, size_B=size_B,
+            id=i, name=name, kind=kind, producer=producer, size_bytes=size_bytes,
             size_known=True, trainable=trainable, tagged=tagged,
         ))
         self.ids[name] = i
@@ -76,7 +76,7 @@ class Builder:
         *,
         n_out: int = 1,
         recomputable: bool = True,
-        size_B: int = MiB,
+        size_bytes: int = MiB,
         trainable: bool = True,
         tagged: bool = False,
         gradient: GradientUse | None = None,
@@ -90,7 +90,7 @@ class Builder:
         """
         index = len(self.ops)
         outs = [
-            self._tensor(f"{name}:{j}", "internal", index, size_B=size_B,
+            self._tensor(f"{name}:{j}", "internal", index, size_bytes=size_bytes,
                          trainable=trainable, tagged=tagged)
             for j in range(n_out)
         ]
@@ -121,12 +121,12 @@ def op_names(fg: ForwardGraph, indices: Iterable[int]) -> list[str]:
     return [fg.ops[i].name for i in indices]
 
 
-def chain(n: int, *, type: str = "Tanh", size_B: int = MiB) -> ForwardGraph:
+def chain(n: int, *, type: str = "Tanh", size_bytes: int = MiB) -> ForwardGraph:
     """x -> op0 -> op1 -> ... -> op{n-1} = y; op i outputs ``f"op{i}:0"``."""
     b = Builder()
     h = b.source("x")
     for i in range(n):
-        h = b.op(f"op{i}", type, [h], size_B=size_B)
+        h = b.op(f"op{i}", type, [h], size_bytes=size_bytes)
     return b.build(["x"], [h])
 
 
@@ -188,9 +188,9 @@ def random_chain(rs, n: int, *, sizes=(1, 2, 3), types=RANDOM_OP_TYPES) -> Forwa
     tensor sizes (MiB multiples of ``sizes``) and FLOPs (1-100), from the
     ``random.Random`` ``rs``."""
     b = Builder()
-    h = b.source("x", size_B=rs.choice(sizes) * MiB)
+    h = b.source("x", size_bytes=rs.choice(sizes) * MiB)
     for i in range(n):
-        h = b.op(f"op{i}", rs.choice(types), [h], size_B=rs.choice(sizes) * MiB,
+        h = b.op(f"op{i}", rs.choice(types), [h], size_bytes=rs.choice(sizes) * MiB,
                  flops=rs.randint(1, 100))
     return b.build(["x"], [h])
 
@@ -201,14 +201,14 @@ def random_dag(rs, n: int, *, sizes=(1, 2, 3)) -> ForwardGraph:
     AddV2 where it reads two; random sizes and FLOPs. The ys are the tensors
     nothing reads."""
     b = Builder()
-    live = [b.source("x", size_B=rs.choice(sizes) * MiB)]
+    live = [b.source("x", size_bytes=rs.choice(sizes) * MiB)]
     for i in range(n):
         k = 2 if (len(live) > 1 and rs.random() < 0.35) else 1
         picks = sorted({len(live) - min(int(rs.expovariate(0.7)) + 1, len(live))
                         for _ in range(k)})
         ins = [live[j] for j in picks]
         typ = "AddV2" if len(ins) == 2 else rs.choice(RANDOM_OP_TYPES)
-        live.append(b.op(f"op{i}", typ, ins, size_B=rs.choice(sizes) * MiB,
+        live.append(b.op(f"op{i}", typ, ins, size_bytes=rs.choice(sizes) * MiB,
                          flops=rs.randint(1, 100)))
     consumed = {t for op in b.ops for t in op.inputs}
     ys = [f"op{i}:0" for i in range(n) if b.ids[f"op{i}:0"] not in consumed]

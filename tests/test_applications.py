@@ -43,19 +43,15 @@ xfail(strict=True), and is empty since the fix of branch cycle was merged.
 
 Memory: ResNet50 (64x64, batch 8, activations of 0.5-2 MiB) and the
 Transformer (sequence 256, width 64, batch 4: 4 MiB attention maps) in a
-custom loop, 'memory', each method in a fresh process (this file run as a
-script): the allocator's peak of one step must drop below
-MEMORY_MAX_RATIO of plain tf.gradients'.
+custom loop, 'memory' and tf.gradients one after the other in a fresh
+process per model (tests/fresh.py): the allocator's peak of one step must
+drop below MEMORY_MAX_RATIO of plain tf.gradients'.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -64,6 +60,7 @@ import tensorflow as tf
 
 import memsave
 import memsave.keras
+from fresh import one_after_another
 
 NUM_CLASSES = 10
 IMAGE_SIZE, BATCH = 32, 4
@@ -199,10 +196,14 @@ CASES = [
 #: 'speed' failed with "N nodes in a cycle" before it (issue 10, item 1).
 XFAIL: dict = {}
 
+#: The cases of the fast tier; the others (the CNNs' graphs take 10-60 s of
+#: CPU each to trace, rewrite and optimize, XLA longer) are marked slow.
+FAST = {("Transformer", "memory", FIT, False)}
+
 
 def _params():
     for model, strategy, driver, jit in CASES:
-        marks = []
+        marks = [] if (model, strategy, driver, jit) in FAST else [pytest.mark.slow]
         if (model, strategy, driver, jit) in XFAIL:
             marks.append(pytest.mark.xfail(reason=XFAIL[model, strategy, driver, jit],
                                            strict=True))
@@ -307,8 +308,14 @@ MEMORY_CASES = {
 MEMORY_MAX_RATIO = {"ResNet50": 0.92, "Transformer": 0.8}
 
 
-def _measure(model_name: str, method: str) -> dict:
-    """One custom-loop step's allocator peak, in this (fresh) process."""
+def measure_step_peaks(model_name: str) -> dict:
+    """{method: allocator peak of one custom-loop step}, 'memory' then tf.gradients.
+
+    Run in a fresh process (tests/fresh.py). One model, built once, serves
+    both methods: its weights are in both peaks, as they were when each
+    method had a process of its own. 'memory' is measured first, in the
+    allocator's fresh pool, where a peak is counted no smaller than later.
+    """
     case = MEMORY_CASES[model_name]
     keras.utils.set_random_seed(0)
     rng = np.random.RandomState(0)
@@ -324,43 +331,35 @@ def _measure(model_name: str, method: str) -> dict:
     x, y = tf.constant(x), tf.constant(y)
     weights = model.trainable_variables
 
-    @tf.function
-    def step(x, y):
-        logits = model(x, training=True)
-        loss = tf.reduce_mean(
-            tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-        if method == "tf.gradients":
-            grads = tf.gradients(loss, weights)
-        else:
-            grads = memsave.gradients(loss, weights, checkpoints=method)
-        for w, g in zip(weights, grads):
-            w.assign_sub(1e-3 * g)
-        return loss
+    def measure(method):
+        @tf.function
+        def step(x, y):
+            logits = model(x, training=True)
+            loss = tf.reduce_mean(
+                tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+            if method == "tf.gradients":
+                grads = tf.gradients(loss, weights)
+            else:
+                grads = memsave.gradients(loss, weights, checkpoints=method)
+            for w, g in zip(weights, grads):
+                w.assign_sub(1e-3 * g)
+            return loss
 
-    step(x, y)  # warm-up: trace, optimize, allocate
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    step(x, y)
-    return {"peak_B": tf.config.experimental.get_memory_info("CPU:0")["peak"]}
+        step(x, y)  # warm-up: trace, optimize, allocate
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        step(x, y)
+        return tf.config.experimental.get_memory_info("CPU:0")["peak"]
 
-
-@functools.lru_cache(maxsize=None)
-def _measured(model_name: str, method: str) -> dict:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    out = subprocess.run([sys.executable, __file__, model_name, method], env=env,
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return one_after_another({m: functools.partial(measure, m) for m in ("memory", "tf.gradients")})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", list(MEMORY_CASES))
-def test_memory_strategy_cuts_the_step_peak(model_name):
-    plain = _measured(model_name, "tf.gradients")["peak_B"]
-    ours = _measured(model_name, "memory")["peak_B"]
+def test_memory_strategy_cuts_the_step_peak(fresh, model_name):
+    peaks = fresh.call(measure_step_peaks, model_name)
+    plain, ours = peaks["tf.gradients"], peaks["memory"]
     assert ours <= MEMORY_MAX_RATIO[model_name] * plain, (
         f"{model_name} 'memory': peak {ours / 2**20:.1f} MiB, tf.gradients "
         f"{plain / 2**20:.1f} MiB (ratio {ours / plain:.2f}, at most "
         f"{MEMORY_MAX_RATIO[model_name]})"
     )
-
-
-if __name__ == "__main__":
-    print(json.dumps(_measure(sys.argv[1], sys.argv[2])))

@@ -7,17 +7,12 @@ between its smallest forecast peak and the plain one.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import memsave
-import memsave.budget
+import memsave.keras
 from memsave import MemoryBudgetError
 
 LAYERS = 12
@@ -58,7 +53,7 @@ def test_plan_fits_the_budget_and_names_its_solver(fraction):
     plan = _plan(fraction)
     assert plan.budget_bytes == int(fraction * plan.baseline_peak_bytes)
     assert plan.feasible and plan.predicted_peak_bytes <= plan.budget_bytes
-    assert plan.solver in memsave.solvers.available()
+    assert plan.solver in memsave.planners.budget.CORES
     assert plan.solve_time_s >= 0 and plan.optimal in (True, False)
     assert plan.strategy == "budget"
     if fraction == 1.0:
@@ -223,20 +218,20 @@ def test_keras_fit_under_a_budget_trains_like_plain_fit(monkeypatch):
     ours.set_weights(w0)
     memsave.keras.checkpointed(ours, memory_budget=0.6)
     calls = []
-    real = memsave.budget.plan_for_budget
+    real = memsave.planners.budget.solve
 
     def spy(*a, **kw):
         calls.append(real(*a, **kw))
         return calls[-1]
 
-    monkeypatch.setattr(memsave.budget, "plan_for_budget", spy)
+    monkeypatch.setattr(memsave.planners.budget, "solve", spy)
     got = _fit(ours, x, y).history["loss"]
     np.testing.assert_allclose(got, ref, rtol=1e-5)
     change = max(float(np.abs(w - v).max()) for w, v in zip(plain.get_weights(), w0))
     for a, b in zip(ours.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * change)
     # The budget planned the step: its plan fits and recomputes something.
-    assert calls and all(bp.result.feasible and bp.result.recompute_cost > 0 for bp in calls)
+    assert calls and all(p.feasible and p.recompute_cost > 0 for p in calls)
 
     # A budget below every plan's peak stops fit with the smallest peak.
     low = _keras_model(12)
@@ -263,29 +258,22 @@ def measure_keras_budget(depth=48, fractions=(0.4, 0.6)) -> dict:
             peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
         return int(np.median(peaks))
 
-    out = {"plain_B": peak()}
+    out = {"plain_bytes": peak()}
     for f in fractions:
-        budget = int(f * out["plain_B"])
+        budget = int(f * out["plain_bytes"])
         memsave.keras.checkpointed(model, memory_budget=budget)
-        out[str(f)] = {"budget_B": budget, "peak_B": peak()}
+        out[str(f)] = {"budget_bytes": budget, "peak_bytes": peak()}
     return out
 
 
-def test_keras_fit_measured_peak_meets_the_budget():
-    # In a fresh process (this file run as a script): budgets in bytes, a
-    # fraction of plain fit's measured peak.
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+@pytest.mark.slow
+def test_keras_fit_measured_peak_meets_the_budget(fresh):
+    # In a fresh process (tests/fresh.py): budgets in bytes, a fraction of
+    # plain fit's measured peak.
+    res = fresh.call(measure_keras_budget, timeout_s=900)
     for f, r in res.items():
-        if f == "plain_B":
+        if f == "plain_bytes":
             continue
-        assert r["peak_B"] <= (1 + BUDGET_TOLERANCE) * r["budget_B"], (
-            f"budget {f} of plain fit's {res['plain_B'] / MiB:.1f} MiB: measured "
-            f"{r['peak_B'] / MiB:.1f} MiB over {r['budget_B'] / MiB:.1f} MiB + 10%")
-
-
-if __name__ == "__main__":
-    print(json.dumps(measure_keras_budget()))
+        assert r["peak_bytes"] <= (1 + BUDGET_TOLERANCE) * r["budget_bytes"], (
+            f"budget {f} of plain fit's {res['plain_bytes'] / MiB:.1f} MiB: measured "
+            f"{r['peak_bytes'] / MiB:.1f} MiB over {r['budget_bytes'] / MiB:.1f} MiB + 10%")

@@ -143,14 +143,14 @@ def test_bytes_flops_and_resident():
     costs = estimate_costs(fg)
     by_type = {op.type: op for op in fg.ops}
     mm = by_type["MatMul"]
-    assert costs.tensor_B[mm.outputs[0]] == 4 * 16 * 4
+    assert costs.tensor_bytes[mm.outputs[0]] == 4 * 16 * 4
     # TensorFlow's registered statistics: 2 * m * k * n for MatMul.
     assert costs.op_flops[mm.index] == 2 * 4 * 8 * 16
     # Element count where TensorFlow registers nothing (Tanh).
     assert costs.op_flops[by_type["Tanh"].index] == 4 * 16
     # The variable (behind the handle), the input and reduce_sum's axes
     # (a constant, int32[2]) are resident.
-    assert costs.resident_B == 8 * 16 * 4 + 4 * 8 * 4 + 2 * 4
+    assert costs.resident_bytes == 8 * 16 * 4 + 4 * 8 * 4 + 2 * 4
     assert costs.assumptions == ()
     assert is_activation(fg, by_type["Tanh"].outputs[0])
     assert not is_activation(fg, by_type["ReadVariableOp"].outputs[0])  # stateful read
@@ -163,8 +163,8 @@ def test_unknown_batch_is_an_assumption_or_the_hint():
     hinted = estimate_costs(fg, batch_size=32)
     assert any("batch_size=32" in a for a in hinted.assumptions)
     tanh = next(op for op in fg.ops if op.type == "Tanh")
-    assert guessed.tensor_B[tanh.outputs[0]] == 16 * 4
-    assert hinted.tensor_B[tanh.outputs[0]] == 32 * 16 * 4
+    assert guessed.tensor_bytes[tanh.outputs[0]] == 16 * 4
+    assert hinted.tensor_bytes[tanh.outputs[0]] == 32 * 16 * 4
     with pytest.raises(ValueError, match="batch_size"):
         estimate_costs(fg, batch_size=0)
 
@@ -221,7 +221,7 @@ def test_gradient_values_computed_from_forward_values_alone_are_early():
     # for grad (its control edge does not hold it back), so it runs in the
     # forward pass and is what waits for the gradient, not x.
     use = _use(lambda: tf.math.erfc(_ph([256, 1024])))
-    assert use["early_B"] == (256 * 1024 * 4,)
+    assert use["early_bytes"] == (256 * 1024 * 4,)
     assert use["reads_inputs"] == () and use["reads_outputs"] == ()
     # Tanh's gradient reads its output with the incoming gradient: nothing early.
-    assert _use(lambda: tf.tanh(_ph([256, 1024])))["early_B"] == ()
+    assert _use(lambda: tf.tanh(_ph([256, 1024])))["early_bytes"] == ()

@@ -9,23 +9,17 @@ tf.gradients before cuts of the topological order were planned); with cuts,
 
 Checked: the plan keeps tensors that cross cuts; the gradients equal
 tf.gradients'; and the real allocator peak, measured in a fresh process
-(this file run as a script), goes down to at most MAX_PEAK_RATIO of
-tf.gradients'.
+(tests/fresh.py), goes down to at most MAX_PEAK_RATIO of tf.gradients'.
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import memsave
-from memsave import strategies
+from memsave import candidates
 
 LEVELS = 3
 CONVS = 6  # conv-ReLU layers per stack
@@ -90,12 +84,12 @@ def test_memory_plans_over_cuts_and_matches_tf_gradients():
 
     ours, ref = step()
     reasons = set(out["plan"].reasons)
-    assert strategies.CUT_REASON in reasons, reasons
+    assert candidates.CUT_REASON in reasons, reasons
     for a, b in zip(ours, ref):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
 
-def _measure() -> dict:
+def measure() -> dict:
     """Median peak over 3 calls of each method's step, in this (fresh) process."""
     ws = [tf.Variable(w) for w in _weights(channels=16)]
     x = tf.constant(np.random.default_rng(1).normal(size=(32, 32, 32, 3)).astype(np.float32))
@@ -122,33 +116,27 @@ def _measure() -> dict:
             tf.config.experimental.reset_memory_stats("CPU:0")
             fn().numpy()
             peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
-        res[method] = {"peak_B": sorted(peaks)[1], "value": value}
+        res[method] = {"peak_bytes": sorted(peaks)[1], "value": value}
     return res
 
 
-@pytest.fixture(scope="module")
-def measured() -> dict:
-    """_measure() run once, in a fresh process (this file run as a script)."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+@pytest.fixture
+def measured(fresh) -> dict:
+    """measure(), run once per session in a fresh process (tests/fresh.py)."""
+    return fresh.call(measure)
 
 
+@pytest.mark.slow
 def test_memory_on_a_unet_lowers_the_measured_peak(measured):
     plain, ours = measured["tf.gradients"], measured["memory"]
-    assert ours["peak_B"] <= MAX_PEAK_RATIO * plain["peak_B"], measured
+    assert ours["peak_bytes"] <= MAX_PEAK_RATIO * plain["peak_bytes"], measured
     assert ours["value"] == pytest.approx(plain["value"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_memory_budget_on_a_unet_is_met(measured):
     # Articulation points cannot cut the U-Net: the budget planner must plan
     # over the cuts' tensors, like 'memory', and the real peak meet the budget.
     plain, ours = measured["tf.gradients"], measured["budget"]
-    assert ours["peak_B"] <= 1.1 * BUDGET * plain["peak_B"], measured
+    assert ours["peak_bytes"] <= 1.1 * BUDGET * plain["peak_bytes"], measured
     assert ours["value"] == pytest.approx(plain["value"], rel=1e-4)
-
-
-if __name__ == "__main__":
-    print(json.dumps(_measure()))

@@ -20,21 +20,19 @@
   single-process run on the whole global batch, and each worker's allocator
   peak with memsave is compared with its peak with GradientTape.
 
-The distributed runs happen in fresh Python processes (this file run as a
-script, as tests/test_memory.py does): logical devices and the multi-worker
-cluster must be set up before TensorFlow initialises, and allocator peaks
-count every live tensor in the process.
+The distributed runs happen in fresh Python processes (tests/fresh.py):
+logical devices and the multi-worker cluster must be set up before
+TensorFlow initialises, and allocator peaks count every live tensor in the
+process.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -246,8 +244,9 @@ def test_v1_optimizer_var_list_leaves_frozen_variables_alone(spy):
     assert spy[0]["xs"] == len(trained)
 
 
-def _v1_legacy_main():
-    """The Momentum case with TF1 behaviour, compared as the test above compares."""
+def v1_legacy_run() -> dict:
+    """The Momentum case with TF1 behaviour, compared as the test above compares (in a fresh
+    process: disable_v2_behavior changes global state)."""
     tf.compat.v1.disable_v2_behavior()
     build = _minimize(gate_gradients=V1.Optimizer.GATE_GRAPH)
     make = lambda: V1.MomentumOptimizer(0.1, 0.9)  # noqa: E731
@@ -268,14 +267,12 @@ def _v1_legacy_main():
     }
 
 
-def test_v1_optimizer_with_tf1_behaviour():
+@pytest.mark.slow
+def test_v1_optimizer_with_tf1_behaviour(fresh):
     # A legacy program: tf.compat.v1.disable_v2_behavior() (reference
     # variables, v1 control flow enabled), Momentum with GATE_GRAPH. In a
     # fresh process: disable_v2_behavior changes global state.
-    proc = subprocess.run([sys.executable, _HERE, "v1-legacy"], capture_output=True, text=True,
-                          env=_script_env(), timeout=SUBPROCESS_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = fresh.call(v1_legacy_run, timeout_s=SUBPROCESS_TIMEOUT_S)
     assert res["variable_ops"] == ["VariableV2"]  # reference variables, as in TF1
     assert res["calls"] == 1 and res["copies"] > 0
     assert res["variables"] is not None and len(res["variables"]) == 4 * V1_LAYERS  # + momenta
@@ -380,7 +377,7 @@ def train(strategy, method, *, steps=STEPS):
     Returned: ``losses`` and gradient ``digests`` [steps, ...] of every step,
     the first local replica's ``weights`` after the last step, how far the
     other local replicas' weights are from them (``replica_spread``), the
-    ``recompute_ops`` memsave put in the step's graph, and ``peak_B``, the
+    ``recompute_ops`` memsave put in the step's graph, and ``peak_bytes``, the
     median allocator peak on this process's CPU over the steps after the
     first (which traces the step).
     """
@@ -424,7 +421,7 @@ def train(strategy, method, *, steps=STEPS):
         "losses": np.array(losses),
         "digests": np.array(digests),
         "recompute_ops": np.array(_recompute_ops(step.get_concrete_function(x, y).graph)),
-        "peak_B": np.array(np.median(peaks[1:])),
+        "peak_bytes": np.array(np.median(peaks[1:])),
         "replicas": np.array(replicas),
     }
     for k, p in enumerate(params):
@@ -448,37 +445,34 @@ def _load(path):
     return out
 
 
-# -- script entry points (each runs in a fresh process) --------------------------------
+# -- run in fresh processes (tests/fresh.py); results go to an .npz file ---------------
 
 
-def _worker_main():
+def worker_run(out: str) -> None:
     """One MultiWorkerMirroredStrategy worker; the launcher sets TF_CONFIG."""
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=tf.distribute.experimental.CommunicationImplementation.RING)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-    return {m: train(strategy, m) for m in METHODS}
+    _save(out, {m: train(strategy, m) for m in METHODS})
 
 
-def _mirrored_main():
+def mirrored_run(out: str) -> None:
     """MirroredStrategy over two logical CPUs of this process."""
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    return {m: train(strategy, m) for m in METHODS}
+    _save(out, {m: train(strategy, m) for m in METHODS})
 
 
 # -- the distributed tests ---------------------------------------------------------------
 
+#: The distributed tests share module-scoped runs: one worker runs them all (tests/conftest.py).
+_SHARED_RUNS = pytest.mark.xdist_group("test_distribute")
+
 #: Seconds the subprocesses may take. Measured (2 shared cores): about 30 s
 #: for the two workers, 15 s for the MirroredStrategy run.
 SUBPROCESS_TIMEOUT_S = 300
-
-_HERE = os.path.abspath(__file__)
-
-
-def _script_env(**extra):
-    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **extra)
 
 
 def _free_loopback_ports(n):
@@ -504,13 +498,13 @@ def _free_loopback_ports(n):
 _PORT_TAKEN = ("address already in use", "failed to add port", "could not start grpc server")
 
 
-def _run_workers(out_dir, workers=2, attempts=3):
+def _run_workers(fresh, out_dir, workers=2, attempts=3):
     """Run ``workers`` MultiWorkerMirroredStrategy workers on loopback ports; their results.
 
-    Each worker is this file run as a script with its own TF_CONFIG. When one
-    worker fails the others would wait for it in a collective forever, so
-    every worker is killed as soon as one fails or the time is up, and the
-    failure shows every worker's stderr. A port taken between choosing and
+    Each worker is :func:`worker_run` in a fresh process with its own
+    TF_CONFIG. When one worker fails the others would wait for it in a
+    collective forever, so every worker is killed as soon as one fails or
+    the time is up, and the failure shows every worker's stderr. A port taken between choosing and
     binding it is retried with fresh ports.
     """
     for attempt in range(attempts):
@@ -524,8 +518,8 @@ def _run_workers(out_dir, workers=2, attempts=3):
                 tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
                 with open(logs[i], "w") as log:
                     procs.append(subprocess.Popen(
-                        [sys.executable, _HERE, "worker", "--out", outs[i]],
-                        env=_script_env(TF_CONFIG=tf_config), stdout=log, stderr=subprocess.STDOUT))
+                        fresh.command(worker_run, outs[i]),
+                        env=fresh.env(TF_CONFIG=tf_config), stdout=log, stderr=subprocess.STDOUT))
             deadline = time.monotonic() + SUBPROCESS_TIMEOUT_S
             while any(p.poll() is None for p in procs):
                 if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
@@ -558,21 +552,18 @@ def single_process():
 
 
 @pytest.fixture(scope="module")
-def multi_worker(tmp_path_factory):
+def multi_worker(fresh, tmp_path_factory):
     """Results of the two MultiWorkerMirroredStrategy workers (one cluster for every test)."""
     start = time.monotonic()
-    results = _run_workers(str(tmp_path_factory.mktemp("workers")))
+    results = _run_workers(fresh, str(tmp_path_factory.mktemp("workers")))
     print(f"two-worker run: {time.monotonic() - start:.1f} s")
     return results
 
 
 @pytest.fixture(scope="module")
-def mirrored(tmp_path_factory):
+def mirrored(fresh, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("mirrored") / "mirrored.npz")
-    proc = subprocess.run([sys.executable, _HERE, "mirrored", "--out", out], capture_output=True,
-                          text=True, env=_script_env(), timeout=SUBPROCESS_TIMEOUT_S)
-    if proc.returncode != 0:
-        pytest.fail(f"MirroredStrategy run failed:\n{proc.stderr[-4000:]}")
+    fresh.call(mirrored_run, out, timeout_s=SUBPROCESS_TIMEOUT_S)
     return _load(out)
 
 
@@ -598,6 +589,7 @@ def _check_distributed(results, ref, replicas):
     assert int(results["tape"]["recompute_ops"]) == 0
 
 
+@_SHARED_RUNS
 def test_reference_run_trains(single_process):
     # The comparisons below are not vacuous: the loss falls, every weight
     # moves by much more than the tolerance, and the steps' gradients differ.
@@ -609,10 +601,14 @@ def test_reference_run_trains(single_process):
     assert np.abs(digests[-1] - digests[0]).max() > 100 * GRAD_RTOL * np.abs(digests[0]).max()
 
 
+@pytest.mark.slow
+@_SHARED_RUNS
 def test_mirrored_training_loop_matches_single_process(mirrored, single_process):
     _check_distributed(mirrored, single_process, replicas=2)
 
 
+@pytest.mark.slow
+@_SHARED_RUNS
 def test_multi_worker_training_matches_single_process(multi_worker, single_process):
     for task, results in enumerate(multi_worker):
         _check_distributed(results, single_process, replicas=2)
@@ -624,21 +620,12 @@ def test_multi_worker_training_matches_single_process(multi_worker, single_proce
                                           multi_worker[1][method][f"weights.{k}"])
 
 
+@pytest.mark.slow
+@_SHARED_RUNS
 def test_multi_worker_memsave_cuts_each_workers_peak(multi_worker):
     for task, results in enumerate(multi_worker):
-        ours, ref = int(results["memsave"]["peak_B"]), int(results["tape"]["peak_B"])
+        ours, ref = int(results["memsave"]["peak_bytes"]), int(results["tape"]["peak_bytes"])
         assert ours <= MEMORY_MAX_RATIO * ref, (
             f"worker {task}: memsave 'memory' peak {ours / MiB:.1f} MiB is {ours / ref:.2f} of "
             f"GradientTape's {ref / MiB:.1f} MiB (allowed {MEMORY_MAX_RATIO})"
         )
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["worker", "mirrored", "v1-legacy"])
-    parser.add_argument("--out", help=".npz file for the results of worker and mirrored")
-    cli = parser.parse_args()
-    if cli.mode == "v1-legacy":
-        print(json.dumps(_v1_legacy_main()))
-    else:
-        _save(cli.out, {"worker": _worker_main, "mirrored": _mirrored_main}[cli.mode]())

@@ -164,7 +164,7 @@ def _proxied_tensor(op, forward_tensors):
 #: The zoo's models are tiny (batch 4): the weights' gradients, alive to the
 #: end of the step, make most of the peak, and the simulator rightly
 #: forecasts that 'memory' and 'speed' save less than their minimum saving
-#: (they would fall back to tf.gradients, see strategies.judge). The zoo
+#: (they would fall back to tf.gradients, see memsave.planners.strategies.worth_it). The zoo
 #: tests the rewrite, so it keeps any plan; the fallback rule has its own
 #: tests (test_strategies, test_memory).
 KEEP_ANY_PLAN = {"min_saving_fraction": 0.0}

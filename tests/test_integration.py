@@ -5,9 +5,7 @@ every user error the API documents. tf.compat.v1 optimizers and training
 loops across replicas and workers are in test_distribute.py.
 """
 
-import json
 import logging
-import subprocess
 import sys
 
 import numpy as np
@@ -132,61 +130,67 @@ def test_copies_keep_the_device_of_their_original():
         assert {"/device:CPU:0", "/device:CPU:1"} <= checked
 
 
-_MIRRORED_SCRIPT = r"""
-import json
-import numpy as np
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import memsave
+def mirrored_replicas() -> dict:
+    """memsave.gradients in each replica of MirroredStrategy on two logical CPUs.
 
-rng = np.random.RandomState(0)
-w_init = [rng.randn(8, 8).astype(np.float32) * 0.5 for _ in range(6)]
-data = tf.constant(rng.randn(4, 8).astype(np.float32))
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-with strategy.scope():
-    ws = [tf.Variable(w) for w in w_init]
+    Run in a fresh process (tests/fresh.py): logical devices must be set
+    before TensorFlow initialises. The same process also reports whether
+    ``import memsave`` left memsave.keras (and Keras) unloaded, and whether
+    memsave.keras then loads on first use.
+    """
+    keras_unloaded = "memsave.keras" not in sys.modules
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    rng = np.random.RandomState(0)
+    w_init = [rng.randn(8, 8).astype(np.float32) * 0.5 for _ in range(6)]
+    data = tf.constant(rng.randn(4, 8).astype(np.float32))
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        ws = [tf.Variable(w) for w in w_init]
 
-@tf.function
-def step():
-    def replica_fn():
-        ctx = tf.distribute.get_replica_context()
-        h = data * tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
-        for w in ws:
-            h = tf.tanh(tf.matmul(h, w))
-        loss = tf.reduce_sum(h * h)
-        got = memsave.gradients(loss, ws, checkpoints="memory")
-        want = tf.gradients(loss, ws)
-        n_ops = memsave.plan(loss, ws, checkpoints="memory").forward_ops
-        return got, want, tf.constant(n_ops)
-    return strategy.run(replica_fn)
+    @tf.function
+    def step():
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            h = data * tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+            for w in ws:
+                h = tf.tanh(tf.matmul(h, w))
+            loss = tf.reduce_sum(h * h)
+            got = memsave.gradients(loss, ws, checkpoints="memory")
+            want = tf.gradients(loss, ws)
+            n_ops = memsave.plan(loss, ws, checkpoints="memory").forward_ops
+            return got, want, tf.constant(n_ops)
+        return strategy.run(replica_fn)
 
-got, want, n_ops = step()
-local = strategy.experimental_local_results
-print(json.dumps({
-    "forward_ops": [int(n) for n in local(n_ops)],
-    "max_abs_diff": max(float(np.abs(a.numpy() - b.numpy()).max())
-                        for g, w in zip(got, want) for a, b in zip(local(g), local(w))),
-    "grad_scale": max(float(np.abs(b.numpy()).max()) for w in want for b in local(w)),
-    "replica_grads_differ": bool(np.abs(local(want[0])[0].numpy() - local(want[0])[1].numpy()).max() > 0),
-}))
-"""
-
-
-def _run_json_script(script: str) -> dict:
-    """Run ``script`` in a fresh Python (its own global TF state); its last line is JSON."""
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    got, want, n_ops = step()
+    local = strategy.experimental_local_results
+    return {
+        "forward_ops": [int(n) for n in local(n_ops)],
+        "max_abs_diff": max(float(np.abs(a.numpy() - b.numpy()).max())
+                            for g, w in zip(got, want) for a, b in zip(local(g), local(w))),
+        "grad_scale": max(float(np.abs(b.numpy()).max()) for w in want for b in local(w)),
+        "replica_grads_differ": bool(
+            np.abs(local(want[0])[0].numpy() - local(want[0])[1].numpy()).max() > 0),
+        "keras_unloaded_after_import_memsave": keras_unloaded,
+        "keras_loads_on_first_use": memsave.keras.__name__ == "memsave.keras",
+    }
 
 
-def test_mirrored_strategy_each_replica_touches_its_own_ops():
-    result = _run_json_script(_MIRRORED_SCRIPT)
+@pytest.mark.slow
+def test_mirrored_strategy_each_replica_touches_its_own_ops(fresh):
+    result = fresh.call(mirrored_replicas, timeout_s=300)
     # 6 layers of (read, matmul, tanh), then mul and sum: each replica's own ops only.
     assert result["forward_ops"] == [20, 20]
     assert result["replica_grads_differ"]
     assert result["max_abs_diff"] <= 1e-5 * result["grad_scale"]
+
+
+@pytest.mark.slow
+def test_import_memsave_leaves_keras_support_unloaded_until_used(fresh):
+    # In the fresh process of the test above: no test has imported Keras there.
+    result = fresh.call(mirrored_replicas, timeout_s=300)
+    assert result["keras_unloaded_after_import_memsave"]
+    assert result["keras_loads_on_first_use"]
 
 
 # -- fallback, plan, linear size ---------------------------------------------
@@ -315,46 +319,49 @@ def test_every_error_derives_from_the_base():
         assert issubclass(exc, memsave.MemsaveError)
 
 
-_V1_SCRIPT = r"""
-import json, logging
-import numpy as np
-import tensorflow as tf
-tf.compat.v1.disable_v2_behavior()  # reference variables, v1 control flow
-import memsave
+def tf1_behaviour_run() -> dict:
+    """'memory', 'speed' and a TF1 cond under tf.compat.v1.disable_v2_behavior().
 
-records = []
-class Keep(logging.Handler):
-    def emit(self, record):
-        records.append(record.getMessage())
-logging.getLogger("memsave").addHandler(Keep())
+    Run in a fresh process (tests/fresh.py): disable_v2_behavior changes
+    global state. (memsave is imported before it here; memsave reads no
+    TensorFlow mode at import.)
+    """
+    tf.compat.v1.disable_v2_behavior()  # reference variables, v1 control flow
+    records = []
 
-x = tf.compat.v1.placeholder(tf.float32, [512, 8])
-ws = [tf.compat.v1.Variable(np.random.RandomState(i).randn(8, 8).astype(np.float32) * 0.5)
-      for i in range(8)]
-h = x
-for w in ws:
-    h = tf.tanh(tf.matmul(h, w))
-loss = tf.reduce_sum(h * h)
-cond_loss = tf.reduce_sum(tf.compat.v1.cond(loss > 0, lambda: h * 2.0, lambda: h * 3.0))
-result = {}
-with tf.compat.v1.Session() as sess:
-    sess.run(tf.compat.v1.global_variables_initializer())
-    feed = {x: np.random.RandomState(9).randn(512, 8).astype(np.float32)}
-    for strategy in ["memory", "speed"]:
-        got, want = sess.run([memsave.gradients(loss, ws, checkpoints=strategy),
-                              tf.gradients(loss, ws)], feed)
-        result[strategy] = max(float(np.abs(a - b).max()) for a, b in zip(got, want))
-    got, want = sess.run([memsave.gradients(cond_loss, ws, checkpoints="memory"),
-                          tf.gradients(cond_loss, ws)], feed)
-    result["cond"] = max(float(np.abs(a - b).max()) for a, b in zip(got, want))
-result["cond_warned"] = any("TF1 control flow" in m for m in records)
-result["copies"] = sum("/recompute_" in op.name for op in tf.compat.v1.get_default_graph().get_operations())
-print(json.dumps(result))
-"""
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("memsave").addHandler(Keep())
+    x = tf.compat.v1.placeholder(tf.float32, [512, 8])
+    ws = [tf.compat.v1.Variable(np.random.RandomState(i).randn(8, 8).astype(np.float32) * 0.5)
+          for i in range(8)]
+    h = x
+    for w in ws:
+        h = tf.tanh(tf.matmul(h, w))
+    loss = tf.reduce_sum(h * h)
+    cond_loss = tf.reduce_sum(tf.compat.v1.cond(loss > 0, lambda: h * 2.0, lambda: h * 3.0))
+    result = {}
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        feed = {x: np.random.RandomState(9).randn(512, 8).astype(np.float32)}
+        for strategy in ["memory", "speed"]:
+            got, want = sess.run([memsave.gradients(loss, ws, checkpoints=strategy),
+                                  tf.gradients(loss, ws)], feed)
+            result[strategy] = max(float(np.abs(a - b).max()) for a, b in zip(got, want))
+        got, want = sess.run([memsave.gradients(cond_loss, ws, checkpoints="memory"),
+                              tf.gradients(cond_loss, ws)], feed)
+        result["cond"] = max(float(np.abs(a - b).max()) for a, b in zip(got, want))
+    result["cond_warned"] = any("TF1 control flow" in m for m in records)
+    result["copies"] = sum("/recompute_" in op.name
+                           for op in tf.compat.v1.get_default_graph().get_operations())
+    return result
 
 
-def test_tf1_behaviour_reference_variables_and_v1_control_flow():
-    result = _run_json_script(_V1_SCRIPT)
+@pytest.mark.slow
+def test_tf1_behaviour_reference_variables_and_v1_control_flow(fresh):
+    result = fresh.call(tf1_behaviour_run, timeout_s=300)
     assert result["copies"] > 0
     assert result["memory"] <= 1e-5 and result["speed"] <= 1e-5
     # TF1 cond is not rewritten: a warning, and tf.gradients' own answer.

@@ -7,21 +7,17 @@ model trained with plain ``fit`` (same seeds, same data), in float32, with
 for functional, Sequential and subclassed models, and under
 MirroredStrategy. Structural: the traced train step holds memsave's
 recomputed ops (and none after ``restore``). Memory: the real allocator
-peak of ``fit`` on a deep model, measured in a fresh process (this file run
-as a script), is at most MEMORY_MAX_RATIO of plain ``fit``'s.
+peak of ``fit`` on a deep model, measured in a fresh process
+(tests/fresh.py), is at most MEMORY_MAX_RATIO of plain ``fit``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import gc
-import json
 import os
 import runpy
-import subprocess
 import sys
-import warnings
 
 import keras
 import numpy as np
@@ -30,6 +26,7 @@ import tensorflow as tf
 
 import memsave
 import memsave.keras
+from fresh import one_after_another
 
 # Batches divide the samples evenly: a smaller last batch would trace (and,
 # with jit_compile, compile) the step once more.
@@ -231,6 +228,7 @@ def test_fit_history_matches_plain_fit_and_goes_through_memsave(kind):
     assert spy.last_recompute_ops() > 0, "the train step was not rewritten by memsave"
 
 
+@pytest.mark.slow
 def test_jit_compile_history_matches_plain_fit():
     model, history, _ = train(checkpoints="memory", jit_compile=True)
     assert_same_history(history, plain_history(jit_compile=True), F32_RTOL)
@@ -319,55 +317,39 @@ def test_restore_after_fit_rebuilds_the_train_function():
 
 # -- tf.distribute -------------------------------------------------------------------
 
-_MIRRORED_SCRIPT = r"""
-import json, os, sys
-import numpy as np
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import memsave
-lazy = "memsave.keras" not in sys.modules  # import memsave leaves Keras support unloaded
-assert memsave.keras.__name__ == "memsave.keras"  # ... until first used
-import keras
-sys.path.insert(0, os.path.dirname(sys.argv[1]))
-import test_keras as t
+def mirrored_fit() -> dict:
+    """Plain, 'memory' and layer-checkpointed fit under MirroredStrategy on two logical CPUs.
 
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-x, y = t.data()
-out = {"lazy": lazy}
-for name, checkpoints in [("plain", None), ("memory", "memory"), ("layers", ["dense_2", "dense_5"])]:
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = t.functional_model()
-        if checkpoints is not None:
-            # Tiny model: keep the 'memory' plan the simulator would drop (see train()).
-            keep_any = {"min_saving_fraction": 0.0} if checkpoints == "memory" else None
-            memsave.keras.checkpointed(model, checkpoints, strategy_options=keep_any)
-        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse",
-                      metrics=["mae"])
-    keras.utils.set_random_seed(1)
-    history = model.fit(x, y, batch_size=t.BATCH, epochs=t.EPOCHS, verbose=0).history
-    graph = model.get_layer("spy").graphs[-1]
-    out[name] = {"history": history, "recompute_ops": len(t.recompute_ops(graph)),
-                 "replicas": model.distribute_strategy.num_replicas_in_sync}
-print(json.dumps(out))
-"""
+    Run in a fresh process (tests/fresh.py): logical devices must be set
+    before TensorFlow initialises.
+    """
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    x, y = data()
+    out = {}
+    for name, checkpoints in [("plain", None), ("memory", "memory"),
+                              ("layers", ["dense_2", "dense_5"])]:
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = functional_model()
+            if checkpoints is not None:
+                # Tiny model: keep the 'memory' plan the simulator would drop (see train()).
+                keep_any = {"min_saving_fraction": 0.0} if checkpoints == "memory" else None
+                memsave.keras.checkpointed(model, checkpoints, strategy_options=keep_any)
+            model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse",
+                          metrics=["mae"])
+        keras.utils.set_random_seed(1)
+        history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0).history
+        graph = model.get_layer("spy").graphs[-1]
+        out[name] = {"history": history, "recompute_ops": len(recompute_ops(graph)),
+                     "replicas": model.distribute_strategy.num_replicas_in_sync}
+    return out
 
 
-def _run_json_script(script: str, *args: str) -> dict:
-    """Run ``script`` in a fresh Python (its own global TF state); its last line is JSON."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
-                         timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def test_mirrored_strategy_fit_matches_plain_mirrored_fit():
-    # (The same fresh process checks that `import memsave` does not import
-    # memsave.keras, and that memsave.keras then loads on first use.)
-    result = _run_json_script(_MIRRORED_SCRIPT, os.path.abspath(__file__))
-    assert result["lazy"]
+@pytest.mark.slow
+def test_mirrored_strategy_fit_matches_plain_mirrored_fit(fresh):
+    result = fresh.call(mirrored_fit)
     plain = result["plain"]
     assert plain["replicas"] == 2
     assert plain["recompute_ops"] == 0
@@ -533,12 +515,12 @@ def _measure(cfg: dict) -> dict:
             tf.config.experimental.reset_memory_stats("CPU:0")
             fit()
             peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
-        result[name] = {"peak_B": int(np.median(peaks)),
+        result[name] = {"peak_bytes": int(np.median(peaks)),
                         "weights": [w.astype(np.float64) for w in model.get_weights()]}
     change = max(float(np.abs(w - v).max()) for w, v in zip(result["plain"]["weights"], w0))
     diff = max(float(np.abs(a - b).max())
                for a, b in zip(result["plain"]["weights"], result["memory"]["weights"]))
-    return {"plain_B": result["plain"]["peak_B"], "memory_B": result["memory"]["peak_B"],
+    return {"plain_bytes": result["plain"]["peak_bytes"], "memory_bytes": result["memory"]["peak_bytes"],
             "weight_change": change, "weight_diff": diff}
 
 
@@ -547,30 +529,22 @@ def measure_all() -> dict:
 
     One process for all modes saves three TensorFlow start-ups (about 7 s
     each here). What a mode leaves behind (its model's weights, 0.8 MiB at
-    most) is freed before the next one; nothing else outlives a mode.
+    most) is freed before the next one; one_after_another checks that
+    nothing else outlives a mode.
     """
-    out = {}
-    for mode in MEM_MODES:
-        out[mode] = measure(mode)
+    def measure_then_clear(mode):
+        out = measure(mode)
         keras.backend.clear_session()
-        gc.collect()
-    return out
+        return out
+
+    return one_after_another({m: functools.partial(measure_then_clear, m) for m in MEM_MODES})
 
 
-@functools.lru_cache(maxsize=None)
-def _measured():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True,
-                          env=env, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"measuring failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MEM_MODES))
-def test_checkpointed_fit_cuts_the_peak_on_a_deep_model(mode):
-    res = _measured()[mode]
-    ours, ref = res["memory_B"] / MiB, res["plain_B"] / MiB
+def test_checkpointed_fit_cuts_the_peak_on_a_deep_model(fresh, mode):
+    res = fresh.call(measure_all)[mode]
+    ours, ref = res["memory_bytes"] / MiB, res["plain_bytes"] / MiB
     assert ours <= MEMORY_MAX_RATIO * ref, (
         f"{mode}: checkpointed fit peaks at {ours:.1f} MiB, {ours / ref:.2f} of plain fit's "
         f"{ref:.1f} MiB (allowed {MEMORY_MAX_RATIO})"
@@ -700,8 +674,3 @@ def test_plan_errors_say_what_to_do():
         memsave.keras.plan(plan_model(), x, y, batch_size=0)
     with pytest.raises(memsave.CheckpointError, match="memsave.keras.plan: .*'nope' is not a layer"):
         memsave.keras.plan(plan_model(), x, y, checkpoints=["nope"])
-
-
-if __name__ == "__main__":
-    warnings.simplefilter("ignore")
-    print(json.dumps(measure_all()))

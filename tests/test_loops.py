@@ -28,10 +28,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from memsave import _tf_private, loopmodel, loops, simulate
+from memsave import _tf_private, loopmodel, loops
 from memsave.errors import LoopChoiceError
 from memsave.extract import extract
 from memsave.loops import LoopChoice
+from memsave.memory_model import MemoryModel
 
 T, B, F, H = 7, 3, 4, 5
 PER_STEP = LoopChoice.per_step()
@@ -479,21 +480,21 @@ def test_model_figures_of_a_keras_lstm():
     512 KiB): the state is h and c; while_v2 keeps h, c, the four gate
     activations, tanh(c) and x_t (256 KiB)."""
     body = _keras_body(16)
-    cpu = simulate.CPU_ONEDNN
+    cpu = MemoryModel()
     per = loopmodel.trip_bytes(body, cpu)
     kib = 1024
-    assert per.state_B == 2 * 512 * kib
-    assert per.saved_B == 7 * 512 * kib + 256 * kib
+    assert per.state_bytes == 2 * 512 * kib
+    assert per.saved_bytes == 7 * 512 * kib + 256 * kib
     # The unstacked input sequence needs no gradient: a prepared loop reads
     # it in place, so no choice keeps a copy of it.
-    assert per.read_lists_B == 0
+    assert per.read_lists_bytes == 0
     plain = loopmodel.figures(body, LoopChoice.plain(), cpu)
     step = loopmodel.figures(body, PER_STEP, cpu)
     chunk = loopmodel.figures(body, LoopChoice.chunk(4), cpu)
-    assert plain.saved_B == 16 * per.saved_B
-    assert step.saved_B == 16 * per.state_B + per.read_lists_B
-    assert chunk.saved_B == 4 * per.state_B + per.read_lists_B
-    assert chunk.backward_B == step.backward_B + 4 * per.state_B
+    assert plain.saved_bytes == 16 * per.saved_bytes
+    assert step.saved_bytes == 16 * per.state_bytes + per.read_lists_bytes
+    assert chunk.saved_bytes == 4 * per.state_bytes + per.read_lists_bytes
+    assert chunk.backward_bytes == step.backward_bytes + 4 * per.state_bytes
     assert loopmodel.recomputed_trips(body, LoopChoice.chunk(4)) == 32
     assert loopmodel.chunk_size(body, cpu) == 4  # sqrt(16)
     assert [str(c) for c in loopmodel.candidates(body, cpu)] == [
@@ -537,7 +538,7 @@ def measure_keras(method: str) -> dict:
     tf.config.experimental.reset_memory_stats("CPU:0")
     step(x, y)
     peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-    return {"peak_above_B": peak - resident, "applied": applied,
+    return {"peak_above_bytes": peak - resident, "applied": applied,
             "grad_sums": [float(np.sum(g * g)) for g in grads]}
 
 
@@ -558,7 +559,7 @@ def test_keras_lstm_peak_goes_down(method, max_ratio):
     plain, got = _measured("plain"), _measured(method)
     assert got["applied"] == [{"per_step": "per-step", "chunk": "chunk(k=11)"}[method]]
     np.testing.assert_allclose(got["grad_sums"], plain["grad_sums"], rtol=1e-4)
-    assert got["peak_above_B"] <= max_ratio * plain["peak_above_B"], (got, plain)
+    assert got["peak_above_bytes"] <= max_ratio * plain["peak_above_bytes"], (got, plain)
 
 
 if __name__ == "__main__":

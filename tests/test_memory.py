@@ -14,26 +14,24 @@ _digest), compared with tf.gradients' run's, and another run of the same
 graph fetches the full gradients, compared entry by entry: a lower peak
 cannot come from computing less.
 
-Each mode is measured in a fresh Python process (this file run as a
-script): the allocator peak counts every live tensor in the process, and
-tensors left by other tests (or by an earlier mode's variables) would add
-the same constant to both sides and hide the difference. The peaks repeat
-to within about 1.5 MiB between runs (see REPEATS).
+The modes are measured one after the other in a fresh Python process
+(tests/fresh.py): the allocator peak counts every live tensor in the
+process, and tensors left by other tests (or by an earlier mode's
+variables, which the measurement checks are gone) would add the same
+constant to both sides and hide the difference. The peaks repeat to
+within about 1.5 MiB between runs (see REPEATS).
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import memsave
+from fresh import one_after_another
 
 LAYERS = 24
 BATCH, WIDTH = 1024, 256
@@ -74,7 +72,7 @@ LIST_MAX_RATIO = 0.65
 #: 0.25-1.75 MiB above it in function mode (a recomputed segment holds the gated copy ``checkpoint + gate`` and
 #: the recomputed tanh next to the checkpoint). Three activations (3 MiB)
 #: do not grow with depth; keeping both outputs of every layer would be 24.
-SPEED_SLACK_B = 3 * MiB
+SPEED_SLACK_BYTES = 3 * MiB
 
 #: float32 gradients through LAYERS tanh layers, summed in another order: see
 #: tests/test_gradients_zoo.py (TOLERANCES) for why 1e-5 of the largest entry.
@@ -198,7 +196,7 @@ def _compare(runs):
         )
         grad_err, grad_scale = _max_err(grads, ref_grads)
         result[method] = {
-            "peak_B": int(peak),
+            "peak_bytes": int(peak),
             "digest_rel_err": digest_err,
             "grad_abs_err": grad_err,
             "grad_scale": grad_scale,
@@ -228,7 +226,7 @@ CONV_LAYERS, CONV_CHANNELS, CONV_SIZE, CONV_BATCH = 12, 256, 8, 16
 #: the next power of two: a 20 MiB buffer would be counted 32 MiB. One large
 #: region made first is split for every later allocation, so the counted
 #: peak is the bytes asked for. See experiments/xla_cnn.py.
-PRESPLIT_B = 1 << 30
+PRESPLIT_BYTES = 1 << 30
 
 # Measured at commit 91a07be, 2 fresh processes each (median-of-5 peaks
 # above the resident variables and batch, MiB): tf.gradients 50.75 both,
@@ -268,7 +266,7 @@ def _conv_digest(grads):
 
 def measure_xla_conv():
     """Peak bytes above the resident ones, and gradient errors, of the conv chain under XLA."""
-    tf.raw_ops.Empty(shape=[PRESPLIT_B // 4], dtype=tf.float32, init=False)
+    tf.raw_ops.Empty(shape=[PRESPLIT_BYTES // 4], dtype=tf.float32, init=False)
     rs = np.random.RandomState(0)
     fan_in = 9 * CONV_CHANNELS
     ws = [tf.Variable((rs.randn(3, 3, CONV_CHANNELS, CONV_CHANNELS) / np.sqrt(fan_in)).astype(np.float32))
@@ -289,24 +287,30 @@ def measure_xla_conv():
 # -- the tests --------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _measured(mode):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run(
-        [sys.executable, __file__, mode], capture_output=True, text=True, env=env, timeout=600,
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"measuring {mode} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def measure_modes() -> dict:
+    """{mode: measure(mode)} for MODES, one after the other in this process.
+
+    Each mode builds its own variables (and, in session mode, its own graph)
+    and frees them before the next: one_after_another checks that none
+    leaves a tensor for the next mode's peaks.
+    """
+    return one_after_another({mode: functools.partial(measure, mode) for mode in MODES})
+
+
+def _measured(fresh, mode):
+    """measure(mode) from one fresh process for all MODES, measure_xla_conv() from one of
+    its own (its pre-split pool must be the process's first); each once per session."""
+    return fresh.call(measure_xla_conv) if mode == XLA_CONV else fresh.call(measure_modes)[mode]
 
 
 def _peak_MiB(res, method):
-    return res[method]["peak_B"] / MiB
+    return res[method]["peak_bytes"] / MiB
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-def test_memory_strategy_cuts_peak(mode):
-    res = _measured(mode)
+def test_memory_strategy_cuts_peak(fresh, mode):
+    res = _measured(fresh, mode)
     ours, ref = _peak_MiB(res, "memory"), _peak_MiB(res, "tf.gradients")
     assert ours <= MEMORY_MAX_RATIO * ref, (
         f"{mode}: memsave 'memory' peak {ours:.1f} MiB is {ours / ref:.2f} of "
@@ -314,9 +318,10 @@ def test_memory_strategy_cuts_peak(mode):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-def test_explicit_checkpoints_cut_peak(mode):
-    res = _measured(mode)
+def test_explicit_checkpoints_cut_peak(fresh, mode):
+    res = _measured(fresh, mode)
     ours, ref = _peak_MiB(res, "list"), _peak_MiB(res, "tf.gradients")
     assert ours <= LIST_MAX_RATIO * ref, (
         f"{mode}: memsave with a checkpoint every {CHECKPOINT_EVERY} layers peaks at "
@@ -325,20 +330,22 @@ def test_explicit_checkpoints_cut_peak(mode):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-def test_speed_strategy_costs_no_more_memory(mode):
-    res = _measured(mode)
-    ours, ref = res["speed"]["peak_B"], res["tf.gradients"]["peak_B"]
-    assert ours <= ref + SPEED_SLACK_B, (
+def test_speed_strategy_costs_no_more_memory(fresh, mode):
+    res = _measured(fresh, mode)
+    ours, ref = res["speed"]["peak_bytes"], res["tf.gradients"]["peak_bytes"]
+    assert ours <= ref + SPEED_SLACK_BYTES, (
         f"{mode}: memsave 'speed' peak {ours / MiB:.1f} MiB exceeds tf.gradients' "
         f"{ref / MiB:.1f} MiB"
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("method", ["memory", "speed", "list"])
-def test_measured_runs_compute_tf_gradients_values(mode, method):
-    res = _measured(mode)[method]
+def test_measured_runs_compute_tf_gradients_values(fresh, mode, method):
+    res = _measured(fresh, mode)[method]
     # The measured run itself: its digests match tf.gradients' run's.
     assert res["digest_rel_err"] <= GRAD_RTOL, (
         f"{mode} {method}: the measured run's gradient digests differ from "
@@ -383,10 +390,11 @@ def test_plan_predicts_a_saving(graph, checkpoints):
         assert p.predicted_peak_bytes < p.baseline_peak_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["memory"])
-def test_xla_conv_backward_waits_for_gradient(method):
-    res = _measured(XLA_CONV)
-    ours, ref = res[method]["peak_B"] / MiB, res["tf.gradients"]["peak_B"] / MiB
+def test_xla_conv_backward_waits_for_gradient(fresh, method):
+    res = _measured(fresh, XLA_CONV)
+    ours, ref = res[method]["peak_bytes"] / MiB, res["tf.gradients"]["peak_bytes"] / MiB
     assert ours <= XLA_CONV_MAX_RATIO * ref, (
         f"xla conv chain: memsave {method!r} peaks {ours:.2f} MiB above the resident "
         f"tensors, {ours / ref:.2f} of tf.gradients' {ref:.2f} MiB (allowed "
@@ -396,8 +404,3 @@ def test_xla_conv_backward_waits_for_gradient(method):
     assert res[method]["digest_rel_err"] <= GRAD_RTOL
     assert res[method]["grad_scale"] > 1e-3
     assert res[method]["grad_abs_err"] <= GRAD_RTOL * res[method]["grad_scale"]
-
-
-if __name__ == "__main__":
-    mode = sys.argv[1]
-    print(json.dumps(measure_xla_conv() if mode == XLA_CONV else measure(mode)))

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 
 import numpy as np
@@ -13,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import memsave
-from memsave.plan import Plan
+from memsave.record import Plan
 
 MiB = 1 << 20
 LAYERS = 12
@@ -115,14 +113,9 @@ def test_batch_size_hint_on_plan():
     assert hinted.baseline_peak_bytes > guessed.baseline_peak_bytes + 4 * MiB
 
 
-def _fresh(name: str) -> dict:
-    """``name()`` of this module run in a fresh process (this file as a script): the
-    allocator peak counts every tensor alive in the process, and other tests leave some."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, __file__, name], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+# The measure_* functions run in fresh processes (tests/fresh.py): the
+# allocator peak counts every tensor alive in the process, and other tests
+# leave some.
 
 
 def _peak_of(step) -> int:
@@ -179,10 +172,11 @@ def measure_gradients_held() -> dict:
     return {"plan": _plan_dict(box["plan"]), "returns": returned, "applies": applied}
 
 
-def test_plan_says_when_gradients_applied_as_written_would_peak_lower():
+@pytest.mark.slow
+def test_plan_says_when_gradients_applied_as_written_would_peak_lower(fresh):
     # The forecast holds the gradients (a step that returns them); applied as
     # they are written, the peak is lower, and the Plan gives the bound.
-    res = _fresh("measure_gradients_held")
+    res = fresh.call(measure_gradients_held)
     p = res["plan"]
     notes = [a for a in p["assumptions"] if "as soon as it is written" in a]
     assert len(notes) == 1
@@ -222,20 +216,17 @@ def measure_silu() -> dict:
     return out
 
 
-def test_custom_gradient_silu_forecast_and_its_captured_inputs():
+@pytest.mark.slow
+def test_custom_gradient_silu_forecast_and_its_captured_inputs(fresh):
     # tf.nn.silu is a tf.custom_gradient whose function recomputes the
     # sigmoid from the input it captured: the forward's Sigmoid and Mul are
     # never differentiated, and that input stays alive (a recomputed copy's
     # gradient reads the original). Measured in a fresh process: plain
     # 115-120 MiB against 111 forecast (167 before the custom gradient was
     # modelled); 'memory' near its forecast.
-    res = _fresh("measure_silu")
+    res = fresh.call(measure_silu)
     for c, r in res.items():
         assert abs(r["predicted"] - r["measured"]) <= 0.2 * r["measured"], (
             c, r["predicted"] / MiB, r["measured"] / MiB)
     captured = [k for k in res["memory"]["kept"] if "tf.custom_gradient" in k[1]]
     assert len(captured) >= 11 and all(op_type == "MatMul" for op_type, _ in captured)
-
-
-if __name__ == "__main__":
-    print(json.dumps(globals()[sys.argv[1]]()))

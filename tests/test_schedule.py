@@ -20,7 +20,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from memsave import strategies
+from memsave import planners
+from memsave.problem import Problem
 from memsave.schedule import Schedule, Step, build_schedule
 
 import handgraphs as H
@@ -380,7 +381,7 @@ def test_random_dag_schedule(seed):
 def test_random_dag_schedule_with_memory_strategy(seed):
     rs = np.random.RandomState(1000 + seed)
     fg, _ = _random_dag(rs)
-    cps = strategies.memory(fg).checkpoints
+    cps = planners.run("memory", Problem(fg)).checkpoint_ids
     sched = build_schedule(fg, cps)
     _check_invariants(fg, sched, cps)
     w = _weights(fg, rs)

@@ -17,17 +17,19 @@ from handgraphs import Builder, MiB
 from memsave.costs import estimate_costs
 from memsave.graph import GradientUse
 from memsave.schedule import build_schedule
-from memsave.simulate import BFC, CPU_ONEDNN, Allocator, simulate
+from memsave.memory_model import BFC, CPU_ONEDNN, Allocator, MemoryModel
+from memsave.simulate import simulate
 
 
 def _ids(fg, *names):
     return tuple(sorted(next(t.id for t in fg.tensors if t.name == n) for n in names))
 
 
-def _peak(fg, checkpoints=None, **kw):
+def _peak(fg, checkpoints=None, *, allocator=CPU_ONEDNN, overlap=1, **kw):
     costs = estimate_costs(fg)
     sched = None if checkpoints is None else build_schedule(fg, _ids(fg, *checkpoints))
-    return simulate(fg, sched, costs, **kw)
+    model = MemoryModel(allocator=allocator, weight_gradient_overlap=overlap)
+    return simulate(fg, sched, costs, model=model, **kw)
 
 
 def test_plain_tanh_chain():
@@ -35,14 +37,14 @@ def test_plain_tanh_chain():
     # output is read by its own gradient): 6 MiB. Each gradient writes into
     # a dying buffer (TanhGrad is elementwise): the backward adds nothing.
     trace = _peak(H.chain(4))
-    assert trace.peak_B == 6 * MiB
-    assert trace.resident_B == 2 * MiB
-    assert trace.end_B == 3 * MiB  # x, the seed and x's gradient
+    assert trace.peak_bytes == 6 * MiB
+    assert trace.resident_bytes == 2 * MiB
+    assert trace.end_bytes == 3 * MiB  # x, the seed and x's gradient
     assert trace.peak_event == "run op3"
 
 
 def test_plain_chain_grows_by_one_tensor_per_op():
-    assert [_peak(H.chain(n)).peak_B // MiB for n in (2, 4, 8)] == [4, 6, 10]
+    assert [_peak(H.chain(n)).peak_bytes // MiB for n in (2, 4, 8)] == [4, 6, 10]
 
 
 def test_checkpointed_tanh_chain():
@@ -52,9 +54,9 @@ def test_checkpointed_tanh_chain():
     # last use): 4 MiB. op1's step: a proxy of x (the gate lands on x: a new
     # buffer), op0' written into it, op1' and op1's gradient: 5 MiB.
     trace = _peak(H.chain(4), ["op1:0"])
-    assert trace.peak_B == 5 * MiB
+    assert trace.peak_bytes == 5 * MiB
     assert trace.peak_event == "recompute op1"
-    assert trace.end_B == 3 * MiB
+    assert trace.end_bytes == 3 * MiB
 
 
 def test_matmul_chain_keeps_inputs_for_the_gradient():
@@ -64,7 +66,7 @@ def test_matmul_chain_keeps_inputs_for_the_gradient():
     # much as while op3 ran.
     fg = H.chain(4, type="MatMul")
     trace = _peak(fg)
-    assert trace.peak_B == 6 * MiB
+    assert trace.peak_bytes == 6 * MiB
     assert max(b for b, _ in trace.timeline[trace.backward_start:]) == 6 * MiB
 
 
@@ -78,7 +80,7 @@ def test_views_allocate_nothing():
     fg = b.build(["x"], [y])
     # x, the seed, a (r and s are views of it), b; the gradients of s and r
     # are views of b's.
-    assert _peak(fg).peak_B == 4 * MiB
+    assert _peak(fg).peak_bytes == 4 * MiB
     costs = estimate_costs(fg)
     assert costs.alias_of[b.ids["r:0"]] == b.ids["a:0"]
     assert costs.alias_of[b.ids["s:0"]] == b.ids["r:0"]
@@ -108,25 +110,25 @@ def test_add_gradient_is_the_incoming_buffer():
     # would fold them into two more resident constants.
     no_pass_through = GradientUse((), (), (None, None))
     trace = _peak(_fork(no_pass_through))
-    assert trace.resident_B == 4 * MiB
+    assert trace.resident_bytes == 4 * MiB
     assert _backward_max(trace) == 7 * MiB
 
 
-def _small_chain(n, size_B):
+def _small_chain(n, size_bytes):
     b = Builder()
-    h = b.source("x", size_B=size_B)
+    h = b.source("x", size_bytes=size_bytes)
     for i in range(n):
-        h = b.op(f"op{i}", "Tanh", [h], size_B=size_B)
+        h = b.op(f"op{i}", "Tanh", [h], size_bytes=size_bytes)
     return b.build(["x"], [h])
 
 
 def test_cpu_allocator_does_not_count_small_buffers():
     fg = _small_chain(4, 128 * 1024)
-    assert _peak(fg).peak_B == 0
-    assert _peak(fg, allocator=BFC).peak_B == 6 * 128 * 1024
+    assert _peak(fg).peak_bytes == 0
+    assert _peak(fg, allocator=BFC).peak_bytes == 6 * 128 * 1024
     # 256 KiB is counted, rounded to 256 bytes.
     fg = _small_chain(4, 256 * 1024 + 1)
-    assert _peak(fg).peak_B == 6 * (256 * 1024 + 256)
+    assert _peak(fg).peak_bytes == 6 * (256 * 1024 + 256)
     assert CPU_ONEDNN.counted(262143) == 0 and CPU_ONEDNN.counted(262144) == 262144
     assert Allocator("exact", 0, 1).counted(1001) == 1001
 
@@ -145,7 +147,7 @@ def test_stateful_ops_outputs_stay_alive():
     fg = b.build(["x"], [h])
     plain = _peak(fg)
     ck = _peak(fg, ["op1:0"])
-    assert ck.peak_B < plain.peak_B
+    assert ck.peak_bytes < plain.peak_bytes
 
 
 def test_timeline_is_optional_and_peak_does_not_change():
@@ -155,17 +157,18 @@ def test_timeline_is_optional_and_peak_does_not_change():
     with_tl = simulate(fg, sched, costs)
     without = simulate(fg, sched, costs, timeline=False)
     assert without.timeline == () and with_tl.timeline
-    assert with_tl.peak_B == without.peak_B == max(b for b, _ in with_tl.timeline)
+    assert with_tl.peak_bytes == without.peak_bytes == max(b for b, _ in with_tl.timeline)
 
 
 @pytest.mark.parametrize("n", [8, 16])
 def test_memory_strategy_beats_plain_on_chains(n):
-    from memsave import strategies
+    from memsave import planners
+    from memsave.problem import Problem
 
     fg = H.chain(n)
-    sel = strategies.memory(fg)
-    assert sel.checkpoints
-    assert _peak(fg, [fg.tensors[t].name for t in sel.checkpoints]).peak_B < _peak(fg).peak_B
+    plan = planners.run("memory", Problem(fg))
+    assert plan.checkpoint_ids
+    assert _peak(fg, list(plan.checkpoints)).peak_bytes < _peak(fg).peak_bytes
 
 
 def test_a_recompute_step_runs_only_the_copies_a_gradient_reads():
@@ -176,7 +179,7 @@ def test_a_recompute_step_runs_only_the_copies_a_gradient_reads():
     h = b.source("x")
     for i in range(3):
         h = b.op(f"op{i}", "Tanh", [h])
-    y = b.op("mean", "Mean", [h], size_B=4)
+    y = b.op("mean", "Mean", [h], size_bytes=4)
     fg = b.build(["x"], [y])
     events = [e for _, e in _peak(fg, ["op1:0"]).timeline]
     assert "recompute op2" in events
@@ -197,18 +200,18 @@ def test_gradient_flows_through_an_activation_given_as_x():
     events = [e for _, e in trace.timeline]
     assert "gradient of a" in events
     # x, the seed, and both gradients (x's and a's) are alive at the end.
-    assert trace.end_B == 4 * MiB
+    assert trace.end_bytes == 4 * MiB
 
 
-def _weighted_chain(n, w_B=2 * MiB):
+def _weighted_chain(n, w_bytes=2 * MiB):
     """d -> t0 -> ... -> t{n-1}: t_i = Tanh(MatMul(t_{i-1}, read_i)), read_i
     the ReadVariableOp of the x w_i (2 MiB each)."""
     b = Builder()
     h = b.external("d")
     ws = []
     for i in range(n):
-        ws.append(b.source(f"w{i}", size_B=w_B))
-        r = b.op(f"read{i}", "ReadVariableOp", [ws[-1]], recomputable=False, size_B=w_B)
+        ws.append(b.source(f"w{i}", size_bytes=w_bytes))
+        r = b.op(f"read{i}", "ReadVariableOp", [ws[-1]], recomputable=False, size_bytes=w_bytes)
         h = b.op(f"t{i}", "Tanh", [b.op(f"mm{i}", "MatMul", [h, r])])
     return b.build(ws, [h])
 
@@ -220,10 +223,10 @@ def test_gradients_consumed_when_written_cost_nothing():
     fg = _weighted_chain(4)
     kept = _peak(fg, ["t1:0"], allocator=BFC)
     consumed = _peak(fg, ["t1:0"], allocator=BFC, gradients_kept=False)
-    assert kept.resident_B == consumed.resident_B == 10 * MiB
-    assert kept.end_B == 18 * MiB
-    assert consumed.end_B == 10 * MiB
-    assert consumed.peak_B < kept.peak_B
+    assert kept.resident_bytes == consumed.resident_bytes == 10 * MiB
+    assert kept.end_bytes == 18 * MiB
+    assert consumed.end_bytes == 10 * MiB
+    assert consumed.peak_bytes < kept.peak_bytes
 
 
 def test_under_xla_recomputed_steps_copy_their_weight_reads():
@@ -235,7 +238,7 @@ def test_under_xla_recomputed_steps_copy_their_weight_reads():
 
     def alive_after_proxies(fg):
         trace = _peak(fg, ["t1:0"], allocator=BFC)
-        return next(b for b, e in trace.timeline if e == "proxy of read3:0"), trace.peak_B
+        return next(b for b, e in trace.timeline if e == "proxy of read3:0"), trace.peak_bytes
 
     fg = _weighted_chain(4)
     plain_alive, plain_peak = alive_after_proxies(fg)
@@ -245,24 +248,21 @@ def test_under_xla_recomputed_steps_copy_their_weight_reads():
     assert xla_peak > plain_peak
 
 
-def test_a_weight_gradient_kernel_holds_its_reads_through_the_next_gradient(monkeypatch):
+def test_a_weight_gradient_kernel_holds_its_reads_through_the_next_gradient():
     # t_i = Tanh(MatMul(h, w_i)), the w_i xs. mm1's gradient is two
     # kernels: the input's, consumed at once by t0's gradient, and the
     # weight's, which nothing waits for and which the executor runs beside
     # t0's gradient: what it reads (mm1's incoming gradient, 1 MiB, beside
     # t0 which stays anyway) is alive one allocating gradient longer.
-    import memsave.simulate as S
-
     b = Builder()
     h = b.external("d")
     for i in range(2):
-        w = b.source(f"w{i}", size_B=MiB // 4)
+        w = b.source(f"w{i}", size_bytes=MiB // 4)
         h = b.op(f"t{i}", "Tanh", [b.op(f"mm{i}", "MatMul", [h, w])])
     fg = b.build(["w0", "w1"], [h])
 
     def backward(overlap):
-        monkeypatch.setattr(S, "WEIGHT_GRADIENT_OVERLAP", overlap)
-        trace = _peak(fg, allocator=BFC)
+        trace = _peak(fg, allocator=BFC, overlap=overlap)
         return {e: b for b, e in trace.timeline[trace.backward_start:]}
 
     alone, beside = backward(0), backward(1)
@@ -271,23 +271,20 @@ def test_a_weight_gradient_kernel_holds_its_reads_through_the_next_gradient(monk
         e: b for e, b in alone.items() if e != "gradient of t0"}
 
 
-def test_a_weight_gradient_kernel_runs_beside_one_kernel_of_the_next_gradient(monkeypatch):
+def test_a_weight_gradient_kernel_runs_beside_one_kernel_of_the_next_gradient():
     # c = concat(a, b) (2 MiB), y = Tanh(MatMul(c, w)). The concat's
     # gradient is one Slice per input (1 MiB each): MatMul's weight kernel,
     # still holding c and its incoming gradient (3 MiB), runs beside the
     # first Slice only; after it, the second Slice sees what it would alone.
-    import memsave.simulate as S
-
     b = Builder()
     d = b.external("d")
-    w = b.source("w", size_B=MiB // 4)
-    c = b.op("c", "ConcatV2", [b.op("a", "Tanh", [d]), b.op("b", "Tanh", [d])], size_B=2 * MiB)
+    w = b.source("w", size_bytes=MiB // 4)
+    c = b.op("c", "ConcatV2", [b.op("a", "Tanh", [d]), b.op("b", "Tanh", [d])], size_bytes=2 * MiB)
     fg = b.build(["w"], [b.op("y", "Tanh", [b.op("m", "MatMul", [c, w])])])
 
     def concat_gradient(overlap):
-        monkeypatch.setattr(S, "WEIGHT_GRADIENT_OVERLAP", overlap)
-        trace = _peak(fg, allocator=BFC)
-        return [b for b, e in trace.timeline if e == "gradient of c"], trace.peak_B
+        trace = _peak(fg, allocator=BFC, overlap=overlap)
+        return [b for b, e in trace.timeline if e == "gradient of c"], trace.peak_bytes
 
     (alone,), alone_peak = concat_gradient(0)
     (first, second), peak = concat_gradient(1)
@@ -296,23 +293,23 @@ def test_a_weight_gradient_kernel_runs_beside_one_kernel_of_the_next_gradient(mo
     assert peak == max(alone_peak, first)
 
 
-def _skip(size_B):
+def _skip(size_bytes):
     """x -> a -> b, c = a + b, y = Tanh(c): a is read by two segments."""
     b = Builder()
-    x = b.source("x", size_B=size_B)
-    a = b.op("a", "Tanh", [x], size_B=size_B)
-    t = b.op("b", "Tanh", [a], size_B=size_B)
-    y = b.op("y", "Tanh", [b.op("c", "AddV2", [a, t], size_B=size_B)], size_B=size_B)
+    x = b.source("x", size_bytes=size_bytes)
+    a = b.op("a", "Tanh", [x], size_bytes=size_bytes)
+    t = b.op("b", "Tanh", [a], size_bytes=size_bytes)
+    y = b.op("y", "Tanh", [b.op("c", "AddV2", [a, t], size_bytes=size_bytes)], size_bytes=size_bytes)
     return b.build(["x"], [y])
 
 
-@pytest.mark.parametrize("size_B, proxy_B", [(MiB, 0), (12 * MiB, 12 * MiB)])
-def test_the_gate_of_a_step_whose_gradients_are_constants_is_folded(size_B, proxy_B):
+@pytest.mark.parametrize("size_bytes, proxy_bytes", [(MiB, 0), (12 * MiB, 12 * MiB)])
+def test_the_gate_of_a_step_whose_gradients_are_constants_is_folded(size_bytes, proxy_bytes):
     # Checkpoints a and b. y's step gates a's proxy; a stays alive (b's step
     # reads it again), so ``a + gate`` is a new buffer, unless y's gradient
     # is the folded constant ones_like(y) (static shape, at most
-    # CONSTANT_FOLDING_MAX_B): Grappler then folds the gate to 0 and the
+    # CONSTANT_FOLDING_MAX_BYTES): Grappler then folds the gate to 0 and the
     # proxy to an Identity of a. Alive: x, the seed, a and b, and the proxy.
-    trace = _peak(_skip(size_B), ["a:0", "b:0"], allocator=BFC)
+    trace = _peak(_skip(size_bytes), ["a:0", "b:0"], allocator=BFC)
     alive = next(b for b, e in trace.timeline if e == "proxy of a:0")
-    assert alive == 4 * size_B + proxy_B
+    assert alive == 4 * size_bytes + proxy_bytes

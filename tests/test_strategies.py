@@ -16,14 +16,23 @@ import numpy as np
 import pytest
 
 import memsave
-from memsave import strategies
-from memsave.schedule import build_schedule
+from memsave import candidates, planners, strategies
+from memsave.candidates import articulation_points as articulation_candidates
+from memsave.candidates import topological_cuts
 from memsave.costs import estimate_costs
-from memsave.simulate import BFC, simulate
-from memsave.strategies import Selection, articulation_candidates, topological_cuts
+from memsave.memory_model import BFC, MemoryModel
+from memsave.problem import Problem
+from memsave.schedule import build_schedule
+from memsave.simulate import simulate
+from memsave.strategies import Selection
 
 import handgraphs as H
 from handgraphs import MiB, Builder, names
+
+
+def plan(name, fg, **options):
+    """The Plan of planner ``name`` on ``fg`` (a fresh Problem), with these options."""
+    return planners.run(name, Problem(fg), options=options)
 
 
 @pytest.fixture
@@ -85,7 +94,7 @@ def test_candidates_skip_non_trainable_multi_output_and_stateful_ops():
     assert cands == ["h1:0", "gather:0", "h3:0"]
 
 
-def _normalised_chain(n_blocks=3, *, head_B=H.MiB):
+def _normalised_chain(n_blocks=3, *, head_bytes=H.MiB):
     """Conv -> batch-norm-like normalisation -> Relu blocks, then a head.
 
     ::
@@ -96,19 +105,19 @@ def _normalised_chain(n_blocks=3, *, head_B=H.MiB):
     ``sq``'s only consumer is the variance ``var``, which rejoins the chain
     through channel-sized (small) tensors only: ``sq`` is an articulation
     point of the undirected op graph, but keeping it bounds no segment.
-    ``pool`` and ``head`` produce ``head_B`` bytes each.
+    ``pool`` and ``head`` produce ``head_bytes`` bytes each.
     """
     b = Builder()
     h = b.op("a", "Tanh", [b.source("x")])
     for i in range(n_blocks):
         c = b.op(f"c{i}", "Conv2D", [h])
         sq = b.op(f"sq{i}", "SquaredDifference", [c])
-        var = b.op(f"var{i}", "Mean", [sq], size_B=64)
-        rs = b.op(f"rs{i}", "Rsqrt", [var], size_B=64)
+        var = b.op(f"var{i}", "Mean", [sq], size_bytes=64)
+        rs = b.op(f"rs{i}", "Rsqrt", [var], size_bytes=64)
         h = b.op(f"n{i}", "Mul", [c, rs])
         h = b.op(f"r{i}", "Relu", [h])
-    h = b.op("pool", "Mean", [h], size_B=head_B)
-    y = b.op("head", "MatMul", [h], size_B=head_B)
+    h = b.op("pool", "Mean", [h], size_bytes=head_bytes)
+    y = b.op("head", "MatMul", [h], size_bytes=head_bytes)
     return b.build(["x"], [y]), b
 
 
@@ -126,9 +135,9 @@ def test_a_small_head_keeps_the_body_cut_points():
     # pool and head are 1 KiB, below 1/64 of the 1 MiB activations: the y is
     # cut off from the body. The body's last op (pool) stands for the end,
     # so the chain's cut points remain and the statistics branches do not.
-    fg, _ = _normalised_chain(head_B=1024)
+    fg, _ = _normalised_chain(head_bytes=1024)
     assert names(fg, articulation_candidates(fg)) == _BLOCK_CUTS
-    chosen = names(fg, strategies.memory(fg, min_saving_fraction=0.0).checkpoints)
+    chosen = names(fg, plan("memory", fg, min_saving_fraction=0.0).checkpoint_ids)
     assert chosen and set(chosen) <= set(_BLOCK_CUTS)
 
 
@@ -136,7 +145,7 @@ def test_small_means_small_against_activations_not_variables():
     # A 64 MiB weight read (not recomputable, kept anyway) must not make the
     # 1 MiB activations "small": they still tie the chain together.
     b = Builder()
-    w = b.op("read", "ReadVariableOp", [b.source("w")], recomputable=False, size_B=64 * H.MiB)
+    w = b.op("read", "ReadVariableOp", [b.source("w")], recomputable=False, size_bytes=64 * H.MiB)
     h = b.op("c0", "Conv2D", [b.external("image", trainable=True), w])
     for i in range(1, 5):
         h = b.op(f"c{i}", "Relu", [h])
@@ -154,8 +163,8 @@ def test_a_reshaped_weight_does_not_make_its_matmul_a_cut():
     shape = b.external("shape", trainable=False)
     b.tensors[b.ids[shape]] = dataclasses.replace(b.tensors[b.ids[shape]], constant=True)
     for i in range(2):
-        w = b.op(f"read{i}", "ReadVariableOp", [b.source(f"w{i}")], recomputable=False, size_B=64 * 1024)
-        k = b.op(f"kernel{i}", "Reshape", [w, shape], size_B=64 * 1024)
+        w = b.op(f"read{i}", "ReadVariableOp", [b.source(f"w{i}")], recomputable=False, size_bytes=64 * 1024)
+        k = b.op(f"kernel{i}", "Reshape", [w, shape], size_bytes=64 * 1024)
         q = b.op(f"mm{i}", "MatMul", [h, k])
         q = b.op(f"relu{i}", "Relu", [q])
         h = b.op(f"add{i}", "AddV2", [h, q])
@@ -192,65 +201,65 @@ def _mixed_graph(tag=()):
 
 def test_speed_keeps_matmul_and_conv2d_outputs_only():
     fg = _mixed_graph()
-    sel = strategies.get("speed")(fg, min_saving_fraction=0.0)
-    assert names(fg, sel.checkpoints) == ["mm1:0", "conv:0", "mm2:0"]
-    assert [sel.reasons[t] for t in sel.checkpoints] == [
+    sel = plan("speed", fg, min_saving_fraction=0.0)
+    assert names(fg, sel.checkpoint_ids) == ["mm1:0", "conv:0", "mm2:0"]
+    assert [sel.reason_of[t] for t in sel.checkpoint_ids] == [
         "output of MatMul", "output of Conv2D", "output of MatMul",
     ]
     assert sel.note == ""
 
 
 def test_speed_with_no_expensive_op_says_so():
-    sel = strategies.speed(H.chain(5, type="Relu"))
-    assert sel.checkpoints == ()
+    sel = plan("speed", H.chain(5, type="Relu"))
+    assert sel.checkpoint_ids == ()
     assert "checkpoints='memory'" in sel.note
 
 
 def test_speed_op_types_option():
     fg = _mixed_graph()
-    sel = strategies.speed(fg, op_types=frozenset({"Relu", "Tanh"}), min_saving_fraction=0.0)
-    assert names(fg, sel.checkpoints) == ["tanh1:0", "relu:0"]
+    sel = plan("speed", fg, op_types=frozenset({"Relu", "Tanh"}), min_saving_fraction=0.0)
+    assert names(fg, sel.checkpoint_ids) == ["tanh1:0", "relu:0"]
 
 
 def test_collection_keeps_tagged_tensors_only():
     fg = _mixed_graph(tag=("bias1:0", "relu:0", "add:0"))
-    sel = strategies.get("collection")(fg)
-    assert names(fg, sel.checkpoints) == ["bias1:0", "relu:0", "add:0"]
-    assert set(sel.reasons.values()) == {"tagged"}
+    sel = plan("collection", fg)
+    assert names(fg, sel.checkpoint_ids) == ["bias1:0", "relu:0", "add:0"]
+    assert set(sel.reason_of.values()) == {"tagged"}
     assert sel.note == ""
 
 
 def test_collection_ignores_tagged_ys_and_untrainable_tensors():
     fg = _mixed_graph(tag=("shape:0", "mm3:0", "tanh1:0"))
-    assert names(fg, strategies.collection(fg).checkpoints) == ["tanh1:0"]
+    assert names(fg, plan("collection", fg).checkpoint_ids) == ["tanh1:0"]
 
 
 def test_collection_with_nothing_tagged_says_how_to_tag():
-    sel = strategies.collection(_mixed_graph())
-    assert sel.checkpoints == ()
+    sel = plan("collection", _mixed_graph())
+    assert sel.checkpoint_ids == ()
     assert "add_to_collection('checkpoints'" in sel.note
 
 
 # -- 'memory' ------------------------------------------------------------------
 
 
-def _producers(fg, sel: Selection) -> list[int]:
-    return [fg.tensors[t].producer for t in sel.checkpoints]
+def _producers(fg, sel) -> list[int]:
+    return [fg.tensors[t].producer for t in sel.checkpoint_ids]
 
 
 @pytest.mark.parametrize("n", [16, 36, 100, 400])
 def test_memory_spreads_about_sqrt_n_checkpoints_along_a_uniform_chain(n):
     fg = H.chain(n)
-    sel = strategies.get("memory")(fg)
-    k = len(sel.checkpoints)
+    sel = plan("memory", fg)
+    k = len(sel.checkpoint_ids)
     # Chen et al.'s balance: about sqrt(n) segments of about sqrt(n) ops.
     # (The simulator picks among greedy and evenly spread plans, so a few
     # more than sqrt(n) may win: each costs 1 MiB, each saves segment bytes.)
     assert math.sqrt(n) - 2 <= k <= 1.25 * math.sqrt(n) + 1, (n, k)
     pos = _producers(fg, sel)
     assert pos == sorted(set(pos)), "checkpoints must be distinct and in topological order"
-    assert set(sel.checkpoints) <= set(articulation_candidates(fg))
-    assert set(sel.reasons.values()) == {"articulation point"}
+    assert set(sel.checkpoint_ids) <= set(articulation_candidates(fg))
+    assert set(sel.reason_of.values()) == {"articulation point"}
     # Segment lengths (ops recomputed per segment) never grow toward the end:
     # more checkpoints are alive when the later segments run backprop first.
     seg = np.diff([-1, *pos, n - 1])
@@ -270,7 +279,7 @@ def test_memory_on_a_short_chain_is_exact():
     # 6, 5, 4, 1 (op5, op10, op14) and 10 MiB for the greedy 7, 5, 3, 1 split
     # (op6, op11, op14) of the old estimate, which left out the gradient
     # buffers and the seed gradient (a folded constant: resident).
-    assert names(fg, strategies.memory(fg).checkpoints) == ["op3:0", "op7:0", "op11:0"]
+    assert names(fg, plan("memory", fg).checkpoint_ids) == ["op3:0", "op7:0", "op11:0"]
 
 
 def test_memory_weights_positions_by_bytes_not_op_count():
@@ -279,11 +288,11 @@ def test_memory_weights_positions_by_bytes_not_op_count():
     b = Builder()
     h = b.source("x")
     for i in range(8):
-        h = b.op(f"small{i}", "Tanh", [h], size_B=16)
+        h = b.op(f"small{i}", "Tanh", [h], size_bytes=16)
     for i in range(8):
-        h = b.op(f"big{i}", "Tanh", [h], size_B=H.MiB)
+        h = b.op(f"big{i}", "Tanh", [h], size_bytes=H.MiB)
     fg = b.build(["x"], [h])
-    chosen = names(fg, strategies.memory(fg).checkpoints)
+    chosen = names(fg, plan("memory", fg).checkpoint_ids)
     assert chosen and all(c.startswith("big") for c in chosen), chosen
 
 
@@ -297,18 +306,18 @@ def test_memory_weights_positions_by_bytes_not_op_count():
 )
 def test_memory_num_checkpoints_spreads_evenly(k, expected):
     fg = H.chain(100)
-    sel = strategies.get("memory")(fg, num_checkpoints=k)
-    assert names(fg, sel.checkpoints) == expected
+    sel = plan("memory", fg, num_checkpoints=k)
+    assert names(fg, sel.checkpoint_ids) == expected
 
 
 def test_memory_num_checkpoints_bounds():
     fg = H.chain(10)
     cands = articulation_candidates(fg)
-    assert strategies.memory(fg, num_checkpoints=0).checkpoints == ()
-    assert strategies.memory(fg, num_checkpoints=len(cands)).checkpoints == tuple(cands)
-    assert strategies.memory(fg, num_checkpoints=50).checkpoints == tuple(cands)
+    assert plan("memory", fg, num_checkpoints=0).checkpoint_ids == ()
+    assert plan("memory", fg, num_checkpoints=len(cands)).checkpoint_ids == tuple(cands)
+    assert plan("memory", fg, num_checkpoints=50).checkpoint_ids == tuple(cands)
     with pytest.raises(ValueError, match="num_checkpoints"):
-        strategies.memory(fg, num_checkpoints=-1)
+        plan("memory", fg, num_checkpoints=-1)
 
 
 def _cut_tensors(fg) -> set[int]:
@@ -318,7 +327,7 @@ def _cut_tensors(fg) -> set[int]:
 
 def test_memory_on_residual_and_unet_picks_only_cut_points():
     for fg in (H.residual_block(), H.unet()):
-        chosen = set(strategies.memory(fg, min_saving_fraction=0.0).checkpoints)
+        chosen = set(plan("memory", fg, min_saving_fraction=0.0).checkpoint_ids)
         assert chosen and chosen <= set(articulation_candidates(fg)) | _cut_tensors(fg)
 
 
@@ -345,30 +354,30 @@ def test_memory_plans_over_cuts_where_articulation_points_save_little():
     # each branch in short segments: 11 MiB.
     b, fg = _stem_and_two_branches()
     assert names(fg, articulation_candidates(fg)) == ["pre1:0", "pre2:0", "stem:0"]
-    sel = strategies.memory(fg, min_saving_fraction=0.0)
-    assert names(fg, sel.checkpoints) == [
+    sel = plan("memory", fg, min_saving_fraction=0.0)
+    assert names(fg, sel.checkpoint_ids) == [
         "stem:0", "q1:0", "p2:0", "p4:0", "q4:0", "p6:0", "q6:0"]
-    assert sel.reasons[b.ids["stem:0"]] == "articulation point"
-    assert sel.reasons[b.ids["q1:0"]] == strategies.CUT_REASON
+    assert sel.reason_of[b.ids["stem:0"]] == "articulation point"
+    assert sel.reason_of[b.ids["q1:0"]] == candidates.CUT_REASON
     costs = estimate_costs(fg)
-    peak = simulate(fg, build_schedule(fg, sel.checkpoints), costs, allocator=BFC,
-                    timeline=False).peak_B
+    peak = simulate(fg, build_schedule(fg, sel.checkpoint_ids), costs, model=MemoryModel(allocator=BFC),
+                    timeline=False).peak_bytes
     assert peak == 11 * MiB
-    assert strategies.memory(fg).checkpoints == sel.checkpoints
-    assert strategies.memory(fg, num_checkpoints=1).checkpoints == (b.ids["stem:0"],)
+    assert plan("memory", fg).checkpoint_ids == sel.checkpoint_ids
+    assert plan("memory", fg, num_checkpoints=1).checkpoint_ids == (b.ids["stem:0"],)
 
 
 def test_memory_keeps_nothing_when_the_best_plan_saves_too_little():
     # The plan above saves 13 of the 22 MiB of working memory (x and the
     # seed gradient are resident): 59.1%.
     b, fg = _stem_and_two_branches()
-    sel = strategies.memory(fg, min_saving_fraction=0.6)
-    assert sel.checkpoints == ()
+    sel = plan("memory", fg, min_saving_fraction=0.6)
+    assert sel.checkpoint_ids == ()
     assert "from 25,165,824 to 11,534,336 bytes, a saving of 59.1%" in sel.note
     assert "min_saving_fraction=0.6" in sel.note
-    assert strategies.memory(fg, min_saving_fraction=0.59).checkpoints
+    assert plan("memory", fg, min_saving_fraction=0.59).checkpoint_ids
     with pytest.raises(ValueError, match="min_saving_fraction"):
-        strategies.memory(fg, min_saving_fraction=1.0)
+        plan("memory", fg, min_saving_fraction=1.0)
 
 
 def test_memory_without_articulation_points_keeps_the_tensors_crossing_cuts():
@@ -385,26 +394,26 @@ def test_memory_without_articulation_points_keeps_the_tensors_crossing_cuts():
     y = b.op("join", "AddV2", [p, q])
     fg = b.build(["x"], [y])
     assert articulation_candidates(fg) == []
-    sel = strategies.memory(fg)
-    assert sel.checkpoints
-    assert set(sel.reasons.values()) == {strategies.CUT_REASON}
+    sel = plan("memory", fg)
+    assert sel.checkpoint_ids
+    assert set(sel.reason_of.values()) == {candidates.CUT_REASON}
     # kept in pairs: a cut after p_i crosses q_{i-1} and p_i
     costs = estimate_costs(fg)
     cuts = {c.crossing for c in topological_cuts(fg, costs)}
-    assert set(sel.checkpoints) <= {t for c in cuts for t in c}
-    schedule = build_schedule(fg, sel.checkpoints)
+    assert set(sel.checkpoint_ids) <= {t for c in cuts for t in c}
+    schedule = build_schedule(fg, sel.checkpoint_ids)
     copied = [o for s in schedule.steps for o in s.ops]
     assert len(copied) == len(set(copied))  # no op recomputed twice
-    plain = simulate(fg, None, costs, allocator=BFC, timeline=False).peak_B
-    assert simulate(fg, schedule, costs, allocator=BFC, timeline=False).peak_B < 0.7 * plain
+    plain = simulate(fg, None, costs, model=MemoryModel(allocator=BFC), timeline=False).peak_bytes
+    assert simulate(fg, schedule, costs, model=MemoryModel(allocator=BFC), timeline=False).peak_bytes < 0.7 * plain
 
 
 def test_memory_with_nothing_to_keep_says_why():
     # One op between x and y: no activation to keep.
     b = Builder()
     y = b.op("only", "Tanh", [b.source("x")])
-    sel = strategies.memory(b.build(["x"], [y]))
-    assert sel.checkpoints == ()
+    sel = plan("memory", b.build(["x"], [y]))
+    assert sel.checkpoint_ids == ()
     assert "no tensor cuts the forward graph" in sel.note
 
 
@@ -417,7 +426,7 @@ def test_topological_cuts_of_the_unet_graph():
     # and d1. After `out` the next op is the y, whose cut crosses nothing.
     fg = H.unet()
     cuts = topological_cuts(fg, estimate_costs(fg))
-    assert [(fg.ops[c.position].name, names(fg, c.crossing), c.crossing_B) for c in cuts] == [
+    assert [(fg.ops[c.position].name, names(fg, c.crossing), c.crossing_bytes) for c in cuts] == [
         ("stem", ["stem:0"], MiB),
         ("e1", ["e1:0"], MiB),
         ("d2", ["e1:0", "d2:0"], 2 * MiB),
@@ -432,10 +441,10 @@ def _dense_block(layers: int):
     feats = [b.op("stem", "Conv2D", [x])]
     for i in range(layers):
         cat = (feats[0] if i == 0 else
-               b.op(f"cat{i}", "ConcatV2", list(feats), size_B=len(feats) * MiB))
+               b.op(f"cat{i}", "ConcatV2", list(feats), size_bytes=len(feats) * MiB))
         feats.append(b.op(f"c{i}", "Conv2D", [cat]))
-    out = b.op("out", "ConcatV2", list(feats), size_B=len(feats) * MiB)
-    y = b.op("y", "Mean", [out], size_B=4)
+    out = b.op("out", "ConcatV2", list(feats), size_bytes=len(feats) * MiB)
+    y = b.op("y", "Mean", [out], size_bytes=4)
     return b, b.build(["x"], [y])
 
 
@@ -446,7 +455,7 @@ def test_topological_cuts_of_a_dense_block():
     # are recomputed: the memory-efficient DenseNet trick.
     b, fg = _dense_block(3)
     cuts = topological_cuts(fg, estimate_costs(fg))
-    assert [(fg.ops[c.position].name, names(fg, c.crossing), c.crossing_B) for c in cuts] == [
+    assert [(fg.ops[c.position].name, names(fg, c.crossing), c.crossing_bytes) for c in cuts] == [
         ("stem", ["stem:0"], MiB),
         ("c1", ["stem:0", "c0:0", "c1:0"], 3 * MiB),
         ("c2", ["stem:0", "c0:0", "c1:0", "c2:0"], 4 * MiB),
@@ -456,14 +465,14 @@ def test_topological_cuts_of_a_dense_block():
 def test_memory_on_a_dense_block_keeps_features_and_recomputes_concatenations():
     b, fg = _dense_block(8)
     assert names(fg, articulation_candidates(fg)) == ["out:0"]  # the head only
-    sel = strategies.memory(fg)
-    assert sel.checkpoints and set(sel.reasons.values()) == {strategies.CUT_REASON}
-    kept_types = {fg.ops[fg.tensors[t].producer].type for t in sel.checkpoints}
+    sel = plan("memory", fg)
+    assert sel.checkpoint_ids and set(sel.reason_of.values()) == {candidates.CUT_REASON}
+    kept_types = {fg.ops[fg.tensors[t].producer].type for t in sel.checkpoint_ids}
     assert kept_types == {"Conv2D"}  # features, never a concatenation
     costs = estimate_costs(fg)
-    plain = simulate(fg, None, costs, allocator=BFC, timeline=False).peak_B
-    peak = simulate(fg, build_schedule(fg, sel.checkpoints), costs, allocator=BFC,
-                    timeline=False).peak_B
+    plain = simulate(fg, None, costs, model=MemoryModel(allocator=BFC), timeline=False).peak_bytes
+    peak = simulate(fg, build_schedule(fg, sel.checkpoint_ids), costs, model=MemoryModel(allocator=BFC),
+                    timeline=False).peak_bytes
     assert peak < 0.71 * plain  # 0.708
 
 
@@ -475,8 +484,8 @@ def _inception(blocks: int):
         b1 = b.op(f"b{k}_1x1", "Conv2D", [h])
         b2 = b.op(f"b{k}_3x3", "Conv2D", [b.op(f"b{k}_3x3r", "Conv2D", [h])])
         b3 = b.op(f"b{k}_5x5", "Conv2D", [b.op(f"b{k}_5x5r", "Conv2D", [h])])
-        h = b.op(f"b{k}_cat", "ConcatV2", [b1, b2, b3], size_B=3 * MiB)
-    y = b.op("y", "Mean", [h], size_B=4)
+        h = b.op(f"b{k}_cat", "ConcatV2", [b1, b2, b3], size_bytes=3 * MiB)
+    y = b.op("y", "Mean", [h], size_bytes=4)
     return b.build(["x"], [y])
 
 
@@ -485,17 +494,17 @@ def test_memory_on_inception_blocks_saves():
     # over topological cuts, keeping two of six blocks' outputs wins.
     fg = _inception(6)
     costs = estimate_costs(fg)
-    sel = strategies.memory(fg)
-    assert names(fg, sel.checkpoints) == ["b1_cat:0", "b3_cat:0"]
-    plain = simulate(fg, None, costs, allocator=BFC, timeline=False).peak_B
-    peak = simulate(fg, build_schedule(fg, sel.checkpoints), costs, allocator=BFC,
-                    timeline=False).peak_B
+    sel = plan("memory", fg)
+    assert names(fg, sel.checkpoint_ids) == ["b1_cat:0", "b3_cat:0"]
+    plain = simulate(fg, None, costs, model=MemoryModel(allocator=BFC), timeline=False).peak_bytes
+    peak = simulate(fg, build_schedule(fg, sel.checkpoint_ids), costs, model=MemoryModel(allocator=BFC),
+                    timeline=False).peak_bytes
     assert peak < 0.65 * plain  # 0.643
 
 
 def _brute_force_cuts(fg, costs):
     """Every position's crossing activations by definition; keep the local minima."""
-    keep = set(strategies._candidates(fg))
+    keep = set(candidates.keepable(fg))
     crossing = []
     for i in range(len(fg.ops)):
         ts = sorted(
@@ -503,7 +512,7 @@ def _brute_force_cuts(fg, costs):
             if fg.tensors[t].producer <= i
             and any(i < op.index and t in op.inputs for op in fg.ops)
         )
-        crossing.append((ts, sum(costs.tensor_B[t] for t in ts)))
+        crossing.append((ts, sum(costs.tensor_bytes[t] for t in ts)))
     out = []
     for i, (ts, nbytes) in enumerate(crossing):
         left = crossing[i - 1][1] if i else math.inf
@@ -534,7 +543,7 @@ def test_branches_that_start_at_an_x_can_each_be_cut():
 def test_builtin_strategies_are_registered():
     assert {"collection", "memory", "speed"} <= set(strategies.available())
     assert strategies.available() == sorted(strategies.available())
-    assert strategies.get("memory") is strategies.memory
+    assert planners.get("memory") is memsave.planners.strategies.memory
 
 
 @pytest.mark.parametrize("bad", ["nope", "Memory", "", None, ["memory"]])
@@ -560,10 +569,10 @@ def test_register_custom_strategy(registry):
     assert "every_other" in strategies.available()
     fg = H.chain(6)
     assert strategies.get("every_other") is every_other
-    assert names(fg, strategies.get("every_other")(fg).checkpoints) == [
+    assert names(fg, plan("every_other", fg).checkpoint_ids) == [
         "op0:0", "op2:0", "op4:0",
     ]
-    assert names(fg, strategies.get("every_other")(fg, start=1).checkpoints) == [
+    assert names(fg, plan("every_other", fg, start=1).checkpoint_ids) == [
         "op1:0", "op3:0",
     ]
 
@@ -577,7 +586,7 @@ def test_register_duplicate_name_raises(registry):
         strategies.register("mine")(mine)
     with pytest.raises(ValueError, match="'memory' is registered already"):
         strategies.register("memory")(mine)
-    assert strategies.get("memory") is strategies.memory
+    assert planners.get("memory") is memsave.planners.strategies.memory
     assert strategies.get("mine") is mine
 
 
@@ -621,7 +630,7 @@ def _brute_force_candidates(fg) -> list[int]:
 
     Starts: ops reading an x or an external tensor and no recomputable op's
     output, else the piece's first op; end: the node joined to the ys, else
-    the piece's last op (the rules of ``strategies._piece_ends``).
+    the piece's last op (the rules of ``candidates._piece_ends``).
     """
     g = nx.Graph()
     g.add_node("sink")
@@ -673,16 +682,16 @@ def _brute_force_candidates(fg) -> list[int]:
 def test_articulation_candidates_match_brute_force_on_random_dags(seed):
     fg = _random_dag(seed)
     assert articulation_candidates(fg) == _brute_force_candidates(fg)
-    sel = strategies.memory(fg)
-    assert list(sel.checkpoints) == sorted(sel.checkpoints)
-    assert set(sel.checkpoints) <= set(articulation_candidates(fg)) | _cut_tensors(fg)
+    sel = plan("memory", fg)
+    assert list(sel.checkpoint_ids) == sorted(sel.checkpoint_ids)
+    assert set(sel.checkpoint_ids) <= set(articulation_candidates(fg)) | _cut_tensors(fg)
 
 
 @pytest.mark.parametrize("seed", range(30))
 def test_topological_cuts_match_brute_force_on_random_dags(seed):
     fg = _random_dag(seed)
     costs = estimate_costs(fg)
-    got = [(c.position, c.crossing, c.crossing_B) for c in topological_cuts(fg, costs)]
+    got = [(c.position, c.crossing, c.crossing_bytes) for c in topological_cuts(fg, costs)]
     assert got == _brute_force_cuts(fg, costs)
 
 
@@ -694,9 +703,9 @@ def _chain_with_scalar_bypass(n=8):
     for i in range(n):
         h = b.op(f"op{i}", "Tanh", [h])
         first = first or h
-    aux = b.op("aux", "Sum", [first], size_B=4)
-    main = b.op("main", "Sum", [h], size_B=4)
-    y = b.op("loss", "AddV2", [main, aux], size_B=4)
+    aux = b.op("aux", "Sum", [first], size_bytes=4)
+    main = b.op("main", "Sum", [h], size_bytes=4)
+    y = b.op("loss", "AddV2", [main, aux], size_bytes=4)
     return b.build(["x"], [y])
 
 
@@ -713,9 +722,9 @@ def test_a_scalar_bypass_does_not_hide_the_articulation_points():
 
 def test_the_schedule_keeps_what_a_scalar_bypass_needs():
     fg = _chain_with_scalar_bypass()
-    sel = strategies.memory(fg)
-    assert sel.checkpoints
-    sched = build_schedule(fg, sel.checkpoints)
+    sel = plan("memory", fg)
+    assert sel.checkpoint_ids
+    sched = build_schedule(fg, sel.checkpoint_ids)
     # op0 feeds both the main chain and the scalar: kept rather than
     # recomputed by two steps, so no op is copied twice.
     assert "op0:0" in names(fg, sched.kept)
@@ -731,11 +740,60 @@ def test_speed_drops_a_plan_that_saves_too_little_and_says_so():
     h = b.source("x")
     for i in range(12):
         h = b.op(f"a{i}", "Tanh", [h])
-    h = b.op("proj", "MatMul", [h], size_B=256)
-    y = b.op("out", "Tanh", [h], size_B=256)
+    h = b.op("proj", "MatMul", [h], size_bytes=256)
+    y = b.op("out", "Tanh", [h], size_bytes=256)
     fg = b.build(["x"], [y])
-    sel = strategies.speed(fg)
-    assert sel.checkpoints == ()
+    sel = plan("speed", fg)
+    assert sel.checkpoint_ids == ()
     assert "'speed''s plan (1 checkpoints)" in sel.note and "min_saving_fraction" in sel.note
     assert "checkpoints='memory'" in sel.note
-    assert names(fg, strategies.speed(fg, min_saving_fraction=0.0).checkpoints) == ["proj:0"]
+    assert names(fg, plan("speed", fg, min_saving_fraction=0.0).checkpoint_ids) == ["proj:0"]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_floor_bounds_every_plan_and_the_shortcut_loses_no_plan(seed):
+    # Problem.floor (inputs, variables, the xs' gradients) is below every
+    # plan's forecast peak; when it leaves plain tf.gradients no room to save
+    # min_saving_fraction, 'memory' keeps nothing without simulating its
+    # plans, and indeed none of them would have been kept.
+    import random
+
+    from memsave.planners.strategies import MIN_SAVING_FRACTION, can_save
+
+    rs = random.Random(seed)
+    for fg in (H.random_chain(rs, 40), H.random_dag(rs, 40), _weights_heavy_chain(rs)):
+        problem = Problem(fg)
+        judge = problem.judge
+        floor = problem.floor(model=judge)
+        base = problem.forecast(None, model=judge)
+        assert floor <= base.peak_bytes
+        peaks = [problem.peak(problem.schedule(c), model=judge) for c in problem.memory_plans()]
+        assert all(floor <= p for p in peaks)
+        if can_save(problem, min_saving_fraction=MIN_SAVING_FRACTION):
+            working = base.peak_bytes - base.resident_bytes
+            assert all((base.peak_bytes - p) / working < MIN_SAVING_FRACTION for p in peaks)
+            assert plan("memory", fg).checkpoint_ids == ()
+
+
+def test_weights_that_make_the_peak_leave_nothing_to_save():
+    import random
+
+    from memsave.planners.strategies import can_save
+
+    problem = Problem(_weights_heavy_chain(random.Random(0)))
+    assert "no plan can save" in can_save(problem, min_saving_fraction=0.1)
+    p = planners.run("memory", problem)
+    assert p.checkpoint_ids == () and "the xs' gradients" in p.note
+    assert problem.simulations == 1  # plain tf.gradients only: no plan was simulated
+    assert can_save(Problem(H.chain(36)), min_saving_fraction=0.1) == ""
+
+
+def _weights_heavy_chain(rs, n=30):
+    """A chain of matmuls whose weights (the xs) outweigh the activations."""
+    b = Builder()
+    h = b.external("data", size_bytes=MiB // 64)
+    for i in range(n):
+        w = b.source(f"w{i}", size_bytes=MiB)
+        h = b.op(f"mm{i}", "MatMul", [h, w], size_bytes=MiB // 64)
+        h = b.op(f"t{i}", "Tanh", [h], size_bytes=MiB // 64)
+    return b.build([f"w{i}" for i in range(n)], [h])

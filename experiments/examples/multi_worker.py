@@ -141,7 +141,7 @@ def run_worker(args):
     for method in ("memsave", "tape"):
         start = time.perf_counter()
         losses, peak = train(method)
-        results[method] = {"losses": losses, "peak_B": peak,
+        results[method] = {"losses": losses, "peak_bytes": peak,
                            "seconds": round(time.perf_counter() - start, 1)}
     print(json.dumps({"worker": args.worker_index, **results}), flush=True)
 
@@ -209,8 +209,8 @@ def launch(args):
         print(f"worker {r['worker']}:")
         print(f"  loss memsave      {' '.join(f'{v:.5f}' for v in m['losses'])}")
         print(f"  loss GradientTape {' '.join(f'{v:.5f}' for v in t['losses'])}")
-        print(f"  peak memory: GradientTape {t['peak_B'] / MiB:.1f} MiB, memsave "
-              f"{m['peak_B'] / MiB:.1f} MiB ({m['peak_B'] / t['peak_B']:.2f}x)")
+        print(f"  peak memory: GradientTape {t['peak_bytes'] / MiB:.1f} MiB, memsave "
+              f"{m['peak_bytes'] / MiB:.1f} MiB ({m['peak_bytes'] / t['peak_bytes']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -67,8 +67,10 @@ def train(args, checkpoints):
     """Train for args.steps steps; (losses, median peak bytes over the steps after the first)."""
     graph = tf.Graph()
     with graph.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None, args.width], name="x")
-        y = tf.compat.v1.placeholder(tf.float32, [None, args.width], name="y")
+        # The batch size in the shape, not None: memsave plans for the sizes it
+        # can see, and at batch 1 'memory' would find nothing worth saving.
+        x = tf.compat.v1.placeholder(tf.float32, [args.batch, args.width], name="x")
+        y = tf.compat.v1.placeholder(tf.float32, [args.batch, args.width], name="y")
         loss = tf.reduce_mean(tf.square(build_model(x, args.layers, args.width) - y))
         optimizer = OPTIMIZERS[args.optimizer]()
         global_step = tf.compat.v1.train.get_or_create_global_step()

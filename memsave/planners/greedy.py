@@ -52,8 +52,8 @@ from __future__ import annotations
 import math
 import time
 
-from memsave.solvers.problem import Decision, Evaluation, Problem, SolveResult
-from memsave.strategies import memory_plans, spread
+from memsave.candidates import spread
+from memsave.planners.segments import Decision, Evaluation, Outcome, Segments
 
 __all__ = ["greedy", "family", "MAX_STORE_STEPS", "EXHAUSTIVE_CUTS", "PARETO_ROUNDS",
            "PARETO_SEARCH_OPS"]
@@ -82,7 +82,7 @@ def _thin(n: int, steps: int) -> list[int]:
 MAX_FRONT = 256
 
 
-def _held_bytes(problem: Problem, *, io: bool = True) -> list[int]:
+def _held_bytes(space: Segments, *, io: bool = True) -> list[int]:
     """Per segment: counted bytes held when it is stored: what its gradients
     read, and its ops' inputs and outputs (``build_schedule`` keeps them, and
     the neighbouring steps read them); an over-estimate where a tensor dies
@@ -90,33 +90,33 @@ def _held_bytes(problem: Problem, *, io: bool = True) -> list[int]:
     recomputed segments (a stored BiasAdd alone reads nothing for its
     gradient but keeps its input and output). ``io=False``: the gradients'
     reads only (an under-estimate)."""
-    fg, costs, counted = problem.fg, problem.costs, problem.allocator.counted
+    fg, costs, counted = space.fg, space.costs, space.allocator.counted
     out = []
-    for seg in problem.segments:
+    for seg in space.segments:
         reads = set()
         for o in seg:
-            op, use = fg.ops[o], costs.gradient[o]
             if io:
-                reads.update(op.inputs)
-                reads.update(op.outputs)
+                reads.update(fg.ops[o].inputs)
+                reads.update(fg.ops[o].outputs)
             else:
-                reads.update(op.inputs[i] for i in use.reads_inputs if i < len(op.inputs))
-                reads.update(op.outputs[i] for i in use.reads_outputs if i < len(op.outputs))
-        out.append(sum(counted(costs.tensor_B[t]) for t in reads
+                read_ins, read_outs = costs.gradient_reads[o]
+                reads.update(read_ins)
+                reads.update(read_outs)
+        out.append(sum(counted(costs.tensor_bytes[t]) for t in reads
                        if fg.tensors[t].kind == "internal" and costs.alias_of[t] is None))
     return out
 
 
-def _stored_sets(problem: Problem, held: list[int]) -> list[frozenset[int]]:
+def _stored_sets(space: Segments, held: list[int]) -> list[frozenset[int]]:
     """Pareto-optimal stored sets: most FLOPs saved for the ``held`` bytes
     (a 0/1 knapsack solved for every capacity at once, by DP over segments)."""
     # Points (bytes, -flops, segment added, parent point): sets are rebuilt
     # from the parent links at the end, so a step costs O(front), not O(m).
     front: list[tuple] = [(0, 0, -1, None)]
-    for j, seg in enumerate(problem.segments):
+    for j, seg in enumerate(space.segments):
         if not seg:
             continue
-        f = problem.segment_flops[j]
+        f = space.segment_flops[j]
         merged = sorted(front + [(b + held[j], nf - f, j, pt) for pt in front
                                  for b, nf in [(pt[0], pt[1])]],
                         key=lambda x: (x[0], x[1]))
@@ -138,17 +138,17 @@ def _stored_sets(problem: Problem, held: list[int]) -> list[frozenset[int]]:
     return out
 
 
-def family(problem: Problem) -> list[Decision]:
+def family(space: Segments) -> list[Decision]:
     """The budget-independent plans ``greedy`` chooses from (see module docstring)."""
-    fg, costs = problem.fg, problem.costs
-    m = len(problem.candidates)
-    seg_bytes = [sum(costs.tensor_B[t] for o in seg for t in fg.ops[o].outputs
-                     if fg.tensors[t].trainable) for seg in problem.segments]
+    fg, costs = space.fg, space.costs
+    m = len(space.candidates)
+    seg_bytes = [sum(costs.tensor_bytes[t] for o in seg for t in fg.ops[o].outputs
+                     if fg.tensors[t].trainable) for seg in space.segments]
     small = m <= EXHAUSTIVE_CUTS
-    sets = _stored_sets(problem, _held_bytes(problem))
+    sets = _stored_sets(space, _held_bytes(space))
     cap = max(400, PARETO_SEARCH_OPS // max(1, len(fg.ops)))  # plans, on small problems
     if small:  # both estimates of the bytes a stored segment holds
-        sets = list(dict.fromkeys(sets + _stored_sets(problem, _held_bytes(problem, io=False))))
+        sets = list(dict.fromkeys(sets + _stored_sets(space, _held_bytes(space, io=False))))
         if len(sets) * (m + 1) > cap // 3:
             sets = [sets[i] for i in _thin(len(sets) - 1, max(2, cap // (3 * (m + 1))))]
     else:
@@ -185,8 +185,8 @@ def family(problem: Problem) -> list[Decision]:
     # peak this family reached was above 'memory''s (keras ResNet50, batch
     # 32: 248 vs 237 MiB forecast), so a budget 'memory' meets was called
     # infeasible.
-    at = {t: k for k, t in enumerate(problem.candidates)}
-    for chosen in memory_plans(fg, costs):
+    at = {t: k for k, t in enumerate(space.candidates)}
+    for chosen in space.problem.memory_plans():
         if all(t in at for t in chosen):
             plans[Decision.of([at[t] for t in chosen])] = None
     if small:
@@ -195,8 +195,8 @@ def family(problem: Problem) -> list[Decision]:
         for d in list(plans):
             for nb in _neighbours(d, m):
                 if len(plans) < 2 * cap // 3:
-                    plans.setdefault(problem.canonical(nb), None)
-        _pareto_search(problem, plans, cap)
+                    plans.setdefault(space.canonical(nb), None)
+        _pareto_search(space, plans, cap)
     return list(plans)
 
 
@@ -227,13 +227,13 @@ def _neighbours(d: Decision, m: int, *, pairs: bool = False):
 def _front(evs) -> list[Evaluation]:
     """The (recompute cost, peak) Pareto front of ``evs``."""
     out: list[Evaluation] = []
-    for e in sorted(evs, key=lambda e: (e.recompute_cost, e.peak_B)):
-        if not out or e.peak_B < out[-1].peak_B:
+    for e in sorted(evs, key=lambda e: (e.recompute_cost, e.peak_bytes)):
+        if not out or e.peak_bytes < out[-1].peak_bytes:
             out.append(e)
     return out
 
 
-def _pareto_search(problem: Problem, plans: dict, cap: int) -> None:
+def _pareto_search(space: Segments, plans: dict, cap: int) -> None:
     """Add to ``plans`` the neighbours of the (cost, peak) front, round by round
     (one candidate toggled, or one or two segments: moving a stored segment
     along the chain takes two toggles whose midpoint is off the front).
@@ -242,11 +242,11 @@ def _pareto_search(problem: Problem, plans: dict, cap: int) -> None:
     (greedy stays monotone); it approaches the true trade-off curve that
     the exact solvers find, one toggle at a time.
     """
-    m = len(problem.candidates)
+    m = len(space.candidates)
     cap = max(cap, len(plans) + 200)
     expanded: set[Decision] = set()
     for _ in range(PARETO_ROUNDS):
-        front = _front([problem.evaluate(d) for d in plans])
+        front = _front([space.evaluate(d) for d in plans])
         todo = [e.decision for e in front if e.decision not in expanded]
         if not todo:
             return
@@ -255,21 +255,21 @@ def _pareto_search(problem: Problem, plans: dict, cap: int) -> None:
             for nb in _neighbours(d, m, pairs=True):
                 if len(plans) >= cap:
                     return
-                plans.setdefault(problem.canonical(nb), None)
+                plans.setdefault(space.canonical(nb), None)
 
 
-def _pick(evs: list[Evaluation], budget_B: int) -> tuple[Evaluation, bool]:
-    fits = [e for e in evs if e.peak_B <= budget_B]
+def _pick(evs: list[Evaluation], budget_bytes: int) -> tuple[Evaluation, bool]:
+    fits = [e for e in evs if e.peak_bytes <= budget_bytes]
     if fits:
-        return min(fits, key=lambda e: (e.recompute_cost, e.peak_B, sorted(e.decision.kept))), True
-    return min(evs, key=lambda e: (e.peak_B, e.recompute_cost, sorted(e.decision.kept))), False
+        return min(fits, key=lambda e: (e.recompute_cost, e.peak_bytes, sorted(e.decision.kept))), True
+    return min(evs, key=lambda e: (e.peak_bytes, e.recompute_cost, sorted(e.decision.kept))), False
 
 
-def greedy(problem: Problem, budget_B: int, *, time_limit_s: float | None = None) -> SolveResult:
-    """Cheapest plan of :func:`family` whose forecast peak fits ``budget_B``.
+def greedy(space: Segments, budget_bytes: int, *, time_limit_s: float | None = None) -> Outcome:
+    """Cheapest plan of :func:`family` whose forecast peak fits ``budget_bytes``.
 
     Plans are simulated lazily, in increasing recompute cost (known without
-    simulating, :meth:`Problem.recompute_cost`): the first cost level with a
+    simulating, :meth:`Segments.recompute_cost`): the first cost level with a
     plan that fits holds the answer, so the plans above it are never
     simulated. The answer is the one simulating the whole family would give
     (hence monotone). Only an infeasible budget simulates every plan.
@@ -278,19 +278,18 @@ def greedy(problem: Problem, budget_B: int, *, time_limit_s: float | None = None
     small enough that it is not needed.
     """
     start = time.perf_counter()
-    plans = sorted(family(problem), key=lambda d: (problem.recompute_cost(d), sorted(d.kept),
+    plans = sorted(family(space), key=lambda d: (space.recompute_cost(d), sorted(d.kept),
                                                    sorted(d.stored)))
     evs: list[Evaluation] = []
     i = 0
     while i < len(plans):
-        cost = problem.recompute_cost(plans[i])
+        cost = space.recompute_cost(plans[i])
         level = []
-        while i < len(plans) and problem.recompute_cost(plans[i]) == cost:
-            level.append(problem.evaluate(plans[i]))
+        while i < len(plans) and space.recompute_cost(plans[i]) == cost:
+            level.append(space.evaluate(plans[i]))
             i += 1
         evs += level
-        if any(e.peak_B <= budget_B for e in level):
+        if any(e.peak_bytes <= budget_bytes for e in level):
             break
-    ev, _ = _pick(evs, budget_B)
-    return problem.result("greedy", budget_B, ev, optimal=False,
-                          solve_time_s=time.perf_counter() - start)
+    ev, _ = _pick(evs, budget_bytes)
+    return Outcome(ev, optimal=False)

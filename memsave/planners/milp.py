@@ -3,7 +3,7 @@
 Formulation
 -----------
 A decision is the stored segments ``P`` and the kept candidates ``K`` (see
-:mod:`memsave.solvers.problem`). Recompute cost depends on ``P`` only: every
+:mod:`memsave.solvers.space`). Recompute cost depends on ``P`` only: every
 recomputable op outside ``P`` is recomputed at least once (it produces a
 head, or feeds an op recomputed through an unkept tensor), and exactly once
 unless a schedule shares it between steps. So the *master* MILP has one
@@ -47,8 +47,8 @@ from __future__ import annotations
 import itertools
 import time
 
-from memsave.solvers.greedy import family, greedy
-from memsave.solvers.problem import Decision, Evaluation, Problem, SolveResult
+from memsave.planners.greedy import family, greedy
+from memsave.planners.segments import Decision, Evaluation, Outcome, Segments
 
 __all__ = ["milp", "DEFAULT_TIME_LIMIT_S", "MAX_EXACT_FREE_CUTS"]
 
@@ -76,8 +76,8 @@ class _Bounds:
     """The at-turn lower bound on the peak: buffers certainly alive when the
     forward pass ends, for stored segments and kept candidates."""
 
-    def __init__(self, problem: Problem) -> None:
-        fg, costs, counted = problem.fg, problem.costs, problem.allocator.counted
+    def __init__(self, space: Segments) -> None:
+        fg, costs, counted = space.fg, space.costs, space.allocator.counted
 
         def root(t: int) -> int:
             while costs.alias_of[t] is not None:
@@ -86,30 +86,29 @@ class _Bounds:
 
         self.counted = {}
         self.seg_reads: list[set[int]] = []
-        for seg in problem.segments:
+        for seg in space.segments:
             reads: set[int] = set()
             for o in seg:
-                op, use = fg.ops[o], costs.gradient[o]
-                if not use.has_gradient:
+                if not costs.gradient[o].has_gradient:
                     continue
-                ts = [op.inputs[i] for i in use.reads_inputs if i < len(op.inputs)]
-                ts += [op.outputs[i] for i in use.reads_outputs if i < len(op.outputs)]
-                reads.update(root(t) for t in ts if fg.tensors[root(t)].kind == "internal")
+                read_ins, read_outs = costs.gradient_reads[o]
+                reads.update(root(t) for t in read_ins + read_outs
+                             if fg.tensors[root(t)].kind == "internal")
             self.seg_reads.append(reads)
-        seg_of = {o: j for j, seg in enumerate(problem.segments) for o in seg}
+        seg_of = {o: j for j, seg in enumerate(space.segments) for o in seg}
         consumers = fg.consumers()
         # A kept candidate is read by the proxy of a step recomputing one of
         # its consumers; with every consumer stored, nothing need read it.
         self.cand: list[tuple[int, frozenset[int]] | None] = []
-        for t in problem.candidates:
+        for t in space.candidates:
             if any(not fg.ops[c].recomputable for c in consumers[t]):
                 self.cand.append(None)
             else:
                 self.cand.append((root(t), frozenset(seg_of[c] for c in consumers[t])))
         for t in {r for s in self.seg_reads for r in s} | {c[0] for c in self.cand if c}:
-            self.counted[t] = counted(costs.tensor_B[t])
-        self.resident = sum(counted(costs.tensor_B[t.id]) for t in fg.tensors
-                            if t.kind != "internal")
+            self.counted[t] = counted(costs.tensor_bytes[t])
+        self.resident = space.problem.extra_resident_bytes + sum(
+            counted(costs.tensor_bytes[t.id]) for t in fg.tensors if t.kind != "internal")
 
     def alive(self, stored, kept=()) -> set[int]:
         out = set()
@@ -128,7 +127,7 @@ class _Bounds:
 class _Master:
     """The MILP over stored segments, with no-good cuts added as it goes."""
 
-    def __init__(self, problem: Problem, bounds: _Bounds, budget_B: float | None) -> None:
+    def __init__(self, space: Segments, bounds: _Bounds, budget_bytes: float | None) -> None:
         hs = _highspy()
         self.hs = hs
         h = hs.Highs()
@@ -137,29 +136,29 @@ class _Master:
         h.setOptionValue("mip_abs_gap", 0.0)
         self.h = h
         inf = hs.kHighsInf
-        n_seg = len(problem.segments)
+        n_seg = len(space.segments)
         self.n_seg = n_seg
         bufs = sorted({t for s in bounds.seg_reads for t in s})
         zcol = {t: n_seg + i for i, t in enumerate(bufs)}
         for _ in range(n_seg + len(bufs)):
             h.addVar(0.0, 1.0)
-        for j, seg in enumerate(problem.segments):
+        for j, seg in enumerate(space.segments):
             h.changeColIntegrality(j, hs.HighsVarType.kInteger)
-            if not seg:  # stored by convention (Problem.canonical)
+            if not seg:  # stored by convention (Segments.canonical)
                 h.changeColBounds(j, 1.0, 1.0)
         for j, reads in enumerate(bounds.seg_reads):
             for t in sorted(reads):
                 h.addRow(0.0, inf, 2, [zcol[t], j], [1.0, -1.0])  # z_t >= s_j
-        self.offset = float(sum(problem.segment_flops))
+        self.offset = float(sum(space.segment_flops))
         self.mem = ([zcol[t] for t in bufs], [float(bounds.counted[t]) for t in bufs])
-        if budget_B is None:  # minimise the at-turn bound
+        if budget_bytes is None:  # minimise the at-turn bound
             for c, v in zip(*self.mem):
                 h.changeColCost(c, v)
             self.offset = float(bounds.resident)
         else:
             for j in range(n_seg):
-                h.changeColCost(j, -float(problem.segment_flops[j]))
-            h.addRow(-inf, float(budget_B - bounds.resident), len(bufs), *self.mem)
+                h.changeColCost(j, -float(space.segment_flops[j]))
+            h.addRow(-inf, float(budget_bytes - bounds.resident), len(bufs), *self.mem)
 
     def run(self, deadline: float) -> tuple[str, frozenset[int] | None, float]:
         """("optimal" | "infeasible" | "limit", stored set, lower bound)."""
@@ -186,20 +185,20 @@ class _Master:
                       [-1.0] * len(ones) + [1.0] * len(zeros))
 
 
-def _kept_sets(problem: Problem, stored: frozenset[int]):
+def _kept_sets(space: Segments, stored: frozenset[int]):
     """Every kept set for ``stored`` (or greedy's, when too many); exact?"""
-    free = [k for k in range(len(problem.candidates)) if k not in stored]
+    free = [k for k in range(len(space.candidates)) if k not in stored]
     if len(free) <= MAX_EXACT_FREE_CUTS:
         # Sizes near sqrt(free) first: where a feasible kept set usually is.
         root = len(free) ** 0.5
         sizes = sorted(range(len(free) + 1), key=lambda r: (abs(r - root), r))
         sets = (c for r in sizes for c in itertools.combinations(free, r))
         return sets, True
-    return (tuple(k for k in d.kept if k not in stored) for d in family(problem)), False
+    return (tuple(k for k in d.kept if k not in stored) for d in family(space)), False
 
 
-def milp(problem: Problem, budget_B: int, *, time_limit_s: float | None = None) -> SolveResult:
-    """Least recompute cost with forecast peak <= ``budget_B``, exactly (small graphs).
+def milp(space: Segments, budget_bytes: int, *, time_limit_s: float | None = None) -> Outcome:
+    """Least recompute cost with forecast peak <= ``budget_bytes``, exactly (small graphs).
 
     See the module docstring. ``time_limit_s`` (default
     :data:`DEFAULT_TIME_LIMIT_S`) bounds the whole loop; past it the best
@@ -207,10 +206,10 @@ def milp(problem: Problem, budget_B: int, *, time_limit_s: float | None = None) 
     """
     start = time.perf_counter()
     deadline = start + (DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s)
-    bounds = _Bounds(problem)
-    seed = greedy(problem, budget_B)
-    best: Evaluation | None = problem.evaluate(seed.decision) if seed.feasible else None
-    master = _Master(problem, bounds, budget_B)
+    bounds = _Bounds(space)
+    seed = greedy(space, budget_bytes).evaluation
+    best: Evaluation | None = seed if seed.peak_bytes <= budget_bytes else None
+    master = _Master(space, bounds, budget_bytes)
     exact = True
     lower = -float("inf")
     proven = False
@@ -229,13 +228,13 @@ def milp(problem: Problem, budget_B: int, *, time_limit_s: float | None = None) 
         if best is not None and lower >= best.recompute_cost:
             proven = True
             break
-        sets, complete = _kept_sets(problem, stored)
+        sets, complete = _kept_sets(space, stored)
         exact = exact and complete
         for kept in sets:
-            if bounds.peak(stored, kept) > budget_B:
+            if bounds.peak(stored, kept) > budget_bytes:
                 continue
-            ev = problem.evaluate(Decision.of(kept, stored))
-            if ev.peak_B <= budget_B and (best is None or ev.recompute_cost < best.recompute_cost):
+            ev = space.evaluate(Decision.of(kept, stored))
+            if ev.peak_bytes <= budget_bytes and (best is None or ev.recompute_cost < best.recompute_cost):
                 best = ev
             if best is not None and best.recompute_cost <= lb:
                 break  # no kept set does better than this stored set's bound
@@ -245,22 +244,19 @@ def milp(problem: Problem, budget_B: int, *, time_limit_s: float | None = None) 
         if time.perf_counter() > deadline:
             break
     optimal = proven and exact
-    elapsed = time.perf_counter() - start
     if best is not None:
         gap = 0.0 if optimal else (
             max(0.0, (best.recompute_cost - lower) / max(best.recompute_cost, 1))
             if lower > -float("inf") else float("inf"))
-        return problem.result("milp", budget_B, best, optimal=optimal, solve_time_s=elapsed,
-                              gap=gap)
-    ev, exact_min = _min_peak(problem, bounds, deadline)
-    return problem.result("milp", budget_B, ev, optimal=optimal and exact_min,
-                          solve_time_s=time.perf_counter() - start)
+        return Outcome(best, optimal=optimal, gap=gap)
+    ev, exact_min = _min_peak(space, bounds, deadline)
+    return Outcome(ev, optimal=optimal and exact_min)
 
 
-def _min_peak(problem: Problem, bounds: _Bounds, deadline: float) -> tuple[Evaluation, bool]:
+def _min_peak(space: Segments, bounds: _Bounds, deadline: float) -> tuple[Evaluation, bool]:
     """Smallest simulated peak: stored sets in order of their at-turn bound."""
-    master = _Master(problem, bounds, None)
-    best = min((problem.evaluate(d) for d in family(problem)), key=lambda e: e.peak_B)
+    master = _Master(space, bounds, None)
+    best = min((space.evaluate(d) for d in family(space)), key=lambda e: e.peak_bytes)
     exact = True
     while True:
         status, stored, lb = master.run(deadline)
@@ -268,15 +264,15 @@ def _min_peak(problem: Problem, bounds: _Bounds, deadline: float) -> tuple[Evalu
             return best, exact
         if status == "limit":
             return best, False
-        if lb >= best.peak_B:
+        if lb >= best.peak_bytes:
             return best, exact
-        sets, complete = _kept_sets(problem, stored)
+        sets, complete = _kept_sets(space, stored)
         exact = exact and complete
         for kept in sets:
-            if bounds.peak(stored, kept) >= best.peak_B:
+            if bounds.peak(stored, kept) >= best.peak_bytes:
                 continue
-            ev = problem.evaluate(Decision.of(kept, stored))
-            if ev.peak_B < best.peak_B:
+            ev = space.evaluate(Decision.of(kept, stored))
+            if ev.peak_bytes < best.peak_bytes:
                 best = ev
         master.exclude(stored)
         if time.perf_counter() > deadline:

@@ -3,11 +3,11 @@
 The chain model
 ---------------
 The candidates cut the ops into segments ``0 .. m`` (see
-:mod:`memsave.solvers.problem`). A plan is a partition of the segments into
+:mod:`memsave.solvers.space`). A plan is a partition of the segments into
 consecutive *groups*, each either **recomputed** (``R``: its first cut is a
 checkpoint, its ops are recomputed once when backprop reaches it) or
 **stored** (``S``: its ops are differentiated in place on the forward
-tensors, at no recompute cost). Every decision of the problem is such a
+tensors, at no recompute cost). Every decision of the space is such a
 partition (cuts inside a stored segment are kept anyway).
 
 Split every buffer of the step by the group whose instruction *reads it last*
@@ -57,8 +57,8 @@ from __future__ import annotations
 
 import time
 
-from memsave.simulate import _build, simulate
-from memsave.solvers.problem import Decision, Problem, SolveResult
+from memsave.simulate import _build
+from memsave.planners.segments import Decision, Outcome, Segments
 
 __all__ = ["dp"]
 
@@ -69,17 +69,17 @@ _MODES = (R, S)
 class _Terms:
     """``held`` and ``Lmax`` of groups in context, read from probe simulations."""
 
-    def __init__(self, problem: Problem) -> None:
-        self.p = problem
-        self.n_seg = len(problem.segments)
+    def __init__(self, space: Segments) -> None:
+        self.p = space
+        self.n_seg = len(space.segments)
         self.seg_of_op = {}
-        for k, seg in enumerate(problem.segments):
+        for k, seg in enumerate(space.segments):
             for o in seg:
                 self.seg_of_op[o] = k
         # Non-recomputable ops belong to the segment of their topological position.
-        bounds = [problem.fg.tensors[t].producer for t in problem.candidates]
+        bounds = [space.fg.tensors[t].producer for t in space.candidates]
         k = 0
-        for op in problem.fg.ops:
+        for op in space.fg.ops:
             while k < len(bounds) and op.index > bounds[k]:
                 k += 1
             self.seg_of_op.setdefault(op.index, k)
@@ -112,11 +112,12 @@ class _Terms:
 
     def _probe(self, groups: list[tuple[int, int, str]]) -> None:
         p = self.p
+        problem = p.problem
         ev = p.evaluate(self.decision(groups))
-        trace = simulate(p.fg, ev.schedule, p.costs, allocator=p.allocator, timeline=True,
-                         forward=p.forward)
-        prog, _, backward_start = _build(p.fg, ev.schedule, p.costs, p.allocator, p.forward)
-        self.resident = trace.resident_B
+        trace = problem.timeline(ev.schedule)
+        prog, _, backward_start = _build(p.fg, ev.schedule, p.costs, problem.model,
+                                         problem.forward())
+        self.resident = trace.resident_bytes
         n_instr = len(prog.reads)
         seg_group = [0] * self.n_seg
         for gi, (a, b, _) in enumerate(groups):
@@ -125,7 +126,7 @@ class _Terms:
         # Group of each instruction: its op's; others take the next op's.
         group = [-1] * n_instr
         for k, (kind, ref) in enumerate(prog.labels):
-            if kind in ("forward", "recompute", "grad"):
+            if kind.of_op:
                 group[k] = seg_group[self.seg_of_op[ref]]
         nxt = len(groups) - 1
         for k in range(n_instr - 1, -1, -1):
@@ -163,7 +164,7 @@ class _Terms:
         before = [sum(held[:gi]) for gi in range(len(groups))]
         for k, (alive, _) in enumerate(trace.timeline):
             g = group[k]
-            local = alive - trace.resident_B - before[g]
+            local = alive - trace.resident_bytes - before[g]
             if lmax[g] is None or local > lmax[g]:
                 lmax[g] = local
         for gi, (a, b, mode) in enumerate(groups):
@@ -182,8 +183,8 @@ def _pareto_insert(labels: list, new: tuple) -> None:
     labels.append(new)
 
 
-def _run(problem: Problem, terms: _Terms, budget_B: float):
-    """Best (cost, peak, groups) under ``budget_B`` (inf: every Pareto end label)."""
+def _run(space: Segments, terms: _Terms, budget_bytes: float):
+    """Best (cost, peak, groups) under ``budget_bytes`` (inf: every Pareto end label)."""
     n = terms.n_seg
     # states[(a, prev, mode)] -> labels (held, peak, cost, groups)
     states: dict[tuple, list] = {}
@@ -197,12 +198,12 @@ def _run(problem: Problem, terms: _Terms, budget_B: float):
                 if not labels:
                     continue
                 for b in range(a + 1, n + 1):
-                    cost_g = 0 if mode == S else sum(problem.segment_flops[a:b])
+                    cost_g = 0 if mode == S else sum(space.segment_flops[a:b])
                     for nxt in (_MODES if b < n else (None,)):
                         held_g, lmax_g = terms.get(prev, a, b, mode, nxt)
                         for held, peak, cost, groups in labels:
                             pk = max(peak, terms.resident + held + lmax_g)
-                            if pk > budget_B:
+                            if pk > budget_bytes:
                                 continue
                             lab = (held + held_g, pk, cost + cost_g, groups + ((a, b, mode),))
                             if b == n:
@@ -212,21 +213,20 @@ def _run(problem: Problem, terms: _Terms, budget_B: float):
     return finals
 
 
-def dp(problem: Problem, budget_B: int, *, time_limit_s: float | None = None) -> SolveResult:
-    """Least recompute cost with forecast peak <= ``budget_B``, exactly, on chains.
+def dp(space: Segments, budget_bytes: int, *, time_limit_s: float | None = None) -> Outcome:
+    """Least recompute cost with forecast peak <= ``budget_bytes``, exactly, on chains.
 
     See the module docstring for the chain model. When no plan fits, returns
     the smallest-peak plan (``feasible=False``).
     """
     start = time.perf_counter()
-    terms = _Terms(problem)
-    finals = _run(problem, terms, budget_B)
+    terms = _Terms(space)
+    finals = _run(space, terms, budget_bytes)
     if finals:
         best = min(finals, key=lambda lab: (lab[2], lab[1], len(lab[3])))
     else:
-        finals = _run(problem, terms, float("inf"))
+        finals = _run(space, terms, float("inf"))
         best = min(finals, key=lambda lab: (lab[1], lab[2], len(lab[3])))
-    ev = problem.evaluate(_Terms.decision(list(best[3])))
-    exact = ev.peak_B == best[1] and (not ev.peak_B <= budget_B or ev.recompute_cost == best[2])
-    return problem.result("dp", budget_B, ev, optimal=exact,
-                          solve_time_s=time.perf_counter() - start)
+    ev = space.evaluate(_Terms.decision(list(best[3])))
+    exact = ev.peak_bytes == best[1] and (not ev.peak_bytes <= budget_bytes or ev.recompute_cost == best[2])
+    return Outcome(ev, optimal=exact)

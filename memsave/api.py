@@ -4,39 +4,45 @@ Data flow (one direction)::
 
     gradients(ys, xs, grad_ys, checkpoints, ...)
       -> _normalize: lists, variables to handles, one graph, not eager
-      -> extract: ForwardGraph of the ops on paths xs -> ys
-      -> select: a strategy by name, or the user's tensors (validated)
-      -> costs: bytes, FLOPs, gradient reads (memsave.costs)
-      -> select: a strategy by name (judged by the simulator), or the user's tensors
-      -> build_schedule: kept tensors, segments, order of backward steps
-      -> simulate: forecast peak, plain and checkpointed (memsave.simulate);
-         plan() stops here and returns a memsave.plan.Plan
-      -> rewrite: copy segments gated on gradients, stock tf.gradients per step
+      -> extract: ForwardGraph of the ops on paths xs -> ys (memsave.extract)
+      -> Problem: costs, the device's memory model, candidate cuts, the
+         cached evaluator (memsave.problem)
+      -> a planner by name (memsave.planners: a strategy, or a budget solver
+         with memory_budget=), or the user's tensors (validated)
+      -> Plan: checkpoints, schedule (with its gating), forecast (memsave.record);
+         plan() stops here and returns it
+      -> rewrite(plan.schedule): copy segments gated on gradients, stock
+         tf.gradients per step (memsave.rewrite)
       -> one gradient per x, shaped as tf.gradients returns it
 
-When the selection is empty (no tagged tensor, no articulation point) a
-warning says what to do and the stock tf.gradients answers.
+When the plan keeps nothing (no tagged tensor, no articulation point, a
+plan that would save too little) a warning says what to do and the stock
+tf.gradients answers.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 import tensorflow as tf
 
-from memsave import _tf_private, strategies
-from memsave.costs import Costs, estimate_costs
-from memsave.errors import CheckpointError, EagerExecutionError, GraphMismatchError
+from memsave import _tf_private, planners
+from memsave.errors import (
+    ArgumentError,
+    CheckpointError,
+    EagerExecutionError,
+    GraphMismatchError,
+    OptionsError,
+)
 from memsave.extract import Extraction, extract
-from memsave.plan import Plan, make_plan
+from memsave.memory_model import BFC, CPU_ONEDNN, Allocator, MemoryModel
+from memsave.planners.strategies import given
+from memsave.problem import Problem
+from memsave.record import Plan
 from memsave.rewrite import aggregate, rewrite
-from memsave.schedule import Schedule, build_schedule
-from memsave.simulate import BFC, CPU_ONEDNN, Allocator, simulate
-from memsave.solvers import SolveResult
+from memsave.simulate import paused_gc
 
 __all__ = [
     "gradients",
@@ -52,23 +58,6 @@ logger = logging.getLogger(__name__)
 Checkpoints = Union[str, Sequence[tf.Tensor]]
 
 COLLECTION_KEY = "checkpoints"
-
-
-@dataclasses.dataclass
-class _Prepared:
-    ys: list
-    xs: list
-    grad_ys: list
-    stop_gradients: list
-    graph: tf.Graph
-    ex: Extraction
-    strategy: str
-    checkpoints: tuple[int, ...]
-    reasons: dict
-    note: str
-    schedule: Schedule | None
-    costs: Costs
-    budget: SolveResult | None = None
 
 
 def _as_list(v) -> list:
@@ -120,7 +109,7 @@ def _normalize(ys, xs, grad_ys, stop_gradients, checkpoints) -> tuple:
     ys = _as_list(ys)
     xs = _as_list(xs)
     if not ys:
-        raise ValueError("memsave.gradients: ys is empty; pass at least one tensor")
+        raise ArgumentError("memsave.gradients: ys is empty; pass at least one tensor")
     for y in ys:
         if _is_eager(y):
             raise EagerExecutionError(
@@ -149,7 +138,7 @@ def _normalize(ys, xs, grad_ys, stop_gradients, checkpoints) -> tuple:
     else:
         grad_ys = _as_list(grad_ys)
         if len(grad_ys) != len(ys):
-            raise ValueError(
+            raise ArgumentError(
                 f"memsave.gradients: passed {len(grad_ys)} grad_ys for {len(ys)} ys; "
                 "pass one per y (None for the default ones)"
             )
@@ -215,94 +204,58 @@ def _not_rewritable(ex: Extraction, xs, graph: tf.Graph) -> str:
     return ""
 
 
-def _accepts(fn, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
+def device_model(allocator: Allocator | None = None) -> MemoryModel:
+    """The memory model of the device the step runs on: a GPU's BFC allocator
+    when a GPU is visible, else oneDNN's CPU allocator (or ``allocator``)."""
+    if allocator is None:
+        allocator = BFC if tf.config.list_logical_devices("GPU") else CPU_ONEDNN
+    return MemoryModel(allocator=allocator)
 
 
-#: The ``checkpoints`` values that ``memory_budget=`` may come with: the
-#: default, and 'memory' (the presets ``gradients_memory``, ``patch(checkpoints=
-#: 'memory')``). Any other choice of checkpoints contradicts the budget's.
-BUDGET_CHECKPOINTS = ("collection", "memory")
+def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options, *,
+             memory_budget=None, batch_size: int | None = None,
+             extra_resident_bytes: int = 0, allocator: Allocator | None = None,
+             api: str = "memsave.gradients") -> tuple[tuple, Extraction, Plan]:
+    """Normalize the arguments, read the graph and plan: ``(args, extraction, plan)``.
 
-
-def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options,
-             batch_size: int | None = None, memory_budget=None,
-             api: str = "memsave.gradients") -> _Prepared:
+    ``args`` are ``(ys, xs, grad_ys, stop_gradients, graph)`` as tf.gradients takes them.
+    """
     ys, xs, grad_ys, stop_gradients, graph = _normalize(ys, xs, grad_ys, stop_gradients, checkpoints)
     if isinstance(checkpoints, str):
-        strategy = strategies.get(checkpoints)
+        planners.get(checkpoints, api=api)  # an unknown name fails before the graph is read
         name = checkpoints
     elif isinstance(checkpoints, (list, tuple)):
-        strategy, name = None, "list"
+        name = "list"
         if strategy_options:
-            raise TypeError("memsave.gradients: strategy_options apply to named strategies only")
+            raise OptionsError(f"{api}: strategy_options apply to named strategies only")
+        if memory_budget is not None:
+            raise CheckpointError(
+                f"{api}: memory_budget= plans the checkpoints itself; it cannot be combined "
+                "with a list of checkpoints. Pass one or the other")
     else:
         raise CheckpointError(
-            f"memsave.gradients: checkpoints={checkpoints!r} is neither a strategy name "
-            f"({', '.join(strategies.available())}) nor a list of tensors"
+            f"{api}: checkpoints={checkpoints!r} is neither a strategy name "
+            f"({', '.join(planners.available())}) nor a list of tensors"
         )
     tagged = []
     if name == "collection":
         tagged = [t for t in graph.get_collection(COLLECTION_KEY) if isinstance(t, tf.Tensor)]
     with graph.as_default():
         ex = extract(ys, xs, stop_gradients, tagged)
-    costs = estimate_costs(ex.fg, batch_size=batch_size)
+    problem = Problem(ex.fg, model=device_model(allocator), batch_size=batch_size,
+                      extra_resident_bytes=extra_resident_bytes)
+    args = (ys, xs, grad_ys, stop_gradients, graph)
     unsupported = _not_rewritable(ex, xs, graph)
     if unsupported:
-        return _Prepared(ys, xs, grad_ys, stop_gradients, graph, ex, name, (), {}, unsupported,
-                         None, costs)
-    if memory_budget is not None:
-        if name not in BUDGET_CHECKPOINTS:
-            raise CheckpointError(
-                f"{api}: memory_budget= plans the checkpoints itself; it cannot be combined "
-                + (f"with checkpoints={checkpoints!r}" if strategy is not None
-                   else "with a list of checkpoints")
-                + ". Pass one or the other"
-            )
-        return _prepare_budget(ys, xs, grad_ys, stop_gradients, graph, ex, costs,
-                               memory_budget, strategy_options, api)
-    if strategy is None:
-        ids = _validate_list(checkpoints, ex, ys, xs)
-        reasons = {i: "given" for i in ids}
-        note = "" if ids else "the checkpoint list is empty"
-    else:
-        options = dict(strategy_options or {})
-        if "costs" not in options and _accepts(strategy, "costs"):
-            options["costs"] = costs
-        sel = strategy(ex.fg, **options)
-        ids, reasons, note = sel.checkpoints, sel.reasons, sel.note
-    schedule = build_schedule(ex.fg, ids) if ids else None
-    return _Prepared(ys, xs, grad_ys, stop_gradients, graph, ex, name, ids, reasons, note,
-                     schedule, costs)
-
-
-def _prepare_budget(ys, xs, grad_ys, stop_gradients, graph, ex, costs, memory_budget,
-                    strategy_options, api) -> _Prepared:
-    """The budget planner's choice (memsave.budget) in place of a strategy's.
-
-    ``strategy_options`` may name the ``solver`` and its ``time_limit_s``.
-    """
-    from memsave.budget import plan_for_budget
-
-    options = dict(strategy_options or {})
-    unknown = sorted(set(options) - {"solver", "time_limit_s"})
-    if unknown:
-        raise TypeError(
-            f"{api}: with memory_budget, strategy_options take 'solver' and 'time_limit_s' "
-            f"only, got {unknown}"
-        )
-    allocator = BFC if tf.config.list_logical_devices("GPU") else CPU_ONEDNN
-    bp = plan_for_budget(ex.fg, costs, memory_budget, api=api, allocator=allocator, **options)
-    note = "" if bp.schedule is not None else (
-        "the budget fits tf.gradients' own forecast peak: nothing is recomputed")
-    return _Prepared(ys, xs, grad_ys, stop_gradients, graph, ex, "budget", bp.checkpoints,
-                     bp.reasons, note, bp.schedule, costs, bp.result)
+        return args, ex, problem.plan(name, (), {}, note=unsupported)
+    if name == "list":
+        return args, ex, given(problem, _validate_list(checkpoints, ex, ys, xs))
+    return args, ex, planners.run(name, problem, budget=memory_budget, options=strategy_options,
+                                  api=api)
 
 
 @tf.autograph.experimental.do_not_convert
+@paused_gc()
 def plan(
     ys,
     xs,
@@ -313,10 +266,11 @@ def plan(
     batch_size: int | None = None,
     allocator: Allocator | None = None,
     memory_budget: int | float | None = None,
+    extra_resident_bytes: int = 0,
 ) -> Plan:
     """What :func:`gradients` would keep and recompute, and the peak it forecasts.
 
-    Nothing is built: the forward graph is read, the strategy chooses, and
+    Nothing is built: the forward graph is read, the planner chooses, and
     the simulator forecasts the allocator peak of one step (forward and
     gradients, variables and inputs resident), with the plan and with plain
     tf.gradients.
@@ -327,28 +281,26 @@ def plan(
         Size of unknown first dimensions (a tf.function traced with a
         ``None`` batch); without it they count as 1 and the Plan's
         ``assumptions`` say so.
-    allocator : memsave.simulate.Allocator, optional
-        Whose peak to forecast: :data:`memsave.simulate.BFC` when a GPU is
-        visible, else :data:`memsave.simulate.CPU_ONEDNN` (which does not
-        report buffers under 256 KiB).
-    memory_budget : int or float, optional
+    allocator : memsave.memory_model.Allocator, optional
+        Whose peak to forecast: :data:`memsave.memory_model.BFC` when a GPU
+        is visible, else :data:`memsave.memory_model.CPU_ONEDNN` (which does
+        not report buffers under 256 KiB).
+    memory_budget, extra_resident_bytes
         As for :func:`gradients`.
 
     Examples
     --------
     >>> print(memsave.plan(loss, params, checkpoints="memory").summary())  # doctest: +SKIP
     """
-    p = _prepare(ys, xs, None, checkpoints, stop_gradients, strategy_options, batch_size,
-                 memory_budget, "memsave.plan")
-    if allocator is None:
-        allocator = BFC if tf.config.list_logical_devices("GPU") else CPU_ONEDNN
-    return make_plan(
-        p.ex.fg, p.costs, strategy=p.strategy, checkpoints=p.checkpoints, reasons=p.reasons,
-        schedule=p.schedule, note=p.note, allocator=allocator, budget=p.budget,
-    )
+    _, _, p = _prepare(ys, xs, None, checkpoints, stop_gradients, strategy_options,
+                       memory_budget=memory_budget, batch_size=batch_size,
+                       extra_resident_bytes=extra_resident_bytes, allocator=allocator,
+                       api="memsave.plan")
+    return p
 
 
 @tf.autograph.experimental.do_not_convert
+@paused_gc()  # a burst of Python objects with no cycles: see memsave.simulate.paused_gc
 def gradients(
     ys,
     xs,
@@ -363,6 +315,7 @@ def gradients(
     unconnected_gradients=tf.UnconnectedGradients.NONE,
     strategy_options: Mapping[str, Any] | None = None,
     memory_budget: int | float | None = None,
+    extra_resident_bytes: int = 0,
 ) -> list:
     """Symbolic derivatives of sum(ys) w.r.t. xs, recomputing between checkpoints.
 
@@ -377,18 +330,24 @@ def gradients(
         ``'collection'`` (tensors added with
         ``tf.compat.v1.add_to_collection('checkpoints', t)``), ``'memory'``
         (about sqrt(n) articulation points), ``'speed'`` (outputs of
-        convolutions and matrix products), any name registered with
-        :func:`memsave.strategies.register`, or a list of tensors between
+        convolutions and matrix products), any planner registered in
+        :mod:`memsave.planners` (or strategy registered with
+        :func:`memsave.strategies.register`), or a list of tensors between
         xs and ys.
     strategy_options : mapping, optional
-        Keyword options for the named strategy (e.g.
-        ``{"num_checkpoints": 8}`` for ``'memory'``); with ``memory_budget``,
-        ``solver`` (a :mod:`memsave.solvers` name) and ``time_limit_s``.
+        Keyword options of the named planner (e.g. ``{"num_checkpoints":
+        8}`` for ``'memory'``); with ``memory_budget``, ``solver`` (``'auto'``,
+        ``'dp'``, ``'milp'``, ``'greedy'``) and ``time_limit_s``.
     memory_budget : int or float, optional
         The forecast peak allowed: bytes (int), or a fraction in (0, 1] of
         the forecast plain peak (``Plan.baseline_peak_bytes``). memsave then
         keeps and stores what gives the least predicted recompute cost
-        under it (:mod:`memsave.budget`), instead of ``checkpoints``.
+        under it (:mod:`memsave.planners.budget`), instead of ``checkpoints``.
+    extra_resident_bytes : int
+        Bytes the step holds besides what the graph from xs to ys reads (an
+        optimizer's slots, metric state): counted as resident in every
+        forecast, so that a fractional ``memory_budget`` is a fraction of
+        the whole step's peak.
 
     Raises
     ------
@@ -399,7 +358,9 @@ def gradients(
     CheckpointError
         When a listed checkpoint is a y or is not between xs and ys.
     UnknownStrategyError
-        When ``checkpoints`` names no registered strategy.
+        When ``checkpoints`` names no registered planner.
+    OptionsError
+        When ``strategy_options`` holds an option the planner does not take.
     MemoryBudgetError
         When ``memory_budget`` is invalid or below the smallest forecast
         peak (its ``min_peak_bytes``).
@@ -407,12 +368,13 @@ def gradients(
     try:
         unconnected = tf.UnconnectedGradients(unconnected_gradients)
     except ValueError:
-        raise ValueError(
+        raise ArgumentError(
             f"memsave.gradients: unconnected_gradients={unconnected_gradients!r}; use one of "
             f"{[u.value for u in tf.UnconnectedGradients]}"
         ) from None
-    p = _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options,
-                 memory_budget=memory_budget)
+    (ys, xs, grad_ys, stop_gradients, graph), ex, p = _prepare(
+        ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options,
+        memory_budget=memory_budget, extra_resident_bytes=extra_resident_bytes)
     stock = dict(
         gate_gradients=gate_gradients,
         aggregation_method=aggregation_method,
@@ -424,36 +386,37 @@ def gradients(
             "and the gradients are tf.gradients' own: %s",
             p.strategy, p.note or "no tensor between xs and ys",
         )
-        with p.graph.as_default():
+        with graph.as_default():
             return _tf_private.original_gradients(
-                p.ys, p.xs, p.grad_ys, name=name, stop_gradients=p.stop_gradients,
+                ys, xs, grad_ys, name=name, stop_gradients=stop_gradients,
                 unconnected_gradients=unconnected, **stock,
             )
     logger.info(
         "memsave.gradients(checkpoints=%r): keeping %d checkpoints, recomputing %d ops",
-        p.strategy, len(p.checkpoints), p.schedule.recomputed_ops,
+        p.strategy, len(p.checkpoint_ids), p.schedule.recomputed_ops,
     )
-    fg = p.ex.fg
-    predicted = simulate(fg, p.schedule, p.costs, timeline=False,
-                         allocator=strategies.JUDGE_ALLOCATOR).peak_B
-    baseline = simulate(fg, None, p.costs, timeline=False,
-                        allocator=strategies.JUDGE_ALLOCATOR).peak_B
-    if predicted >= baseline:
-        logger.warning(
-            "memsave.gradients(checkpoints=%r): this plan is not expected to save memory "
-            "(forecast peak %s bytes, tf.gradients' %s): the kept tensors hold as "
-            "much as backprop would. See memsave.plan(...).summary(); try checkpoints='memory' "
-            "or fewer checkpoints",
-            p.strategy, f"{predicted:,}", f"{baseline:,}",
-        )
-    with p.graph.as_default(), tf.name_scope(name or "gradients"):
+    if p.budget is None:
+        # (A budgeted plan with a schedule saves by construction: plain
+        # tf.gradients, which recomputes nothing, did not fit its budget.)
+        problem = p.problem
+        predicted = problem.peak(p.schedule, model=problem.judge)
+        baseline = problem.peak(None, model=problem.judge)
+        if predicted >= baseline:
+            logger.warning(
+                "memsave.gradients(checkpoints=%r): this plan is not expected to save memory "
+                "(forecast peak %s bytes, tf.gradients' %s): the kept tensors hold as "
+                "much as backprop would. See memsave.plan(...).summary(); try "
+                "checkpoints='memory' or fewer checkpoints",
+                p.strategy, f"{predicted:,}", f"{baseline:,}",
+            )
+    with graph.as_default(), tf.name_scope(name or "gradients"):
         grad_ys = [
             tf.ones_like(y) if g is None else tf.convert_to_tensor(g, dtype=y.dtype)
-            for y, g in zip(p.ys, p.grad_ys)
+            for y, g in zip(ys, grad_ys)
         ]
-        received = rewrite(p.ex, p.schedule, grad_ys, **stock)
+        received = rewrite(ex, p.schedule, grad_ys, **stock)
         out = []
-        for x, grads in zip(p.xs, received):
+        for x, grads in zip(xs, received):
             g = aggregate(grads, dense=False)
             if g is None and unconnected is tf.UnconnectedGradients.ZERO:
                 g = _tf_private.zeros_like_gradient(x)

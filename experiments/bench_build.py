@@ -1,0 +1,145 @@
+"""Build time: ``memsave.gradients(checkpoints='memory')`` against ``tf.gradients``, side by side.
+
+Target (issue 16): memsave's build at most 1.5x tf.gradients' on a
+1000-layer chain and on the study's ResNet-110, and linear (2000 layers at
+most 2.1x 1000 layers).
+
+Graphs, each built fresh in a tf.compat.v1 Graph for every call:
+
+* ``chain N [B, 16]``: N layers ``h = tanh(h @ w_i)``, 16x16 weights, loss
+  ``sum(h * h)``. At B = 8 the weights' gradients outweigh the activations:
+  'memory' plans, finds no saving worth a recomputation, and hands the call
+  to tf.gradients (the planning is then all it adds). At B = 64 it
+  rewrites: about one forward pass recomputed.
+* ``resnet-110``: experiments/models.py's CIFAR ResNet (n = 18), batch 32.
+
+Times are CPU seconds of the gradients call alone (``time.process_time``:
+the machine is shared, and CPU time moves far less than wall time under
+load), median of ``--repeats`` calls, the two methods interleaved. The
+``ops`` columns count the ops each call added, and ``copies`` the ops
+memsave recomputed (0: it fell back to tf.gradients).
+
+Usage::
+
+    .venv/bin/python experiments/bench_build.py             # about 3 minutes on 2 cores
+    .venv/bin/python experiments/bench_build.py --repeats 1 --layers 250 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+#: The target ratio, and the linearity bound on 2000 / 1000 layers.
+TARGET = 1.5
+LINEAR = 2.1
+
+
+def chain_graph(layers: int, batch: int):
+    import numpy as np
+    import tensorflow as tf
+
+    graph = tf.Graph()
+    with graph.as_default():
+        rs = np.random.RandomState(0)
+        ws = [tf.Variable(rs.randn(16, 16).astype(np.float32) * 0.25) for _ in range(layers)]
+        h = tf.constant(rs.randn(batch, 16).astype(np.float32))
+        for w in ws:
+            h = tf.tanh(tf.matmul(h, w))
+        loss = tf.reduce_sum(h * h)
+    return graph, loss, ws
+
+
+def resnet_graph(n: int = 18, batch: int = 32):
+    import tensorflow as tf
+
+    import models
+
+    m = models.MODELS["resnet"]
+    params = m.init(n, 0)
+    x, y = m.batch(batch, 0)
+    graph = tf.Graph()
+    with graph.as_default():
+        v = {k: tf.Variable(val) for k, val in params.items()}
+        loss = m.loss(n, v, tf.constant(x), tf.constant(y), models.Arch())
+    return graph, loss, list(v.values())
+
+
+def one_call(make, method: str) -> tuple[float, int, int]:
+    """(CPU seconds, ops added, ops recomputed) of one gradients call on a fresh graph."""
+    import tensorflow as tf
+
+    import memsave
+
+    graph, loss, ws = make()
+    before = len(graph.get_operations())
+    with graph.as_default():
+        t = time.process_time()
+        if method == "tf":
+            tf.gradients(loss, ws)
+        else:
+            memsave.gradients(loss, ws, checkpoints="memory")
+        dt = time.process_time() - t
+    added = graph.get_operations()[before:]
+    copies = sum(1 for op in added if "/recompute_" in op.name and "/gradients" not in op.name
+                 and op.type in ("MatMul", "Tanh", "Conv2D", "Relu", "FusedBatchNormV3"))
+    return dt, len(added), copies
+
+
+def measure(make, repeats: int) -> dict:
+    one_call(make, "tf")  # warm-up: TensorFlow's lazy imports and caches
+    samples = {"tf": [], "memsave": []}
+    info = {}
+    for _ in range(repeats):
+        for method in samples:
+            dt, ops, copies = one_call(make, method)
+            samples[method].append(dt)
+            info[method] = (ops, copies)
+    return {m: statistics.median(s) for m, s in samples.items()} | {"info": info}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, nargs="+", default=[1000, 2000])
+    p.add_argument("--batches", type=int, nargs="+", default=[8, 64])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-resnet", action="store_true")
+    args = p.parse_args(argv)
+    import logging
+
+    logging.getLogger("memsave").setLevel(logging.ERROR)  # the fallback's warning, once per call
+
+    cases = [(f"chain {n} [{b}, 16]", (lambda n=n, b=b: chain_graph(n, b)), n, b)
+             for b in args.batches for n in args.layers]
+    if not args.no_resnet:
+        cases.append(("resnet-110 (batch 32)", resnet_graph, None, None))
+    print(f"CPU seconds of the gradients call, median of {args.repeats}, load average "
+          f"{os.getloadavg()[0]:.1f}\n")
+    print("| graph | tf.gradients s | memsave s | memsave / tf | tf ops | memsave ops | copies |")
+    print("|---|---|---|---|---|---|---|")
+    results = {}
+    for label, make, n, b in cases:
+        r = measure(make, args.repeats)
+        results[(n, b)] = r
+        ratio = r["memsave"] / r["tf"]
+        (tf_ops, _), (ms_ops, copies) = r["info"]["tf"], r["info"]["memsave"]
+        print(f"| {label} | {r['tf']:.2f} | {r['memsave']:.2f} | {ratio:.2f} | {tf_ops} | "
+              f"{ms_ops} | {copies} |", flush=True)
+    if len(args.layers) >= 2:
+        n1, n2 = args.layers[0], args.layers[-1]
+        print()
+        for b in args.batches:
+            grow = results[(n2, b)]["memsave"] / results[(n1, b)]["memsave"]
+            print(f"[{b}, 16]: memsave({n2}) / memsave({n1}) = {grow:.2f} "
+                  f"(linear: {n2 / n1:.2f}; bound {LINEAR * n2 / 2 / n1:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

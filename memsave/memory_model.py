@@ -1,0 +1,135 @@
+"""The memory model's settings, as one value (no TensorFlow).
+
+Every forecast memsave makes (the simulator, the planners, the Plan)
+depends on a few facts about the device and the runtime: how the allocator
+counts a buffer, whether a weight's gradient kernel overlaps the next
+gradient, which gradients Grappler folds into constants, whether gradient
+values that depend only on forward values run in the forward pass. They are
+fields of one frozen value, :class:`MemoryModel`, passed to
+:func:`memsave.simulate.simulate` and held by a
+:class:`memsave.problem.Problem`: a test or a user that wants another
+setting builds another value (``dataclasses.replace(model, ...)``); nothing
+is a module global to toggle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from memsave.errors import OptionsError
+
+__all__ = ["Allocator", "CPU_ONEDNN", "BFC", "MemoryModel"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocator:
+    """How an allocator accounts for a buffer of ``n`` bytes.
+
+    Attributes
+    ----------
+    name : str
+    min_counted_bytes : int
+        Buffers smaller than this are not counted in the reported peak.
+    round_bytes : int
+        Counted sizes are rounded up to a multiple of this.
+    """
+
+    name: str
+    min_counted_bytes: int = 0
+    round_bytes: int = 256
+
+    def counted(self, n: int) -> int:
+        """Bytes a buffer of ``n`` bytes adds to the reported ``bytes_in_use``."""
+        if n < self.min_counted_bytes or n <= 0:
+            return 0
+        r = self.round_bytes
+        return -(-n // r) * r if r > 1 else n
+
+
+#: oneDNN's CPU allocator (TensorFlow's default on x86 Linux): allocations
+#: under ``MklCPUAllocator::kSmallAllocationsThreshold`` = 262144 bytes go to
+#: ``MklSmallSizeAllocator``, whose statistics are off
+#: (``mkl_small_allocator_collect_stats = false``), so
+#: ``get_memory_info('CPU:0')`` never sees them; larger ones go to a BFC
+#: allocator (256-byte granularity).
+CPU_ONEDNN = Allocator("CPU (oneDNN MklCPUAllocator)", min_counted_bytes=262144, round_bytes=256)
+
+#: The BFC allocator of GPUs (and of CPUs without oneDNN): counts every
+#: allocation, rounded to 256 bytes.
+BFC = Allocator("BFC", min_counted_bytes=0, round_bytes=256)
+
+
+#: Largest tensor Grappler's constant folding materializes
+#: (``ConstantFolding``'s ``max_constant_size_in_bytes``, 10 MiB). The seed
+#: gradient ``ones_like(y)`` of a y with a static shape is a constant, and so
+#: is every gradient computed from constants only (e.g. ``reduce_mean``'s: it
+#: reads no forward value, only its constant axes): Grappler folds them into
+#: Const nodes, whose tensors are allocated when the kernels are created (the
+#: first call) and stay resident. Measured: a mean over a [2048, 512] float32
+#: leaves 4 MiB more in use after the first call, in a tf.function and in a
+#: Session; over [8192, 512] (16 MiB) nothing.
+CONSTANT_FOLDING_MAX_BYTES = 10 * 1024 * 1024
+
+#: How many of the following instructions that write a buffer still see the
+#: reads of an op's gradient alive, when that gradient goes both to a weight
+#: (an x or its read) and on to another op (a convolution's or matmul's).
+#: Its kernels are independent and the executor runs them side by side
+#: (inter-op threads): the input's gradient is consumed at once by the next
+#: op's gradient, while the weight's kernel (Conv2DBackpropFilter, the
+#: MatMul of x^T and dy), which nothing waits for, still reads the layer's
+#: input and the incoming gradient. Measured with step stats (the zoo U-Net
+#: at batch 32, 2 cores; plain and checkpointed): the concat's gradient (two
+#: Slices, 3 MiB) was allocated while Conv2DBackpropFilter still held the
+#: 3 MiB concat and the 1 MiB incoming gradient, and the allocator's peak
+#: was there. The overlap is one kernel: a next gradient that writes several
+#: new buffers (a concat's, one Slice per input) overlaps it with the first
+#: (the largest) only. Not under XLA (one thunk at a time). 0 turns it off.
+WEIGHT_GRADIENT_OVERLAP = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryModel:
+    """The settings of the memory model (see the module docstring).
+
+    Attributes
+    ----------
+    allocator : Allocator
+        Whose peak to forecast: :data:`CPU_ONEDNN` on a CPU (it does not
+        report buffers under 256 KiB), :data:`BFC` on a GPU.
+    weight_gradient_overlap : int
+        See :data:`WEIGHT_GRADIENT_OVERLAP`.
+    constant_folding_max_bytes : int
+        See :data:`CONSTANT_FOLDING_MAX_BYTES`.
+    early_gradient_values : bool
+        Whether gradient values computed from an op's values alone
+        (``GradientUse.early_bytes``: Erfc's ``square(x)``, Square's ``2 *
+        x``) are placed in the forward pass, right after the op, where
+        allocator records show the executor runs them. Off (the default):
+        what they are computed from is kept until the gradient instead.
+        Measured with it on: the Keras Transformer's forecast went from
+        -19.5% to -15.8%, but chains ending in ``reduce_mean(square(h))``
+        from about +1% to +20% (the early ``2 * h`` was counted beside
+        ``square(h)``, which the executor frees before it runs the early
+        op: the order of ready ops is not modelled).
+    """
+
+    allocator: Allocator = CPU_ONEDNN
+    weight_gradient_overlap: int = WEIGHT_GRADIENT_OVERLAP
+    constant_folding_max_bytes: int = CONSTANT_FOLDING_MAX_BYTES
+    early_gradient_values: bool = False
+
+    def __post_init__(self) -> None:
+        if self.weight_gradient_overlap < 0:
+            raise OptionsError(
+                f"memsave.MemoryModel: weight_gradient_overlap={self.weight_gradient_overlap}; "
+                "pass 0 (no overlap) or a positive number of instructions")
+
+    def counting_every_byte(self) -> MemoryModel:
+        """This model with the :data:`BFC` allocator, which counts every buffer.
+
+        Planners compare plans with it: a buffer the device's allocator does
+        not report (oneDNN's small allocations) still takes memory.
+        """
+        if self.allocator == BFC:
+            return self
+        return dataclasses.replace(self, allocator=BFC)

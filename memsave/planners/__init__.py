@@ -1,0 +1,155 @@
+"""Planners: every way of choosing checkpoints, one signature, one registry (no TensorFlow).
+
+A planner is a function ``(problem, *, budget=None, **options) -> Plan``:
+it reads a :class:`~memsave.problem.Problem` (the graph, its costs, the
+memory model, candidate cuts, the cached evaluator) and returns the
+:class:`~memsave.record.Plan` that :func:`memsave.gradients` rewrites and
+:func:`memsave.plan` shows. ``budget`` is ``memory_budget=`` (bytes, or a
+fraction of the forecast plain peak) or None.
+
+Registered here by name (``gradients(checkpoints=name)`` looks them up):
+
+``'collection'``, ``'memory'``, ``'speed'``
+    the strategies (:mod:`memsave.planners.strategies`); ``'memory'`` and
+    ``'collection'`` given a budget hand it to ``'auto'``.
+``'dp'``, ``'milp'``, ``'greedy'``, ``'auto'``
+    the budget solvers (:mod:`memsave.planners.budget`); they need a budget.
+
+A user's planner is registered with :func:`register`; a strategy written
+for :func:`memsave.strategies.register` (a function of the ForwardGraph
+returning a ``Selection``) is wrapped into one.
+
+Examples
+--------
+>>> @memsave.planners.register("every_other")  # doctest: +SKIP
+... def every_other(problem, *, budget=None):
+...     keep = problem.keepable()[::2]
+...     return problem.plan("every_other", keep, {t: "every other" for t in keep})
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from memsave.errors import ArgumentError, OptionsError, UnknownStrategyError
+from memsave.simulate import paused_gc
+
+__all__ = ["Planner", "register", "unregister", "get", "available", "run"]
+
+Planner = Callable[..., Any]  # (problem, *, budget=None, **options) -> Plan
+
+_REGISTRY: dict[str, Planner] = {}
+
+
+def register(name: str, planner: Planner | None = None):
+    """Register ``planner`` under ``name``; without ``planner``, a decorator.
+
+    Raises ``ValueError`` when the name is taken (:func:`unregister` first).
+    """
+
+    def deco(fn: Planner) -> Planner:
+        if not isinstance(name, str) or not name:
+            raise ArgumentError(f"memsave.planners.register: name={name!r}; pass a non-empty string")
+        if name in _REGISTRY:
+            raise ArgumentError(f"memsave.planners.register: {name!r} is registered already; "
+                             "unregister it first")
+        _REGISTRY[name] = fn
+        return fn
+
+    return deco if planner is None else deco(planner)
+
+
+def unregister(name: str) -> Planner:
+    """Remove the planner registered under ``name`` and return it (built-ins too)."""
+    try:
+        return _REGISTRY.pop(name)
+    except KeyError:
+        raise UnknownStrategyError(
+            f"memsave.planners.unregister: {name!r} is not registered; registered: "
+            f"{available()}") from None
+
+
+def get(name: str, *, api: str = "memsave.gradients") -> Planner:
+    """The planner registered under ``name``."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise UnknownStrategyError(
+            f"{api}: checkpoints={name!r} is not a known strategy; use one of {available()} "
+            "or pass a list of tensors") from None
+
+
+def available() -> list[str]:
+    """Names of the registered planners."""
+    return sorted(_REGISTRY)
+
+
+def run(name: str | Planner, problem, *, budget=None, options: Mapping[str, Any] | None = None,
+        api: str = "memsave.gradients"):
+    """Run the planner ``name`` (or a planner itself) on ``problem``: the one way
+    memsave calls a planner.
+
+    ``options`` (``strategy_options=``) are checked against the planner's
+    keyword parameters first, so a misspelt option is an
+    :class:`~memsave.errors.OptionsError` naming the accepted ones, not a
+    TypeError from deep inside. Planners that take ``api`` get it, for
+    their error messages.
+    """
+    planner = get(name, api=api) if isinstance(name, str) else name
+    name = name if isinstance(name, str) else getattr(planner, "__name__", "planner")
+    options = dict(options or {})
+    accepted = _keywords(planner)
+    if accepted is not None:
+        unknown = sorted(set(options) - accepted - {"budget"})
+        if unknown:
+            raise OptionsError(
+                f"{api}: strategy_options {unknown} are not options of {name!r}; it takes "
+                f"{sorted(accepted - {'budget', 'api'}) or 'none'}")
+        if "api" in accepted:
+            options["api"] = api
+    # A planner builds and keeps many schedules (tuples, no cycles): paused,
+    # the collector does not walk the process's TensorFlow objects again and
+    # again (see memsave.simulate.paused_gc).
+    with paused_gc():
+        return planner(problem, budget=budget, **options)
+
+
+def _keywords(fn) -> set[str] | None:
+    """The keyword parameters ``fn`` takes, or None when it takes any (``**kwargs``)."""
+    target = getattr(fn, "memsave_options_of", fn)
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)} - {"problem", "fg"}
+
+
+# The built-in planners register themselves on import.
+from memsave.planners import budget as _budget  # noqa: E402
+from memsave.planners import strategies as _strategies  # noqa: E402,F401
+
+
+def _solver_planner(core_name: str) -> Planner:
+    def planner(problem, *, budget=None, time_limit_s: float | None = None,
+                api: str = "memsave.gradients"):
+        if budget is None:
+            raise OptionsError(
+                f"{api}: checkpoints={core_name!r} is a budget solver: pass memory_budget= "
+                "(bytes, or a fraction of the forecast plain peak), or use a strategy such as "
+                "checkpoints='memory'")
+        return _budget.solve(problem, budget, solver=core_name, time_limit_s=time_limit_s,
+                             api=api)
+
+    planner.__name__ = planner.__qualname__ = core_name
+    planner.__doc__ = (f"The {core_name!r} budget solver as a planner "
+                       "(:func:`memsave.planners.budget.solve`).")
+    return planner
+
+
+for _name in ("auto", *_budget.CORES):
+    register(_name, _solver_planner(_name))

@@ -1,0 +1,222 @@
+"""``memory_budget=``: the least recompute cost whose forecast peak fits (no TensorFlow).
+
+Data flow: :func:`solve` resolves the budget (bytes, or a fraction of the
+forecast plain peak), builds the decision space of the problem's candidate
+cuts (:class:`~memsave.planners.segments.Segments`: articulation points;
+where they cannot meet the budget, the activations crossing the cuts of the
+topological order that 'memory' plans with too; every activation when there
+are none; at most :data:`MAX_CUTS` of them, :func:`memsave.candidates.coarsen`),
+runs a solver core and returns the :class:`~memsave.record.Plan` with its
+:class:`~memsave.record.Budget` facts. No plan fits: a
+:class:`~memsave.errors.MemoryBudgetError` giving the smallest forecast peak.
+
+The solver cores share one signature, ``core(space, budget_bytes, *,
+time_limit_s=None) -> Outcome``, and each is a planner of its own
+(registered in :mod:`memsave.planners` under its name):
+
+``dp``
+    exact dynamic programming on chains of candidate cuts (rotor-like, with
+    stored segments that trade memory for time); :mod:`memsave.planners.dp`.
+``milp``
+    exact on small graphs: a MILP solved by HiGHS (optional extra
+    ``memsave[milp]``, i.e. ``highspy``), seeded with ``greedy``'s plan,
+    made exact against the simulator by lazy no-good cuts;
+    :mod:`memsave.planners.milp`.
+``greedy``
+    fast heuristic for large graphs; never exceeds the budget, monotone;
+    :mod:`memsave.planners.greedy`.
+``auto``
+    picks one by the size of the space (:func:`choose`).
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+from collections.abc import Callable
+
+from memsave.candidates import coarsen
+from memsave.errors import MemoryBudgetError
+from memsave.planners.dp import dp
+from memsave.planners.greedy import greedy
+from memsave.planners.milp import milp
+from memsave.planners.segments import Outcome, Segments
+from memsave.problem import Problem
+from memsave.record import Budget, Plan
+from memsave.simulate import paused_gc
+
+__all__ = ["solve", "resolve_budget", "choose", "is_chain", "CORES", "DP_MAX_CUTS",
+           "MILP_MAX_CUTS", "MAX_CUTS"]
+
+Core = Callable[..., Outcome]
+
+#: The solver cores by name (each also a planner: :mod:`memsave.planners`).
+CORES: dict[str, Core] = {"dp": dp, "milp": milp, "greedy": greedy}
+
+#: ``auto`` uses ``dp`` on chains with at most this many candidate cuts: its
+#: probe simulations grow like cuts squared (about 4 m^2 of them, each a
+#: simulation of the whole graph: minutes at 40 cuts of a 1000-op chain).
+DP_MAX_CUTS = 12
+
+#: ``auto`` uses ``milp`` (when highspy is installed) on non-chain graphs with
+#: at most this many candidate cuts; its lazy cuts may take many rounds
+#: beyond that.
+MILP_MAX_CUTS = 12
+
+#: Candidate cuts a budget plan chooses from at most (:func:`coarsen` keeps
+#: this many, spread evenly over the activation bytes): every simulation
+#: walks the whole graph, and the greedy family and its knapsack grow with
+#: the cuts; 96 still allows about 2 sqrt(n) checkpoints on graphs of a
+#: few thousand ops (measured in experiments/bench_planner.py).
+MAX_CUTS = 96
+
+
+def resolve_budget(memory_budget, baseline_peak_bytes: int, *, api: str) -> int:
+    """Bytes of ``memory_budget``: an int as is, a float in (0, 1] times the plain peak."""
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Real):
+        raise MemoryBudgetError(
+            f"{api}: memory_budget={memory_budget!r}; pass an int (bytes) or a float in "
+            "(0, 1] (a fraction of the forecast tf.gradients peak, Plan.baseline_peak_bytes)"
+        )
+    if isinstance(memory_budget, numbers.Integral):
+        if memory_budget <= 0:
+            raise MemoryBudgetError(f"{api}: memory_budget={memory_budget!r} bytes must be > 0")
+        return int(memory_budget)
+    if not 0.0 < memory_budget <= 1.0:
+        raise MemoryBudgetError(
+            f"{api}: memory_budget={memory_budget!r}: a float is a fraction of the plain peak "
+            "and must be in (0, 1]; pass bytes as an int"
+        )
+    return int(memory_budget * baseline_peak_bytes)
+
+
+def is_chain(space: Segments) -> bool:
+    """Whether the candidates cut the graph into a chain of segments: every
+    tensor read across a cut is the cut itself, read by the next segment (or
+    resident), and every y is produced in the last segment. The DP's
+    locality holds there."""
+    fg = space.fg
+    bounds = [fg.tensors[t].producer for t in space.candidates]
+    seg = {}
+    k = 0
+    for op in fg.ops:
+        while k < len(bounds) and op.index > bounds[k]:
+            k += 1
+        seg[op.index] = k
+    cand = set(space.candidates)
+    last = len(bounds)
+    for y in fg.ys:  # a y's seed gradient is alive from the start of backprop
+        p = fg.tensors[y].producer
+        if p is not None and seg[p] != last:
+            return False
+    for op in fg.ops:
+        for t in op.inputs:
+            p = fg.tensors[t].producer
+            if p is None:
+                continue
+            if seg[p] != seg[op.index] and not (t in cand and seg[op.index] == seg[p] + 1):
+                return False
+    return True
+
+
+def choose(space: Segments) -> str:
+    """The core ``auto`` picks: ``dp`` on small chains, ``milp`` on small
+    spaces when highspy is installed, ``greedy`` otherwise."""
+    m = len(space.candidates)
+    if m <= DP_MAX_CUTS and is_chain(space):
+        return "dp"
+    if m <= MILP_MAX_CUTS:
+        try:
+            import highspy  # noqa: F401
+        except ImportError:
+            return "greedy"
+        return "milp"
+    return "greedy"
+
+
+def solve(problem: Problem, memory_budget, *, solver: str = "auto",
+          time_limit_s: float | None = None, api: str = "memsave") -> Plan:
+    """The plan of least recompute cost whose forecast peak fits ``memory_budget``.
+
+    Parameters
+    ----------
+    problem : Problem
+    memory_budget : int or float
+        Bytes (int), or a fraction in (0, 1] of the forecast plain peak
+        (``problem.peak(None)``), under the device's memory model.
+    solver : str
+        ``"auto"`` (:func:`choose`) or a name of :data:`CORES`.
+    time_limit_s : float, optional
+        Passed to the solver (``milp`` returns its best plan and gap then).
+    api : str
+        The API name error messages start with.
+
+    Raises
+    ------
+    MemoryBudgetError
+        When ``memory_budget`` is invalid, or below every plan's forecast
+        peak (``.min_peak_bytes`` holds the smallest found).
+    """
+    if solver != "auto" and solver not in CORES:
+        from memsave.errors import UnknownStrategyError
+
+        raise UnknownStrategyError(
+            f"{api}: solver={solver!r} is not known; use 'auto' or one of {sorted(CORES)}")
+    # Planning builds and keeps many schedules (tuples, no cycles): paused,
+    # the collector does not walk the process's TensorFlow objects again and
+    # again (measured: a fifth of the time on a 10,000-op graph).
+    with paused_gc():
+        return _solve(problem, memory_budget, solver, time_limit_s, api)
+
+
+def _solve(problem: Problem, memory_budget, solver: str, time_limit_s, api: str) -> Plan:
+    start = time.perf_counter()
+    baseline = problem.peak(None)
+    budget_bytes = resolve_budget(memory_budget, baseline, api=api)
+    fg = problem.fg
+    # Articulation points first; where they cannot meet the budget (skips
+    # leave few or none: a U-Net, dense and inception blocks), the
+    # activations crossing the cuts of the topological order that 'memory'
+    # plans with join them. Not both at once: on a ResNet the wider set,
+    # coarsened to MAX_CUTS, forecast 15-40% more recomputation at budgets
+    # 0.2-0.5 of the plain peak.
+    points = problem.articulation_points()
+    wide = list(dict.fromkeys([*points, *(t for cut in problem.topological_cuts()
+                                          for t in cut.crossing)]))
+    tries = [c for c in (points, wide) if c] or [problem.keepable()]
+    if len(tries) == 2 and len(tries[1]) == len(tries[0]):
+        tries.pop()
+    closest = None  # (outcome, core) with the smallest infeasible peak
+    for cands in tries:
+        space = Segments(problem, coarsen(fg, problem.costs, cands, MAX_CUTS))
+        name = choose(space) if solver == "auto" else solver
+        out = CORES[name](space, budget_bytes, time_limit_s=time_limit_s)
+        if out.evaluation.peak_bytes <= budget_bytes:
+            break
+        if closest is None or out.evaluation.peak_bytes < closest[0].evaluation.peak_bytes:
+            closest = (out, name)
+    else:
+        out, name = closest
+        low = out.evaluation.peak_bytes
+        raise MemoryBudgetError(
+            f"{api}: memory_budget={memory_budget!r} ({budget_bytes:,} bytes) is below the "
+            f"smallest forecast peak memsave found, {low:,} bytes ({low / max(baseline, 1):.1%} "
+            f"of tf.gradients' {baseline:,}; solver {name!r}"
+            f"{', proven' if out.optimal else ''}); pass memory_budget >= {low} "
+            f"(or >= {low / max(baseline, 1):.3f} as a fraction), or a smaller batch",
+            min_peak_bytes=low,
+        )
+    ev = out.evaluation
+    reasons = {t: f"budget ({name})" for t in ev.checkpoints}
+    if ev.schedule is not None:
+        stored = set(ev.in_place)
+        for t in ev.schedule.kept:
+            p = fg.tensors[t].producer
+            if t not in reasons and p is not None and p in stored:
+                reasons[t] = "stored segment (differentiated in place, not recomputed)"
+    note = "" if ev.schedule is not None else (
+        "the budget fits tf.gradients' own forecast peak: nothing is recomputed")
+    budget = Budget(budget_bytes=budget_bytes, feasible=True, optimal=out.optimal, solver=name,
+                    solve_time_s=time.perf_counter() - start, gap=out.gap)
+    return problem.plan("budget", ev.checkpoints, reasons, schedule=ev.schedule, note=note,
+                        budget=budget)

@@ -1,0 +1,300 @@
+"""The named strategies: ``'collection'``, ``'memory'``, ``'speed'`` (no TensorFlow).
+
+Each is a planner, ``(problem, *, budget=None, **options) -> Plan``
+(:mod:`memsave.planners`). They return internal tensors produced by
+recomputable ops that are not ys; outputs of stateful ops and the xs are
+kept anyway and are not chosen.
+
+Memory is judged by the one model, through the problem's evaluator: the
+automatic strategies (``'memory'``, ``'speed'``) compare plans counting every
+byte (:attr:`memsave.problem.Problem.judge`), and keep a plan only when it
+is forecast to save at least ``min_saving_fraction`` of the step's working
+memory (:func:`worth_it`), saying by how much when it does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from memsave.candidates import CUT_REASON, SEGMENT_LIVE_FRACTION, SMALL_TENSOR_FRACTION, spread
+from memsave.errors import CheckpointError, OptionsError
+from memsave.planners import budget as _budget
+from memsave.planners import register
+from memsave.problem import Problem
+from memsave.record import Plan
+
+__all__ = ["collection", "memory", "speed", "given", "worth_it", "EXPENSIVE_OP_TYPES",
+           "MIN_SAVING_FRACTION"]
+
+#: Op types whose outputs ``'speed'`` keeps: convolutions of every kind and
+#: matrix products, the ops that dominate a forward pass, so that what is
+#: recomputed is only the cheap elementwise work between them.
+EXPENSIVE_OP_TYPES = frozenset(
+    {
+        "Conv",
+        "Conv2D",
+        "Conv3D",
+        "Conv2DBackpropInput",
+        "Conv3DBackpropInputV2",
+        "DepthwiseConv2dNative",
+        "MatMul",
+        "BatchMatMul",
+        "BatchMatMulV2",
+        "BatchMatMulV3",
+        "Einsum",
+    }
+)
+
+#: Smallest fraction of the step's predicted working memory (plain peak minus
+#: resident variables and inputs, both from the simulator) that an automatic
+#: strategy's plan must save to be used. Recomputation costs up to a forward
+#: pass; a plan predicted to save less than this pays that for a saving
+#: within the forecast's error, so the strategy keeps nothing and memsave
+#: falls back to tf.gradients with a warning. Measured: a U-Net-36 plan
+#: predicted 3% and saved 1-5% for 1.3x step time. Override with
+#: ``min_saving_fraction=`` (0 keeps any plan).
+MIN_SAVING_FRACTION = 0.1
+
+#: What to do when ``'memory'`` finds nothing worth keeping.
+_CHOOSE_YOURSELF = (
+    "pass checkpoints as a list of tensors, tag them with "
+    "tf.compat.v1.add_to_collection('checkpoints', t), or use checkpoints='speed'"
+)
+
+
+def _plan(problem: Problem, name: str, chosen: Iterable[int], reason: Callable[[int], str],
+          note: str = "") -> Plan:
+    ids = sorted(set(chosen))
+    return problem.plan(name, ids, {t: reason(t) for t in ids}, note=note)
+
+
+def _check_fraction(name: str, value: float, api: str) -> None:
+    if not 0.0 <= value < 1.0:
+        raise OptionsError(f"{api}: {name} must be in [0, 1), got {value}")
+
+
+def _no_solver_options(solver: str, time_limit_s, who: str, api: str) -> None:
+    if solver != "auto" or time_limit_s is not None:
+        raise OptionsError(
+            f"{api}: strategy_options 'solver' and 'time_limit_s' choose how memory_budget= is "
+            f"planned; {who} got them without a memory_budget")
+
+
+def can_save(problem: Problem, *, min_saving_fraction: float) -> str:
+    """Empty when some plan may save ``min_saving_fraction`` of the working
+    memory, else why none can (without simulating any plan).
+
+    No plan's peak goes below :meth:`Problem.floor` (the inputs, variables
+    and the xs' gradients alive at the end of the step): when plain
+    ``tf.gradients`` already peaks within that fraction of it (small batches,
+    where the weights' gradients make the peak), no checkpoint can help.
+    """
+    if min_saving_fraction == 0.0:
+        return ""
+    judge = problem.judge
+    base = problem.forecast(None, model=judge)
+    floor = problem.floor(model=judge)
+    working = max(base.peak_bytes - base.resident_bytes, 1)
+    if (base.peak_bytes - floor) / working >= min_saving_fraction:
+        return ""
+    return (
+        f"tf.gradients' forecast peak (every buffer counted) is {base.peak_bytes:,} bytes, of "
+        f"which {floor:,} (the inputs, variables and the xs' gradients) stay alive to the end "
+        f"of the step whatever is recomputed: no plan can save min_saving_fraction="
+        f"{min_saving_fraction:g} of the {working:,} bytes of working memory (the gradients of "
+        "the weights make the peak: a larger batch would leave something to save); ")
+
+
+def worth_it(problem: Problem, plan: Plan, *, min_saving_fraction: float, who: str) -> Plan:
+    """``plan``, or an empty one when it saves too little.
+
+    The saving is ``baseline - predicted`` peak, counting every byte, as a
+    fraction of the baseline's working memory (its peak minus the resident
+    variables and inputs, which no plan can free). Under
+    ``min_saving_fraction`` the plan would pay recomputation for a saving
+    within the forecast's error: nothing is kept, and the note gives the
+    figures.
+    """
+    if not plan.checkpoint_ids or min_saving_fraction == 0.0:
+        return plan  # 0 keeps any plan
+    base = problem.forecast(None, model=problem.judge)
+    predicted = problem.peak(plan.schedule, model=problem.judge)
+    working = max(base.peak_bytes - base.resident_bytes, 1)
+    saving = (base.peak_bytes - predicted) / working
+    if saving >= min_saving_fraction:
+        return plan
+    return problem.plan(plan.strategy, (), {}, note=(
+        f"{who}'s plan ({len(plan.checkpoint_ids)} checkpoints) would take the predicted "
+        f"peak (every buffer counted) from {base.peak_bytes:,} to {predicted:,} bytes, a saving "
+        f"of {saving:.1%} of the {working:,} bytes of working memory (less than "
+        f"min_saving_fraction={min_saving_fraction:g}), so recomputing would cost time for "
+        "next to nothing; "
+        + (_CHOOSE_YOURSELF if who != "'speed'"
+           else _CHOOSE_YOURSELF.replace("checkpoints='speed'", "checkpoints='memory'"))
+    ))
+
+
+def given(problem: Problem, checkpoints: Iterable[int]) -> Plan:
+    """The plan keeping the tensors the user listed (already validated)."""
+    ids = tuple(checkpoints)
+    return _plan(problem, "list", ids, lambda t: "given",
+                 note="" if ids else "the checkpoint list is empty")
+
+
+@register("collection")
+def collection(problem: Problem, *, budget=None, solver: str = "auto",
+               time_limit_s: float | None = None, api: str = "memsave.gradients") -> Plan:
+    """Keep the tensors the user added to the ``'checkpoints'`` collection.
+
+    Tagged tensors that are not between the xs and the ys are not part of
+    the graph and so are ignored: a collection is shared by every gradient
+    computation in the graph. With a ``budget`` (``checkpoints`` left at its
+    default), the budget solver ``solver`` plans instead.
+    """
+    if budget is not None:
+        return _budget.solve(problem, budget, solver=solver, time_limit_s=time_limit_s, api=api)
+    _no_solver_options(solver, time_limit_s, "'collection'", api)
+    fg = problem.fg
+    chosen = [t for t in problem.keepable() if fg.tensors[t].tagged]
+    note = "" if chosen else (
+        "the 'checkpoints' collection holds no tensor between xs and ys; add some with "
+        "tf.compat.v1.add_to_collection('checkpoints', t) or use checkpoints='memory'"
+    )
+    return _plan(problem, "collection", chosen, lambda t: "tagged", note)
+
+
+@register("speed")
+def speed(problem: Problem, *, budget=None, op_types: frozenset[str] = EXPENSIVE_OP_TYPES,
+          min_saving_fraction: float = MIN_SAVING_FRACTION,
+          api: str = "memsave.gradients") -> Plan:
+    """Keep the outputs of expensive ops (:data:`EXPENSIVE_OP_TYPES`).
+
+    Recomputation then redoes only the cheap ops between them, so the extra
+    time is small; memory drops by what those cheap ops produced. Like every
+    automatic strategy, the plan is dropped when the simulator predicts it
+    saves under ``min_saving_fraction`` (:func:`worth_it`).
+    """
+    if budget is not None:
+        raise CheckpointError(
+            f"{api}: memory_budget= plans the checkpoints itself; it cannot be combined with "
+            "checkpoints='speed'. Pass one or the other")
+    _check_fraction("min_saving_fraction", min_saving_fraction, api)
+    fg = problem.fg
+    chosen = [t for t in problem.keepable() if fg.ops[fg.tensors[t].producer].type in op_types]
+    note = "" if chosen else (
+        f"no output of {sorted(op_types)} lies between xs and ys; use checkpoints='memory'"
+    )
+    plan = _plan(problem, "speed", chosen,
+                 lambda t: f"output of {fg.ops[fg.tensors[t].producer].type}", note)
+    return worth_it(problem, plan, min_saving_fraction=min_saving_fraction, who="'speed'")
+
+
+@register("memory")
+def memory(
+    problem: Problem,
+    *,
+    budget=None,
+    num_checkpoints: int | None = None,
+    segment_live_fraction: float = SEGMENT_LIVE_FRACTION,
+    small_tensor_fraction: float = SMALL_TENSOR_FRACTION,
+    min_saving_fraction: float = MIN_SAVING_FRACTION,
+    solver: str = "auto",
+    time_limit_s: float | None = None,
+    api: str = "memsave.gradients",
+) -> Plan:
+    """Keep the articulation points, or the tensors crossing cuts, that give the lowest predicted peak.
+
+    Parameters
+    ----------
+    budget : int or float, optional
+        A memory budget: the budget solver ``solver`` plans instead
+        (:func:`memsave.planners.budget.solve`, with ``time_limit_s``).
+    num_checkpoints : int, optional
+        Keep exactly this many articulation points (fewer if there are
+        fewer candidates), spread so that the segments between them hold
+        about the same bytes. On a graph without articulation points, this
+        many cuts of the topological order, spread the same way, and every
+        tensor crossing them.
+    segment_live_fraction : float
+        See :data:`memsave.candidates.SEGMENT_LIVE_FRACTION` (shapes the
+        candidate plans only).
+    small_tensor_fraction : float
+        See :data:`memsave.candidates.SMALL_TENSOR_FRACTION`.
+    min_saving_fraction : float
+        See :data:`MIN_SAVING_FRACTION`. Not applied with ``num_checkpoints``.
+
+    Notes
+    -----
+    Two families of candidate plans (:func:`memsave.candidates.memory_plans`).
+    Articulation points each cut the graph with one tensor. Where skips
+    bypass every layer (a U-Net, dense and inception blocks) there are none,
+    so cuts of the topological order stand in: a plan keeps every activation
+    crossing its chosen cuts (the running activation and the skips still
+    open), and recomputes each layer once, between two cuts. Plans come from
+    greedy walks whose segments shrink toward the end of the graph, as in
+    Griewank's schedules, and from evenly spread sets of about ``sqrt(k)``
+    candidates; the simulator forecasts each distinct plan's peak (every
+    byte counted) and the lowest wins (ties: the lower peak with each
+    gradient freed when complete, then fewer checkpoints). A uniform chain
+    of ``n`` equal tensors keeps about ``sqrt(n)``: the O(sqrt(n)) memory of
+    Chen et al. (2016). ``O(k log n)`` per generated plan plus one linear
+    simulation per distinct plan (at most fifteen).
+
+    References
+    ----------
+    T. Chen, B. Xu, C. Zhang, C. Guestrin. Training Deep Nets with Sublinear
+    Memory Cost. arXiv:1604.06174, 2016.
+    A. Griewank, A. Walther. Algorithm 799: revolve. ACM TOMS 26(1), 2000.
+    P. Jain et al. Checkmate: Breaking the Memory Wall with Optimal Tensor
+    Rematerialization. MLSys 2020 (the "AP greedy" baseline and its
+    generalisation to linearized cuts).
+    """
+    if budget is not None:
+        return _budget.solve(problem, budget, solver=solver, time_limit_s=time_limit_s, api=api)
+    _no_solver_options(solver, time_limit_s, "'memory'", api)
+    _check_fraction("min_saving_fraction", min_saving_fraction, api)
+    if num_checkpoints is not None and num_checkpoints < 0:
+        raise OptionsError(f"{api}: num_checkpoints must be >= 0, got {num_checkpoints}")
+    fg = problem.fg
+    points = problem.articulation_points(small_tensor_fraction=small_tensor_fraction)
+    on_point = set(points)
+
+    def reason(t: int) -> str:
+        return "articulation point" if t in on_point else CUT_REASON
+
+    if num_checkpoints is not None:
+        cum, total = problem.positions()
+        if points:
+            pos = [cum[fg.tensors[t].producer] for t in points]
+            idx = spread(pos, total, min(num_checkpoints, len(points)))
+            return _plan(problem, "memory", [points[i] for i in idx], reason)
+        cuts = problem.topological_cuts()
+        idx = spread([cum[c.position] for c in cuts], total, min(num_checkpoints, len(cuts)))
+        return _plan(problem, "memory", [t for i in idx for t in cuts[i].crossing], reason)
+
+    hopeless = can_save(problem, min_saving_fraction=min_saving_fraction)
+    if hopeless:
+        return problem.plan("memory", (), {}, note=hopeless + _CHOOSE_YOURSELF)
+    judge = problem.judge
+    plans = problem.memory_plans(segment_live_fraction=segment_live_fraction,
+                                 small_tensor_fraction=small_tensor_fraction)
+    scored = [(problem.peak(problem.schedule(chosen), model=judge), chosen) for chosen in plans]
+    best: tuple[int, ...] = ()
+    if scored:
+        # Lowest peak; among equal peaks (a peak set by the xs' gradients at
+        # the end of the step is the same for every plan), the lowest
+        # working memory, which is the step's peak when an optimizer update
+        # consumes each gradient (see simulate's gradients_kept); then the
+        # fewest checkpoints.
+        best_peak = min(p for p, _ in scored)
+        tied = [c for p, c in scored if p == best_peak]
+        best = tied[0] if len(tied) == 1 else min(tied, key=lambda c: (
+            problem.peak(problem.schedule(c), model=judge, gradients_kept=False), len(c)))
+    if not best:
+        return problem.plan("memory", (), {}, note=(
+            "no tensor cuts the forward graph in two (every activation is bypassed by "
+            "another path, or all of them are inside ops that are kept anyway); "
+            + _CHOOSE_YOURSELF
+        ))
+    plan = _plan(problem, "memory", best, reason)
+    return worth_it(problem, plan, min_saving_fraction=min_saving_fraction, who="'memory'")

@@ -1,0 +1,224 @@
+"""The one planning problem: what every way of choosing checkpoints reads (no TensorFlow).
+
+Data flow::
+
+    ForwardGraph (memsave.extract)
+      -> Problem(fg, model=..., extra_resident_bytes=...)
+           costs            memsave.costs.estimate_costs, once
+           candidates       articulation points, topological cuts, 'memory''s
+                            plans (memsave.candidates), each computed once
+           evaluator        schedule(checkpoints)  -> Schedule   (cached)
+                            forecast(schedule)     -> MemoryTrace (cached)
+                            timeline(schedule)     -> MemoryTrace with events
+      -> a planner (memsave.planners): (problem, *, budget=None, **options) -> Plan
+      -> Plan (memsave.record): what memsave.plan shows and memsave.rewrite runs
+
+A planner only chooses: it asks the problem for candidates, builds
+schedules and reads their forecast peaks through the problem, whose caches
+make every schedule built once and every forecast simulated once, whoever
+asks (the planner's search, its tie-breaks, the no-saving warning, the
+Plan's figures). The Plan it returns holds the problem, so nothing
+downstream rebuilds or re-simulates what the planner already did.
+
+Two memory models are read: the device's (``model``: its allocator's
+reported peak, what ``tf.config.experimental.get_memory_info`` shows and
+what a budget bounds) and :attr:`Problem.judge`, the same model counting
+every byte, with which the strategies compare plans (a buffer the CPU
+allocator does not report still takes memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from memsave import candidates as _candidates
+from memsave.costs import Costs, estimate_costs
+from memsave.errors import ArgumentError
+from memsave.graph import ForwardGraph
+from memsave.memory_model import MemoryModel
+from memsave.schedule import Schedule, build_schedule
+from memsave.simulate import ForwardProgram, MemoryTrace, paused_gc, simulate
+
+__all__ = ["Problem"]
+
+
+class Problem:
+    """A forward graph, its costs, the memory model, candidate cuts and the cached evaluator.
+
+    Parameters
+    ----------
+    fg : ForwardGraph
+    model : MemoryModel
+        The memory model of the device the step runs on.
+    costs : Costs, optional
+        :func:`memsave.costs.estimate_costs` of ``fg`` (computed here with
+        ``batch_size`` and the model's ``early_gradient_values`` when not given).
+    batch_size : int, optional
+        Size of unknown first dimensions, for the costs.
+    extra_resident_bytes : int
+        Bytes the step holds besides what the graph reads (an optimizer's
+        slots, metric state): resident in every forecast, so that a
+        fractional budget is a fraction of the whole step.
+
+    Examples
+    --------
+    >>> problem = Problem(fg)  # doctest: +SKIP
+    >>> plan = memsave.planners.get("memory")(problem)  # doctest: +SKIP
+    >>> plan.predicted_peak_bytes, plan.baseline_peak_bytes  # doctest: +SKIP
+    """
+
+    def __init__(self, fg: ForwardGraph, *, model: MemoryModel = MemoryModel(),
+                 costs: Costs | None = None, batch_size: int | None = None,
+                 extra_resident_bytes: int = 0) -> None:
+        if isinstance(extra_resident_bytes, bool) or not isinstance(extra_resident_bytes, int) \
+                or extra_resident_bytes < 0:
+            raise ArgumentError(
+                f"memsave: extra_resident_bytes={extra_resident_bytes!r}; pass a number of bytes >= 0")
+        self.fg = fg
+        self.model = model
+        self.costs = costs if costs is not None else estimate_costs(
+            fg, batch_size=batch_size, early_gradient_values=model.early_gradient_values)
+        self.extra_resident_bytes = extra_resident_bytes
+        self.judge = model.counting_every_byte()
+        self._forward: dict[MemoryModel, ForwardProgram] = {}
+        self._schedules: dict[tuple, Schedule] = {}
+        self._forecasts: dict[tuple, MemoryTrace] = {}
+        self._timelines: dict[tuple, MemoryTrace] = {}
+        self._cached: dict[tuple, object] = {}
+
+    # -- candidates (memsave.candidates, each computed once) -------------------
+
+    def _once(self, key: tuple, make):
+        found = self._cached.get(key)
+        if found is None:
+            found = self._cached[key] = make()
+        return found
+
+    def keepable(self) -> list[int]:
+        """Activations a plan may keep (:func:`memsave.candidates.keepable`)."""
+        return self._once(("keepable",), lambda: _candidates.keepable(self.fg))
+
+    def articulation_points(
+        self, *, small_tensor_fraction: float = _candidates.SMALL_TENSOR_FRACTION
+    ) -> list[int]:
+        """:func:`memsave.candidates.articulation_points` of the graph."""
+        return self._once(("articulation", small_tensor_fraction),
+                          lambda: _candidates.articulation_points(
+                              self.fg, small_tensor_fraction=small_tensor_fraction))
+
+    def topological_cuts(self) -> list[_candidates.Cut]:
+        """:func:`memsave.candidates.topological_cuts` of the graph."""
+        return self._once(("cuts",), lambda: _candidates.topological_cuts(self.fg, self.costs))
+
+    def positions(self) -> tuple[list[int], int]:
+        """:func:`memsave.candidates.positions`: activation bytes up to each op, and in all."""
+        return self._once(("positions",), lambda: _candidates.positions(self.fg, self.costs))
+
+    def memory_plans(
+        self, *, segment_live_fraction: float = _candidates.SEGMENT_LIVE_FRACTION,
+        small_tensor_fraction: float = _candidates.SMALL_TENSOR_FRACTION,
+    ) -> list[tuple[int, ...]]:
+        """The plans ``'memory'`` weighs (:func:`memsave.candidates.memory_plans`)."""
+        return self._once(
+            ("memory_plans", segment_live_fraction, small_tensor_fraction),
+            lambda: _candidates.memory_plans(
+                self.fg, self.costs,
+                self.articulation_points(small_tensor_fraction=small_tensor_fraction),
+                self.topological_cuts(), segment_live_fraction=segment_live_fraction))
+
+    # -- the evaluator -----------------------------------------------------------
+
+    def schedule(self, checkpoints: Iterable[int], in_place: Iterable[int] = ()) -> Schedule:
+        """:func:`memsave.schedule.build_schedule` of these checkpoints (cached)."""
+        key = (tuple(sorted(set(checkpoints))), tuple(sorted(set(in_place))))
+        found = self._schedules.get(key)
+        if found is None:
+            found = self._schedules[key] = build_schedule(self.fg, key[0], in_place=key[1])
+        return found
+
+    def forward(self, model: MemoryModel | None = None) -> ForwardProgram:
+        """The forward program every simulation under ``model`` shares."""
+        model = self.model if model is None else model
+        found = self._forward.get(model)
+        if found is None:
+            with paused_gc():
+                found = self._forward[model] = ForwardProgram(self.fg, self.costs, model)
+        return found
+
+    def forecast(self, schedule: Schedule | None, *, model: MemoryModel | None = None,
+                 gradients_kept: bool = True) -> MemoryTrace:
+        """The forecast of ``schedule`` (None: plain tf.gradients), without its timeline; cached.
+
+        Under the device's model unless ``model`` is given (e.g.
+        :attr:`judge`); ``gradients_kept`` as for
+        :func:`memsave.simulate.simulate`. Schedules with the same steps
+        share one simulation.
+        """
+        model = self.model if model is None else model
+        key = (None if schedule is None else schedule.steps, model, gradients_kept)
+        found = self._forecasts.get(key)
+        if found is None:
+            found = self._forecasts[key] = simulate(
+                self.fg, schedule, self.costs, model=model, timeline=False,
+                forward=self.forward(model), gradients_kept=gradients_kept,
+                extra_resident_bytes=self.extra_resident_bytes)
+        return found
+
+    def peak(self, schedule: Schedule | None, *, model: MemoryModel | None = None,
+             gradients_kept: bool = True) -> int:
+        """Forecast peak bytes of ``schedule`` (:meth:`forecast`)."""
+        return self.forecast(schedule, model=model, gradients_kept=gradients_kept).peak_bytes
+
+    def timeline(self, schedule: Schedule | None, *, model: MemoryModel | None = None) -> MemoryTrace:
+        """The forecast with its timeline of bytes alive per event (for the Plan), cached."""
+        model = self.model if model is None else model
+        key = (None if schedule is None else schedule.steps, model)
+        found = self._timelines.get(key)
+        if found is None:
+            found = self._timelines[key] = simulate(
+                self.fg, schedule, self.costs, model=model, timeline=True,
+                forward=self.forward(model), extra_resident_bytes=self.extra_resident_bytes)
+        return found
+
+    def floor(self, *, model: MemoryModel | None = None) -> int:
+        """Bytes every plan holds at the end of the step: a lower bound on any
+        plan's forecast peak (with the gradients kept, as planners compare).
+
+        The inputs and variables (resident from start to end), the extra
+        resident bytes, and the xs' gradients (the step's outputs): no
+        choice of checkpoints frees any of them.
+        """
+        model = self.model if model is None else model
+        return self._once(("floor", model), lambda: self._floor(model))
+
+    def _floor(self, model: MemoryModel) -> int:
+        fg, counted, tensor_bytes = self.fg, model.allocator.counted, self.costs.tensor_bytes
+        held = sum(counted(tensor_bytes[t.id]) for t in fg.tensors if t.kind != "internal")
+        reached = {t for targets in self.costs.gradient_targets for _, t in targets}
+        grads = sum(counted(tensor_bytes[x]) for x in dict.fromkeys(fg.xs)
+                    if x in reached and fg.tensors[x].kind != "internal")
+        return self.extra_resident_bytes + held + grads
+
+    @property
+    def simulations(self) -> int:
+        """Distinct forecasts simulated so far (without timelines)."""
+        return len(self._forecasts)
+
+    # -- results ------------------------------------------------------------------
+
+    def plan(self, strategy: str, checkpoints: Iterable[int], reasons: Mapping[int, str], *,
+             schedule: Schedule | None | type = ..., note: str = "", budget=None):
+        """The :class:`memsave.record.Plan` keeping ``checkpoints``.
+
+        ``schedule``: the one the planner already built (default: this
+        problem's schedule of ``checkpoints``, or None when there are none:
+        plain tf.gradients). ``budget``: the :class:`memsave.record.Budget`
+        facts of a budgeted plan.
+        """
+        from memsave.record import Plan
+
+        ids = tuple(sorted(set(checkpoints)))
+        if schedule is ...:
+            schedule = self.schedule(ids) if ids else None
+        return Plan(strategy=strategy, problem=self, checkpoint_ids=ids,
+                    reason_of=dict(reasons), schedule=schedule, note=note, budget=budget)
