@@ -17,9 +17,13 @@ loop stores its state each trip, the backward loop recomputes the trip);
 ``chunk`` (``LoopChoice.chunk(k)``, state every k trips, each chunk's trips
 recomputed, then each trip again; k from :func:`memsave.loopmodel.chunk_size`,
 about sqrt(T)); ``chunk_store`` (``LoopChoice.chunk(k, inner="store")``:
-a chunk's recomputation keeps what the gradient reads; its own k). Each
-step returns the gradients with respect to the weights; ``prepare`` is
-given those xs, so the input sequence gets no gradient.
+a chunk's recomputation keeps what the gradient reads; its own k);
+``memory`` (``memsave.gradients(checkpoints="memory")``: the planner picks
+each loop's gradient, the lowest forecast peak at the least recompute) and
+``budget_0.5``, ``budget_0.25`` (``memory_budget=``: the least recompute
+whose forecast fits that fraction of the plain forecast peak). Each step
+returns the gradients with respect to the weights; ``prepare`` is given
+those xs, so the input sequence gets no gradient.
 
 Memory: one fresh process per (case, mode, method, T): the CPU pool is
 pre-split (``allocator.presplit_cpu_pool``), the step runs once (warm-up),
@@ -27,7 +31,8 @@ then ``reset_memory_stats``, one step, ``peak``; *peak above resident* is
 that peak minus the bytes in use before the step (variables, inputs).
 Forecast: memsave's simulator on the step's forward graph, with the loop's
 figures from :func:`memsave.loopmodel.figures` for the method's choice
-(read before ``prepare`` changes the loop). Time: per (case, mode, T), all
+(``Problem.with_loops``, read before ``prepare`` changes the loop); for the
+planned methods, ``memsave.plan``'s ``predicted_peak_bytes``. Time: per (case, mode, T), all
 methods built in one process and run round-robin (``--time-repeats``
 rounds); the median wall time and the median CPU time of the process
 (``time.process_time``, steadier than wall time on a shared machine) over
@@ -66,7 +71,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
 BATCH, FEATURES, UNITS = 1024, 64, 128
-METHODS = ("plain", "per_step", "chunk", "chunk_store")
+METHODS = ("plain", "per_step", "chunk", "chunk_store", "memory", "budget_0.5", "budget_0.25")
+#: Methods planned by memsave (memsave.gradients' own loop choices).
+PLANNED = {"memory": {"checkpoints": "memory"}, "budget_0.5": {"memory_budget": 0.5},
+           "budget_0.25": {"memory_budget": 0.25}}
 CASES = ("keras", "while", "scan")
 #: Modes measured per case.
 CASE_MODES = {"keras": ("function",), "while": ("session", "function"), "scan": ("session", "function")}
@@ -84,19 +92,19 @@ TIMEOUT_S = 1800
 def _choice(method, body):
     """The LoopChoice of ``method`` for a loop whose body is ``body``."""
     from memsave import loopmodel
-    from memsave.simulate import CPU_ONEDNN
+    from memsave.memory_model import MemoryModel
 
     if method == "plain":
         return loopmodel.LoopChoice.plain()
     if method == "per_step":
         return loopmodel.LoopChoice.per_step()
     inner = "store" if method == "chunk_store" else "per_step"
-    return loopmodel.LoopChoice.chunk(loopmodel.chunk_size(body, CPU_ONEDNN, inner=inner),
+    return loopmodel.LoopChoice.chunk(loopmodel.chunk_size(body, MemoryModel(), inner=inner),
                                       inner=inner)
 
 
 def _gradients(loss, weights, method, report):
-    """Forecast ``method``'s step, prepare the loops, return tf.gradients
+    """Forecast ``method``'s step, prepare the loops, return the gradients
     (not converted by autograph: plain Python over the traced graph)."""
     import tensorflow as tf
 
@@ -107,38 +115,31 @@ def _gradients(loss, weights, method, report):
 def _gradients_unconverted(loss, weights, method, report):
     import tensorflow as tf
 
+    import memsave
     from memsave import _tf_private, loops
-    from memsave.costs import estimate_costs
+    from memsave.api import device_model
     from memsave.extract import extract
+    from memsave.problem import Problem
 
+    if method in PLANNED:
+        kwargs = PLANNED[method]
+        plan = memsave.plan(loss, weights, **kwargs)
+        report["forecast_above_bytes"] = plan.predicted_peak_bytes - plan.resident_bytes
+        report["applied"] = {d.name: str(d.choice) for d in plan.loops}
+        report["plan_recompute_flops"] = plan.recompute_cost
+        report["budget_bytes"] = plan.budget_bytes
+        return memsave.gradients(loss, weights, **kwargs)
     fg = extract([loss], _tf_private.convert_xs(weights)).fg
-    choices = {node.name: _choice(method, node.body) for node in fg.ops
+    choices = {node.index: _choice(method, node.body) for node in fg.ops
                if node.body is not None and node.body.loop}
-    report["forecast_above_bytes"] = _forecast(fg, estimate_costs(fg), choices)
+    trace = Problem(fg, model=device_model()).with_loops(choices).forecast(None)
+    report["forecast_above_bytes"] = trace.peak_bytes - trace.resident_bytes
     report["applied"] = {}
+    by_name = {fg.ops[i].name: c for i, c in choices.items()}
     for op in loops.find_loops([loss]):
-        if op.name in choices:
-            report["applied"][op.name] = str(loops.prepare(op, choices[op.name], xs=weights).applied)
+        if op.name in by_name:
+            report["applied"][op.name] = str(loops.prepare(op, by_name[op.name], xs=weights).applied)
     return tf.gradients(loss, weights)
-
-
-def _forecast(fg, costs, choices) -> int:
-    """The simulator's peak above resident with each loop's figures for its choice."""
-    from memsave import loopmodel, simulate
-
-    allocator = simulate.CPU_ONEDNN
-    bodies = {node.name: node.body for node in fg.ops if node.name in choices}
-    figures = {name: loopmodel.figures(body, choices[name], allocator) for name, body in bodies.items()}
-    saved = {name: dict(simulate._figures.get(body, {})) for name, body in bodies.items()}  # pylint: disable=protected-access
-    try:
-        for name, body in bodies.items():
-            simulate._figures[body] = {allocator: figures[name]}  # pylint: disable=protected-access
-        trace = simulate.simulate(fg, None, costs, allocator=allocator,
-                                  forward=simulate.forward_program(fg, costs, allocator))
-    finally:
-        for name, body in bodies.items():
-            simulate._figures[body] = saved[name]  # pylint: disable=protected-access
-    return trace.peak_bytes - trace.resident_bytes
 
 
 def _cell(W, U, b, x_t, h, c):
@@ -438,16 +439,34 @@ def _targets(rows, keras, exponents) -> None:
     longest = max((r["T"] for r in keras), default=None)
     if longest is not None:
         at = [r for r in keras if r["T"] == longest and r["method"] != "plain"]
-        smallest = min(r["peak_ratio"] for r in at)
-        # Of the methods within SAME_PEAK of the smallest peak, the fastest.
-        tied = [r for r in at if r["peak_ratio"] <= smallest * (1 + SAME_PEAK)]
-        best = min(tied, key=lambda r: r["cpu_ratio"] if r["cpu_ratio"] is not None else math.inf)
-        line(best["peak_ratio"] <= 0.15, f"best <= 0.15x at T={longest}: {best['method']} "
+        picked = [r for r in at if r["method"] == "memory"]
+        if picked:
+            best = picked[0]
+            what = f"the plan memsave picks ('memory': {', '.join(best['applied'].values())})"
+        else:
+            smallest = min(r["peak_ratio"] for r in at)
+            # Of the methods within SAME_PEAK of the smallest peak, the fastest.
+            tied = [r for r in at if r["peak_ratio"] <= smallest * (1 + SAME_PEAK)]
+            best = min(tied, key=lambda r: r["cpu_ratio"] if r["cpu_ratio"] is not None else math.inf)
+            what = best["method"]
+        line(best["peak_ratio"] <= 0.15, f"best <= 0.15x at T={longest}: {what} "
              f"{best['peak_ratio']:.3f}")
         if best["cpu_ratio"] is not None:
-            line(best["cpu_ratio"] <= 1.6, f"step time <= 1.6x at the smallest peak ({best['method']},"
-                 f" T={longest}; peaks within {SAME_PEAK:.0%} count as one): CPU ratio "
-                 f"{best['cpu_ratio']:.2f}")
+            line(best["cpu_ratio"] <= 1.6, f"step time <= 1.6x at the smallest peak ({what}, "
+                 f"T={longest}): CPU ratio {best['cpu_ratio']:.2f}")
+        budgets = sorted((r for r in at if r["method"].startswith("budget_")
+                          and r.get("budget_bytes")), key=lambda r: r["budget_bytes"])
+        for r in budgets:
+            measured = r["peak_above_bytes"] + r["resident_bytes"]
+            line(measured <= 1.1 * r["budget_bytes"],
+                 f"{r['method']} at T={longest}: measured peak {measured / MiB:.0f} MiB within +10% "
+                 f"of the budget {r['budget_bytes'] / MiB:.0f} MiB ({measured / r['budget_bytes']:.2f}x; "
+                 f"{', '.join(r['applied'].values())})")
+        if len(budgets) == 2 and all(r["cpu_ratio"] is not None for r in budgets):
+            small, large = budgets
+            line(small["cpu_ratio"] >= large["cpu_ratio"],
+                 f"the smaller budget never the faster: CPU ratios {small['method']} "
+                 f"{small['cpu_ratio']:.2f}, {large['method']} {large['cpu_ratio']:.2f}")
     for case in ("while", "scan"):
         for r in rows:
             if r["case"] == case and r["method"] != "plain" and "peak_ratio" in r:

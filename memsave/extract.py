@@ -398,7 +398,9 @@ def _read_lists_bytes(op: tf.Operation, invariant) -> int:
         t = op.inputs[j]
         while t.dtype == tf.variant:
             if t.op.type == "TensorListFromTensor":
-                total += _size(t.op.inputs[0])[0]
+                source = t.op.inputs[0]
+                total += _size(source.shape.as_list() if source.shape.rank is not None else None,
+                               source.dtype)[0]
                 break
             if t.op.type == "Identity":
                 t = t.op.inputs[0]

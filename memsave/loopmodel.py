@@ -50,11 +50,12 @@ from memsave.bodies import BodyFigures, body_figures
 from memsave.costs import body_costs
 
 if TYPE_CHECKING:
-    from memsave.graph import Body
+    from memsave.costs import Costs
+    from memsave.graph import Body, ForwardGraph
     from memsave.memory_model import MemoryModel
 
 __all__ = ["LoopChoice", "TripBytes", "trip_bytes", "figures", "recomputed_trips",
-           "chunk_size", "candidates"]
+           "chunk_size", "candidates", "LoopForecast", "LoopDecision", "options"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,3 +273,91 @@ def candidates(body: "Body", model: "MemoryModel") -> list[LoopChoice]:
 #: Fewest trips for which chunks are forecast: below it, the stored states
 #: of a chunked loop hardly differ from a per-step one's.
 MIN_TRIPS_TO_CHUNK = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopForecast:
+    """One way of differentiating a loop, forecast.
+
+    Attributes
+    ----------
+    choice : LoopChoice
+    kept_bytes : int
+        What the gradient keeps from the loop until it runs, all trips
+        (:func:`figures`' ``saved_bytes``), as the device's allocator counts.
+    recompute_flops : int
+        FLOPs of the trips its gradient runs again (:func:`recomputed_trips`
+        times one trip's forward).
+    """
+
+    choice: LoopChoice
+    kept_bytes: int
+    recompute_flops: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopDecision:
+    """What the plan does with one loop of the differentiated graph.
+
+    Attributes
+    ----------
+    op : int
+        The While op's index in the forward graph.
+    name : str
+        Its TensorFlow name (what :func:`memsave.loops.prepare` is applied to).
+    trips : int
+        T, the trips it makes (1 when not known at trace time: ``trips_known``).
+    trips_known : bool
+    state_bytes : int
+        S: the loop state, bytes per trip (what a per-step gradient stores).
+    trip_bytes : int
+        I: what while_v2's gradient keeps of a trip.
+    forecasts : tuple of LoopForecast
+        Every choice the planner weighed.
+    chosen : LoopForecast
+        The one it took.
+    """
+
+    op: int
+    name: str
+    trips: int
+    trips_known: bool
+    state_bytes: int
+    trip_bytes: int
+    forecasts: tuple[LoopForecast, ...]
+    chosen: LoopForecast | None = None
+
+    @property
+    def choice(self) -> LoopChoice:
+        return LoopChoice.plain() if self.chosen is None else self.chosen.choice
+
+    @property
+    def k(self) -> int:
+        """Trips per chunk: k for a chunk, 1 per step, 0 plain."""
+        c = self.choice
+        return c.k if c.kind == "chunk" else (1 if c.kind == "per_step" else 0)
+
+    def taking(self, choice: LoopChoice) -> "LoopDecision":
+        """This decision with ``choice`` (one of ``forecasts``) chosen."""
+        found = next(f for f in self.forecasts if f.choice == choice)
+        return dataclasses.replace(self, chosen=found)
+
+
+def options(fg: "ForwardGraph", costs: "Costs", model: "MemoryModel") -> tuple[LoopDecision, ...]:
+    """The loops of ``fg`` (While ops of the graph itself, not of function
+    bodies) with every choice :func:`candidates` gives, forecast; nothing chosen."""
+    out = []
+    for op in fg.ops:
+        body = op.body
+        if body is None or not body.loop:
+            continue
+        per = trip_bytes(body, model)
+        trip_flops = body_costs(body).forward_flops
+        forecasts = tuple(
+            LoopForecast(choice=c, kept_bytes=figures(body, c, model).saved_bytes,
+                         recompute_flops=recomputed_trips(body, c) * trip_flops)
+            for c in candidates(body, model))
+        out.append(LoopDecision(op=op.index, name=op.name, trips=body.trips,
+                                trips_known=body.trips_known, state_bytes=per.state_bytes,
+                                trip_bytes=per.saved_bytes, forecasts=forecasts))
+    return tuple(out)

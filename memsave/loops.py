@@ -45,7 +45,7 @@ from memsave import _tf_private, _tf_while
 from memsave.errors import LoopChoiceError
 from memsave.loopmodel import LoopChoice
 
-__all__ = ["LoopChoice", "Prepared", "prepare", "find_loops", "accumulators"]
+__all__ = ["LoopChoice", "Prepared", "prepare", "apply", "find_loops", "accumulators"]
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +238,54 @@ def _without_gradient(op: tf.Operation, positions, xs) -> tuple[int, ...]:
         if not found:
             out.append(j)
     return tuple(out)
+
+
+@tf.autograph.experimental.do_not_convert
+def apply(decisions: Sequence, graph: tf.Graph, *, xs: Sequence | None = None,
+          ops: Sequence[str] = ()) -> dict[str, Prepared]:
+    """Prepare the loops a plan chose for (``Plan.loops``), before the rewrite.
+
+    Parameters
+    ----------
+    decisions : sequence of memsave.loopmodel.LoopDecision
+    graph : tf.Graph
+        The graph the loops are in (the ys').
+    xs : sequence, optional
+        As for :func:`prepare`.
+    ops : sequence of str
+        Names of the differentiated graph's ops: the loops inside their
+        function bodies (a loop in a loop body, in a called function) keep
+        while_v2's gradient, and a warning says which and why.
+
+    Returns
+    -------
+    dict of str to Prepared
+        What :func:`prepare` did, per loop it was asked to change.
+    """
+    done = {}
+    for d in decisions:
+        if d.choice.kind == "plain":
+            continue
+        done[d.name] = prepare(graph.get_operation_by_name(d.name), d.choice, xs=xs)
+        logger.info("memsave: loop %s (T=%d): %s gradient", d.name, d.trips,
+                    done[d.name].applied)
+    chosen = {d.name for d in decisions}
+    for name in ops:
+        outer = graph.get_operation_by_name(name)
+        if outer.type not in _tf_private.WHILE_OP_TYPES and outer.type not in _tf_private.CALL_OP_TYPES:
+            continue
+        for inner in _inner_loops(outer):
+            if inner.name in chosen or _tf_while.marked(inner) is not None:
+                continue
+            where = "the body of loop" if outer.type in _tf_private.WHILE_OP_TYPES else "function call"
+            logger.warning(
+                "memsave: loop %s (in %s %s) keeps while_v2's gradient: the planner chooses "
+                "per-step or chunked gradients for the loops of the graph it differentiates, "
+                "not for loops nested in a loop body or a called function (forecast as "
+                "while_v2's). To change it, call memsave.loops.prepare on it before the "
+                "gradients are built (memsave.loops.find_loops(ys, nested=True) lists it)",
+                inner.name, where, outer.name)
+    return done
 
 
 @tf.autograph.experimental.do_not_convert

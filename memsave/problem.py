@@ -29,6 +29,7 @@ allocator does not report still takes memory).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 
 from memsave import candidates as _candidates
@@ -85,6 +86,10 @@ class Problem:
         self._forecasts: dict[tuple, MemoryTrace] = {}
         self._timelines: dict[tuple, MemoryTrace] = {}
         self._cached: dict[tuple, object] = {}
+        # Loops (memsave.loopmodel): op index -> LoopChoice of a loop whose
+        # gradient is not while_v2's, and the problem with every loop plain.
+        self.loop_choices: dict[int, object] = {}
+        self.base: Problem = self
 
     # -- candidates (memsave.candidates, each computed once) -------------------
 
@@ -142,7 +147,8 @@ class Problem:
         found = self._forward.get(model)
         if found is None:
             with paused_gc():
-                found = self._forward[model] = ForwardProgram(self.fg, self.costs, model)
+                found = self._forward[model] = ForwardProgram(
+                    self.fg, self.costs, model, loop_figures=self._loop_figures(model))
         return found
 
     def forecast(self, schedule: Schedule | None, *, model: MemoryModel | None = None,
@@ -198,6 +204,57 @@ class Problem:
         grads = sum(counted(tensor_bytes[x]) for x in dict.fromkeys(fg.xs)
                     if x in reached and fg.tensors[x].kind != "internal")
         return self.extra_resident_bytes + held + grads
+
+    # -- loops (memsave.loopmodel) ---------------------------------------------------
+
+    @property
+    def loops(self):
+        """The While ops of the graph, each with its choices forecast (a tuple
+        of :class:`memsave.loopmodel.LoopDecision`, nothing chosen yet)."""
+        from memsave import loopmodel
+
+        return self._once(("loops",), lambda: loopmodel.options(self.fg, self.costs, self.model))
+
+    def with_loops(self, choices: Mapping[int, object]) -> Problem:
+        """This graph with the loops' gradients as ``choices`` says (op index ->
+        :class:`memsave.loopmodel.LoopChoice`; a loop not in it stays
+        plain): the same costs and model, its own caches; ``base`` is this
+        problem's. Cached per choices."""
+        base = self.base
+        key = tuple(sorted((i, c) for i, c in choices.items() if c.kind != "plain"))
+        if not key:
+            return base
+        return base._once(("with_loops", key), lambda: base._variant(dict(key)))
+
+    def _variant(self, choices: dict) -> Problem:
+        # A loop whose gradient memsave.loops.prepare changes is rewritten in
+        # place (its body, its inputs): a recompute step cannot copy it from
+        # the graph as extracted, so its outputs are kept, as a stateful op's.
+        fg = dataclasses.replace(self.fg, ops=tuple(
+            dataclasses.replace(op, recomputable=False) if op.index in choices else op
+            for op in self.fg.ops))
+        variant = Problem(fg, model=self.model, costs=self.costs,
+                          extra_resident_bytes=self.extra_resident_bytes)
+        variant.loop_choices = choices
+        variant.base = self
+        return variant
+
+    def loop_recompute_flops(self) -> int:
+        """FLOPs of the loop trips the gradients of ``loop_choices`` run again."""
+        from memsave import loopmodel
+
+        ops = self.fg.ops
+        return sum(loopmodel.recomputed_trips(ops[i].body, c)
+                   * self.costs.op_flops[i] // max(ops[i].body.trips, 1)
+                   for i, c in self.loop_choices.items())
+
+    def _loop_figures(self, model: MemoryModel) -> dict:
+        if not self.loop_choices:
+            return {}
+        from memsave import loopmodel
+
+        return {i: loopmodel.figures(self.fg.ops[i].body, c, model)
+                for i, c in self.loop_choices.items()}
 
     @property
     def simulations(self) -> int:

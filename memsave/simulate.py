@@ -86,9 +86,9 @@ import dataclasses
 import enum
 import gc
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from memsave.bodies import body_figures
+from memsave.bodies import BodyFigures, body_figures
 from memsave.costs import Costs
 from memsave.errors import ArgumentError
 from memsave.graph import ForwardGraph
@@ -527,8 +527,12 @@ class ForwardProgram:
     here once.
     """
 
-    def __init__(self, fg: ForwardGraph, costs: Costs, model: MemoryModel) -> None:
+    def __init__(self, fg: ForwardGraph, costs: Costs, model: MemoryModel, *,
+                 loop_figures: Mapping[int, BodyFigures] | None = None) -> None:
         self.fg, self.costs, self.model = fg, costs, model
+        # Op index -> the figures of a loop whose gradient is not while_v2's
+        # (memsave.loopmodel.figures of its LoopChoice; Problem.with_loops).
+        self.loop_figures = dict(loop_figures or {})
         tensors, tensor_bytes = fg.tensors, costs.tensor_bytes
         xs = set(fg.xs)
         self.is_x = [node.id in xs for node in tensors]
@@ -653,7 +657,8 @@ class ForwardProgram:
         for i, op in enumerate(fg.ops):
             use = costs.gradient[i]
             inputs, outputs = op.inputs, op.outputs
-            figures = body_figures(op.body, model) if op.body is not None else None
+            figures = self.loop_figures.get(i) or (
+                body_figures(op.body, model) if op.body is not None else None)
             inplace = costs.inplace[i]
             copied_outputs = []
             for t in outputs:
