@@ -265,3 +265,61 @@ def test_keras_plan_of_a_fit_step_shows_the_loop():
     (d,) = plan.loops
     assert d.trips == KT and d.choice.kind != "plain"
     assert plan.predicted_peak_bytes <= plan.baseline_peak_bytes
+
+
+def test_memory_under_xla_equals_tf_gradients():
+    xv, Wv, Uv = _values()
+    x, W, U = tf.constant(xv), tf.Variable(Wv), tf.Variable(Uv)
+    plans = []
+
+    @tf.function(jit_compile=True)
+    def plain(x):
+        return tf.gradients(_loss(_while_lstm, x, W, U), [W, U])
+
+    @tf.function(jit_compile=True)
+    def ours(x):
+        loss = _loss(_while_lstm, x, W, U)
+        plans.append(memsave.plan(loss, [W, U], checkpoints="memory"))
+        grads = memsave.gradients(loss, [W, U], checkpoints="memory")
+        (op,) = loops.find_loops([loss])
+        assert _tf_while.marked(op) is not None
+        return grads
+
+    assert_grads_equal([g.numpy() for g in ours(x)], [g.numpy() for g in plain(x)])
+    assert plans[0].loops[0].choice.kind != "plain"
+
+
+def test_unknown_trip_count_is_planned_per_step_at_most():
+    """``maximum_iterations`` unknown at trace time (an argument of the
+    tf.function): T is not known (forecast as one trip), so no chunk size is
+    weighed; the gradients are tf.gradients'."""
+    xv, Wv, Uv = _values()
+    x, W, U = tf.constant(xv), tf.Variable(Wv), tf.Variable(Uv)
+    plans = []
+
+    def loss_of(n):
+        def body(t, h, c):
+            h, c = _lstm_cell(x[t], h, c, W, U)
+            return t + 1, h, c
+
+        zeros = tf.zeros([B, H])
+        h = tf.while_loop(lambda t, h, c: t < n, body, [0, zeros, zeros], maximum_iterations=n)[1]
+        return tf.reduce_mean(tf.square(h))
+
+    spec = [tf.TensorSpec([], tf.int32)]
+
+    @tf.function(input_signature=spec)
+    def plain(n):
+        return tf.gradients(loss_of(n), [W, U])
+
+    @tf.function(input_signature=spec)
+    def ours(n):
+        loss = loss_of(n)
+        plans.append(memsave.plan(loss, [W, U], checkpoints="memory"))
+        return memsave.gradients(loss, [W, U], checkpoints="memory")
+
+    n = tf.constant(T - 1)
+    assert_grads_equal([g.numpy() for g in ours(n)], [g.numpy() for g in plain(n)])
+    (d,) = plans[-1].loops
+    assert not d.trips_known
+    assert {f.choice.kind for f in d.forecasts} == {"plain", "per_step"}
