@@ -5,6 +5,8 @@ Cases (batch 1024, 64 features, 128 units, so that one step's tensors are
 
 - ``keras``: ``keras.layers.LSTM(128)`` + ``Dense(10)``, mean squared
   error, in a ``tf.function``; T = 128, 512, 1024.
+- ``stacked``: ``LSTM(128, return_sequences=True)``, ``GRU(128,
+  return_sequences=True)``, ``Dense(10)`` on every step; T = 128.
 - ``while``: a hand-written ``tf.while_loop`` running an LSTM cell
   (``x[t] @ W + h @ U``, four gates) over a time-major input; T = 1000, in
   a ``tf.compat.v1`` Session and in a ``tf.function``.
@@ -52,6 +54,7 @@ Usage::
     .venv/bin/python experiments/bench_loops.py               # everything (~25 min on 2 shared cores)
     .venv/bin/python experiments/bench_loops.py --quick       # Keras at T=128, hand-written loop and scan at T=200
     .venv/bin/python experiments/bench_loops.py --cases keras --T 128 512
+    .venv/bin/python experiments/bench_loops.py --report a.json b.json  # the report of earlier runs
 """
 
 from __future__ import annotations
@@ -75,9 +78,12 @@ METHODS = ("plain", "per_step", "chunk", "chunk_store", "memory", "budget_0.5", 
 #: Methods planned by memsave (memsave.gradients' own loop choices).
 PLANNED = {"memory": {"checkpoints": "memory"}, "budget_0.5": {"memory_budget": 0.5},
            "budget_0.25": {"memory_budget": 0.25}}
-CASES = ("keras", "while", "scan")
+CASES = ("keras", "stacked", "while", "scan")
 #: Modes measured per case.
-CASE_MODES = {"keras": ("function",), "while": ("session", "function"), "scan": ("session", "function")}
+CASE_MODES = {"keras": ("function",), "stacked": ("function",), "while": ("session", "function"),
+              "scan": ("session", "function")}
+#: Sequence length of the stacked case.
+STACKED_T = 128
 KERAS_T = (128, 512, 1024)
 LOOP_T = 1000
 #: Peaks within this fraction of the smallest count as the smallest (the
@@ -177,14 +183,19 @@ def build_step(case, mode, method, steps, seed=0):
 
     report = {}
     rng = np.random.RandomState(seed)
-    if case == "keras":
+    if case in ("keras", "stacked"):
         import keras
 
         keras.utils.set_random_seed(seed)
         x = tf.constant(rng.randn(BATCH, steps, FEATURES).astype(np.float32))
-        y = tf.constant(rng.randn(BATCH, 10).astype(np.float32))
-        model = keras.Sequential([keras.Input((steps, FEATURES)), keras.layers.LSTM(UNITS),
-                                  keras.layers.Dense(10)])
+        L = keras.layers
+        if case == "keras":
+            y = tf.constant(rng.randn(BATCH, 10).astype(np.float32))
+            layers = [L.LSTM(UNITS)]
+        else:
+            y = tf.constant(rng.randn(BATCH, steps, 10).astype(np.float32))
+            layers = [L.LSTM(UNITS, return_sequences=True), L.GRU(UNITS, return_sequences=True)]
+        model = keras.Sequential([keras.Input((steps, FEATURES)), *layers, L.Dense(10)])
 
         @tf.function
         def step(x, y):
@@ -339,7 +350,13 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(HERE / "figures" / "bench_loops.json"))
     parser.add_argument("--plot", default=str(HERE / "figures" / "loops_peak_vs_T.png"))
+    parser.add_argument("--report", nargs="+", metavar="JSON",
+                        help="measure nothing: print the report of these --out files (joined)")
     args = parser.parse_args()
+    if args.report:
+        rows = [r for path in args.report for r in json.loads(Path(path).read_text())]
+        args.methods = list(dict.fromkeys(r["method"] for r in rows))
+        return 1 if report(rows, args) else 0
     if args.quick:
         args.T, args.loop_T, args.time_repeats = [128], 200, 3
 
@@ -348,7 +365,7 @@ def main() -> int:
     rows, failed = [], False
     tmp = Path(tempfile.mkdtemp(prefix="bench_loops"))
     for case in args.cases:
-        lengths = args.T if case == "keras" else [args.loop_T]
+        lengths = {"keras": args.T, "stacked": [STACKED_T]}.get(case, [args.loop_T])
         for mode in CASE_MODES[case]:
             for steps in lengths:
                 print(f"[{case} {mode} T={steps}] timing", file=sys.stderr, flush=True)
