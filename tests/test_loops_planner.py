@@ -220,6 +220,9 @@ def _keras_layers(name):
                             L.Flatten()],
         "Bidirectional": lambda: [L.Bidirectional(L.LSTM(KH))],
         "recurrent_dropout": lambda: [L.LSTM(KH, recurrent_dropout=0.2, seed=3)],
+        "GRU": lambda: [L.GRU(KH)],
+        "SimpleRNN": lambda: [L.SimpleRNN(KH)],
+        "masking": lambda: [L.Masking(0.0), L.LSTM(KH)],
     }[name]()
 
 
@@ -231,6 +234,7 @@ def _fit(name, checkpoints, caplog, **kwargs):
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     rng = np.random.RandomState(1)
     x = rng.randn(SAMPLES, KT, KF).astype(np.float32)
+    x[::2, -4:, :] = 0.0  # masked steps (for "masking")
     y = rng.randn(SAMPLES, 3).astype(np.float32)
     keras.utils.set_random_seed(2)
     with caplog.at_level(logging.INFO, logger="memsave.loops"):
@@ -238,10 +242,12 @@ def _fit(name, checkpoints, caplog, **kwargs):
     return history.history["loss"]
 
 
-LOOPS_IN = {"LSTM": 1, "stacked": 2, "Bidirectional": 2, "recurrent_dropout": 1}
+LOOPS_IN = {"LSTM": 1, "stacked": 2, "Bidirectional": 2, "recurrent_dropout": 1, "GRU": 1,
+            "SimpleRNN": 1, "masking": 1}
 
 
-@pytest.mark.parametrize("name", ["LSTM", "stacked", "Bidirectional", "recurrent_dropout"])
+@pytest.mark.parametrize("name", [n if n == "LSTM" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in LOOPS_IN])
 def test_keras_fit_history_equals_plain_fit(name, caplog):
     plain = _fit(name, None, caplog)
     caplog.clear()
