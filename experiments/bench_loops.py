@@ -390,8 +390,9 @@ def main() -> int:
                         failed = True
                     row.update(times.get(method, {}))
                     rows.append(row)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
+                    # Written after every row: an interrupted run keeps what it measured.
+                    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                    Path(args.out).write_text(json.dumps(rows, indent=1))
     failed |= report(rows, args)
     return 1 if failed else 0
 
