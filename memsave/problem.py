@@ -249,12 +249,14 @@ class Problem:
                    for i, c in self.loop_choices.items())
 
     def _loop_figures(self, model: MemoryModel) -> dict:
-        if not self.loop_choices:
-            return {}
+        """Every loop's figures under its choice (plain when not chosen):
+        :func:`memsave.loopmodel.figures`, which also leaves out the per-trip
+        gradients nobody reads (a loop's input sequence's)."""
         from memsave import loopmodel
 
-        return {i: loopmodel.figures(self.fg.ops[i].body, c, model)
-                for i, c in self.loop_choices.items()}
+        plain = loopmodel.LoopChoice.plain()
+        return {op.index: loopmodel.figures(op.body, self.loop_choices.get(op.index, plain), model)
+                for op in self.fg.ops if op.body is not None and op.body.loop}
 
     @property
     def simulations(self) -> int:
