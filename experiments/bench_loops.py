@@ -343,6 +343,10 @@ def main() -> int:
         case, mode, method, steps = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
         print(json.dumps(measure_memory(case, mode, method, steps)))
         return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "--forecast":
+        case, mode, method, steps = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+        print(json.dumps(build_step(case, mode, method, steps)[1]))  # traced, not run
+        return 0
     if len(sys.argv) > 1 and sys.argv[1] == "--time":
         case, mode, steps, rounds = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
         print(json.dumps(measure_time(case, mode, steps, sys.argv[6:], rounds)))
@@ -359,7 +363,12 @@ def main() -> int:
     parser.add_argument("--plot", default=str(HERE / "figures" / "loops_peak_vs_T.png"))
     parser.add_argument("--report", nargs="+", metavar="JSON",
                         help="measure nothing: print the report of these --out files (joined)")
+    parser.add_argument("--refresh-forecasts", metavar="JSON",
+                        help="measure nothing: forecast every row of this --out file again "
+                             "(memsave's model changed since it was measured) and rewrite it")
     args = parser.parse_args()
+    if args.refresh_forecasts:
+        return _refresh_forecasts(Path(args.refresh_forecasts))
     if args.report:
         rows = [r for path in args.report for r in json.loads(Path(path).read_text())]
         args.methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -402,6 +411,23 @@ def main() -> int:
                     Path(args.out).write_text(json.dumps(rows, indent=1))
     failed |= report(rows, args)
     return 1 if failed else 0
+
+
+def _refresh_forecasts(path: Path) -> int:
+    """Forecast each row again in a fresh process; a row whose loop choices
+    differ now keeps its forecast and gets ``refresh_error``."""
+    rows = json.loads(path.read_text())
+    for r in rows:
+        if "peak_above_bytes" not in r:
+            continue
+        print(f"[{r['case']} {r['mode']} T={r['T']}] forecast {r['method']}", file=sys.stderr, flush=True)
+        got = _in_fresh_process(["--forecast", r["case"], r["mode"], r["method"], str(r["T"])])
+        if got.get("applied") != r.get("applied"):
+            r["refresh_error"] = f"choices now {got.get('applied')}"
+            continue
+        r["forecast_above_bytes"] = got["forecast_above_bytes"]
+        path.write_text(json.dumps(rows, indent=1))
+    return 0
 
 
 def report(rows, args) -> bool:
