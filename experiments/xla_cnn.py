@@ -1,5 +1,13 @@
 """Does memsave's saving survive XLA on a real CNN? (issue 10, item 2)
 
+Which step: a custom loop whose compiled function takes the gradients,
+applies them with SGD (the update inside the step) and also returns a
+digest of every gradient, which holds each gradient to a reduction. A
+training step returns its loss only: ``xla_train.py`` (issue 18, this
+experiment's successor) measures that, with SGD, Adam and loss scaling, in
+a custom loop and in Keras ``fit``, on ResNet50 and MobileNetV2, and
+checks the forecast.
+
 One custom training step on ``keras.applications.ResNet50(weights=None,
 input_shape=(S, S, 3), classes=10)``: forward, softmax cross-entropy, the
 gradients of the loss with respect to ``model.trainable_weights`` by

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 from collections.abc import Sequence
 
 import tensorflow as tf
@@ -137,6 +138,24 @@ def in_xla_context(graph: tf.Graph) -> bool:
     (``TF_XLA_FLAGS=--tf_xla_auto_jit``) decides later and is not seen here.
     """
     return control_flow_util.GraphOrParentsInXlaContext(graph)
+
+
+def auto_clustering() -> bool:
+    """Whether TensorFlow may compile parts of a graph with XLA on its own.
+
+    ``tf.config.optimizer.set_jit(True)`` (``get_jit()`` reports
+    ``'autoclustering'``) or ``TF_XLA_FLAGS=--tf_xla_auto_jit=1|2``. On a
+    CPU either clusters nothing unless ``TF_XLA_FLAGS`` also has
+    ``--tf_xla_cpu_global_jit`` (measured with TF 2.21). Which ops a
+    cluster takes is decided after memsave has built the graph.
+    """
+    flags = os.environ.get("TF_XLA_FLAGS", "")
+    auto = tf.config.optimizer.get_jit() == "autoclustering" or any(
+        f.startswith("--tf_xla_auto_jit=") and f.split("=", 1)[1] not in ("0", "-1", "")
+        for f in flags.split())
+    if not auto:
+        return False
+    return bool(tf.config.list_logical_devices("GPU")) or "--tf_xla_cpu_global_jit" in flags
 
 
 def zeros_like_gradient(x: tf.Tensor) -> tf.Tensor:
@@ -302,6 +321,16 @@ def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str, *, graph=N
         new._gradient_function = fn  # pylint: disable=protected-access
     _give_private_func_graphs(new)
     return new
+
+
+def set_gradient_function(op: tf.Operation, fn) -> None:
+    """Make tf.gradients differentiate ``op`` with ``fn`` (``(op, grad) -> grads``).
+
+    Sets the Python-side ``op._gradient_function``, which
+    ``ops.get_gradient_function`` reads before the registry, for this op
+    only (what ``copy_op`` carries over for function calls).
+    """
+    op._gradient_function = fn  # pylint: disable=protected-access
 
 
 def _unique_func_graph(op, input_shapes, func_name):

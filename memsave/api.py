@@ -28,7 +28,7 @@ from typing import Any, Union
 
 import tensorflow as tf
 
-from memsave import _tf_private, loops, planners
+from memsave import _tf_private, loops, planners, xla
 from memsave.errors import (
     ArgumentError,
     CheckpointError,
@@ -417,6 +417,15 @@ def gradients(
                 "checkpoints='memory' or fewer checkpoints",
                 p.strategy, f"{predicted:,}", f"{baseline:,}",
             )
+        else:
+            note = xla.saving_warning(problem, p.schedule)
+            if note:
+                logger.warning("memsave.gradients(checkpoints=%r): %s", p.strategy, note)
+    if not ex.fg.xla and _tf_private.auto_clustering():
+        logger.info(
+            "memsave.gradients: XLA auto-clustering is on; a cluster XLA compiles keeps the "
+            "recomputation's data dependencies, and the forecast is the executor's "
+            "(compile the step with jit_compile=True for XLA's forecast; see memsave.xla)")
     with graph.as_default(), tf.name_scope(name or "gradients"):
         grad_ys = [
             tf.ones_like(y) if g is None else tf.convert_to_tensor(g, dtype=y.dtype)

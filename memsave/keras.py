@@ -288,8 +288,9 @@ def plan(
 
     Notes
     -----
-    The forecast is for one replica (no ``tf.distribute`` strategy) and
-    ``jit_compile=False``: XLA plans its own buffers.
+    The forecast is for one replica (no ``tf.distribute`` strategy); for a
+    model compiled with ``jit_compile=True`` it is of the XLA-compiled step
+    (see :mod:`memsave.xla`).
 
     Examples
     --------
@@ -340,7 +341,10 @@ def plan(
             extra_resident_bytes=extra_resident_bytes(model), **config.gradient_options))
         return loss
 
-    tf.function(forward, autograph=False).get_concrete_function(data)
+    # Traced as fit traces its step: with jit_compile, in an XLA context, so
+    # that the forecast is XLA's (memsave.xla).
+    tf.function(forward, autograph=False,
+                jit_compile=bool(model.jit_compile)).get_concrete_function(data)
     return planned[0]
 
 

@@ -111,12 +111,23 @@ class MemoryModel:
         from about +1% to +20% (the early ``2 * h`` was counted beside
         ``square(h)``, which the executor frees before it runs the early
         op: the order of ready ops is not modelled).
+    xla_update_in_step : bool
+        For a step compiled by XLA (``jit_compile=True``, see
+        :mod:`memsave.xla`): whether the compiled function also applies the
+        gradients to the variables (an optimizer's update inside it, as in
+        Keras ``fit`` and most custom loops). XLA then frees each weight's
+        gradient once its update has read it: the forecast counts the xs'
+        gradients as consumed when written (``gradients_kept=False`` of
+        :func:`memsave.simulate.simulate`; memsave's ordered steps hold a
+        step's weight gradients to the step's end, not counted). False: a
+        compiled function that returns its gradients. Not read without XLA.
     """
 
     allocator: Allocator = CPU_ONEDNN
     weight_gradient_overlap: int = WEIGHT_GRADIENT_OVERLAP
     constant_folding_max_bytes: int = CONSTANT_FOLDING_MAX_BYTES
     early_gradient_values: bool = False
+    xla_update_in_step: bool = True
 
     def __post_init__(self) -> None:
         if self.weight_gradient_overlap < 0:

@@ -39,6 +39,7 @@ from memsave.graph import ForwardGraph
 from memsave.memory_model import MemoryModel
 from memsave.schedule import Schedule, build_schedule
 from memsave.simulate import ForwardProgram, MemoryTrace, paused_gc, simulate
+from memsave.xla import xla_costs
 
 __all__ = ["Problem"]
 
@@ -77,8 +78,11 @@ class Problem:
                 f"memsave: extra_resident_bytes={extra_resident_bytes!r}; pass a number of bytes >= 0")
         self.fg = fg
         self.model = model
-        self.costs = costs if costs is not None else estimate_costs(
-            fg, batch_size=batch_size, early_gradient_values=model.early_gradient_values)
+        if costs is None:
+            # Under XLA, what each gradient reads as XLA reads it (memsave.xla).
+            costs = xla_costs(fg, estimate_costs(
+                fg, batch_size=batch_size, early_gradient_values=model.early_gradient_values))
+        self.costs = costs
         self.extra_resident_bytes = extra_resident_bytes
         self.judge = model.counting_every_byte()
         self._forward: dict[MemoryModel, ForwardProgram] = {}

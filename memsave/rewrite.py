@@ -72,6 +72,7 @@ import tensorflow as tf
 from memsave import _tf_private
 from memsave.extract import Extraction
 from memsave.schedule import Schedule, Step
+from memsave.xla_gradients import xla_gradient_for
 
 __all__ = ["rewrite", "aggregate"]
 
@@ -202,8 +203,11 @@ def rewrite(
     """
     fg = ex.fg
     received: dict[int, list] = collections.defaultdict(list)
+    y_values = [ex.tensors[y] for y in fg.ys]
+    # Under XLA the seeds wait for the ys by a data dependency (see _after_forward).
+    y_gate = _gate(y_values) if fg.xla else None
     for y, gy in zip(fg.ys, grad_ys):
-        received[y].append(_after_forward(gy, [ex.tensors[y].op for y in fg.ys]))
+        received[y].append(_after_forward(gy, [t.op for t in y_values], y_gate))
     stock = dict(
         gate_gradients=gate_gradients,
         aggregation_method=aggregation_method,
@@ -234,12 +238,41 @@ def rewrite(
                     stop_gradients=[ex.tensors[b] for b in step.boundary],
                     **stock,
                 )
+        if step.ordered:
+            grads = _ordered_after_step(step, grads)
         previous = []
         for b, g in zip(step.boundary, grads):
             if g is not None:
                 received[b].append(g)
                 previous.append((g.values if isinstance(g, tf.IndexedSlices) else g).op)
     return [received.get(x, []) for x in fg.xs]
+
+
+def _ordered_after_step(step: Step, grads: list) -> list:
+    """``grads`` (aligned with ``step.boundary``), with each gradient of
+    ``step.ordered`` (the weights) read through ``g + gate``, a zero computed
+    from all of the step's gradients.
+
+    XLA orders by data dependencies only: this puts a weight's update after
+    every read of the weight in the step (see
+    :func:`memsave.schedule.ordered_boundary`), so XLA need not copy the
+    weight to keep its old value. An IndexedSlices gradient has its values
+    gated.
+    """
+    ordered = set(step.ordered)
+    gate = _gate([g for g in grads if g is not None])
+    if gate is None:
+        return grads
+    casts: dict = {}
+    out = []
+    for b, g in zip(step.boundary, grads):
+        if g is not None and b in ordered:
+            if isinstance(g, tf.IndexedSlices):
+                g = tf.IndexedSlices(_proxy(g.values, gate, casts), g.indices, g.dense_shape)
+            else:
+                g = _proxy(g, gate, casts)
+        out.append(g)
+    return out
 
 
 def _pass_through(fg, step: Step, received: dict) -> list:
@@ -255,7 +288,7 @@ def _pass_through(fg, step: Step, received: dict) -> list:
     return ops
 
 
-def _after_forward(gy, y_ops: Sequence):
+def _after_forward(gy, y_ops: Sequence, y_gate: tf.Tensor | None = None):
     """``gy``, available only once the ys (and so every original forward op) are computed.
 
     tf.gradients gets this order for free: its first gradient ops read the
@@ -265,9 +298,20 @@ def _after_forward(gy, y_ops: Sequence):
     variables: with TF1 reference variables (read when an op runs, not
     snapshotted) a fetched loss would then read the updated weights. Every
     gradient memsave builds descends from the seeds, so it all waits for the
-    forward pass. The Identity passes its buffer through (no copy); XLA,
-    which ignores control dependencies, has resource variables only.
+    forward pass. The Identity passes its buffer through (no copy).
+
+    Under XLA, which ignores control dependencies, ``y_gate`` (a zero
+    computed from the ys' values, :func:`_gate`) is added to ``gy`` instead:
+    the default seed ``ones_like(y)`` is a constant, and so would be the
+    gates of the first recompute step, which XLA folds away, recomputing
+    that step's segment in the forward pass (measured on ResNet50 with its
+    last stage in the first step: the stage's reversed kernels made at the
+    start of the step and held to the backward pass).
     """
+    if y_gate is not None:
+        if isinstance(gy, tf.IndexedSlices):
+            return tf.IndexedSlices(_proxy(gy.values, y_gate), gy.indices, gy.dense_shape)
+        return _proxy(gy, y_gate) if _gateable(gy.dtype) else gy
     with tf.control_dependencies(y_ops):
         if isinstance(gy, tf.IndexedSlices):
             return tf.IndexedSlices(tf.identity(gy.values), gy.indices, gy.dense_shape)
@@ -303,6 +347,13 @@ def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, *
         waits = [gate.op] + previous
     else:
         waits = [g.op for g in head_grads if not isinstance(g, tf.IndexedSlices)] + previous
+    return _copy_and_differentiate(ex, step, heads, head_grads, stock, proxies, waits)
+
+
+def _copy_and_differentiate(ex: Extraction, step: Step, heads, head_grads, stock, proxies: dict,
+                            waits: list) -> list:
+    """Copy the step's ops reading ``proxies``, after ``waits``; differentiate the copies."""
+    fg = ex.fg
     copies: dict[int, tf.Tensor] = {}
     copied_ops: dict[int, tf.Operation] = {}
     graph = ex.ops[0].graph
@@ -321,6 +372,10 @@ def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, *
                 else:
                     inputs.append(ex.tensors[t])
             new = _tf_private.copy_op(op, inputs, name=op.name)
+            if fg.xla:
+                xla_gradient = xla_gradient_for(op)
+                if xla_gradient is not None:
+                    _tf_private.set_gradient_function(new, xla_gradient)
             # Wait for what the original waited for: copies of ops copied
             # in this step, the originals otherwise (already run).
             controls = [

@@ -44,6 +44,7 @@ import dataclasses
 from collections.abc import Collection
 from typing import Literal, Union
 
+from memsave import xla
 from memsave.graph import ForwardGraph
 
 __all__ = ["Step", "Schedule", "build_schedule", "gated_boundary", "is_floating"]
@@ -69,6 +70,10 @@ class Step:
         Of a recompute step's boundary, the tensors read through ``t +
         gate`` (:func:`gated_boundary`); the others are read through
         identities. Empty for backprop steps.
+    ordered : tuple of int
+        Of the boundary, the weights (xs and their reads) whose gradients
+        the rewrite makes wait, by a data dependency, for all of the step's
+        gradients (:func:`memsave.xla.ordered_boundary`; under XLA only).
     """
 
     kind: Literal["recompute", "backprop"]
@@ -76,6 +81,7 @@ class Step:
     ops: tuple[int, ...]
     boundary: tuple[int, ...]
     gated: tuple[int, ...] = ()
+    ordered: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +127,9 @@ def build_schedule(
     b's: the ys step, then one step per layer of heads.
     """
     tensors = fg.tensors
-    stored = frozenset(in_place)
+    # Under XLA some ops are differentiated in place whatever the plan
+    # (memsave.xla.in_place_ops: a recomputed max-pool costs more there).
+    stored = frozenset(in_place) | xla.in_place_ops(fg)
     copyable = [op.recomputable for op in fg.ops]  # by op index; stored ops are not
     for i in stored:
         copyable[i] = False
@@ -222,7 +230,8 @@ def build_schedule(
         if forced:
             outs = tuple(t for o in forced for t in fg.ops[o].outputs if tensors[t].trainable)
             bnd = _outer_inputs(fg, forced, differentiable)
-            steps.append(Step("backprop", outs, tuple(forced), bnd))
+            steps.append(Step("backprop", outs, tuple(forced), bnd,
+                              ordered=xla.ordered_boundary(fg, bnd, forced)))
     return Schedule(
         checkpoints=tuple(sorted(set(checkpoints))),
         kept=tuple(sorted(kept)),
@@ -384,7 +393,8 @@ def _layers(deps: dict, position) -> list[set]:
 def _recompute_step(fg: ForwardGraph, heads, parts) -> Step:
     ops = sorted({o for seg, _ in parts for o in seg})
     boundary = tuple(sorted({b for _, bnd in parts for b in bnd}))
-    return Step("recompute", heads, tuple(ops), boundary, gated_boundary(fg, boundary))
+    return Step("recompute", heads, tuple(ops), boundary, gated_boundary(fg, boundary),
+                xla.ordered_boundary(fg, boundary, ops))
 
 
 def is_floating(dtype: str) -> bool:

@@ -94,6 +94,7 @@ from memsave.errors import ArgumentError
 from memsave.graph import ForwardGraph
 from memsave.memory_model import BFC, CPU_ONEDNN, Allocator, MemoryModel
 from memsave.schedule import Schedule
+from memsave.xla import XlaModel, breadth_first_order
 
 __all__ = [
     "MemoryModel",
@@ -286,7 +287,8 @@ class _Builder:
         ``boundary``'s, noted in ``touched``."""
         p = self.p
         # Hot loop (every op copy of every simulated plan): names bound once.
-        plans, saved_of, early_of = self.fp.copy_plans, self.saved_of, self.early_of
+        plans = self.fp.copy_plans if touched is None else self.fp.recompute_plans
+        saved_of, early_of = self.saved_of, self.early_of
         size, alias, value = p.size, p.alias, p.value
         all_reads, all_writes, all_labels, lingering = p.reads, p.writes, p.labels, p.lingering
         forward = Event.FORWARD
@@ -377,13 +379,17 @@ class _Builder:
 
     # -- backward ---------------------------------------------------------
 
-    def backward(self, ops: Sequence[int], cur: list[int], heads, boundary) -> None:
+    def backward(self, ops: Sequence[int], cur: list[int], heads, boundary, *,
+                 recomputed: bool = False) -> None:
         """Differentiate ``ops`` (reverse order), reading forward values
         through ``cur``. Gradients of ``heads`` come from (and of
-        ``boundary`` go to) ``self.grads``; others stay local."""
+        ``boundary`` go to) ``self.grads``; others stay local. ``recomputed``:
+        ``ops`` are a recompute step's copies (under XLA their gradients
+        differ, :mod:`memsave.xla`)."""
         fp, p = self.fp, self.p
         # Hot loop (every op of every simulated plan): names bound once.
-        plans, is_x, grads, constant = fp.gradient_plans, fp.is_x, self.grads, self.constant
+        plans = fp.copy_gradient_plans if recomputed else fp.gradient_plans
+        is_x, grads, constant = fp.is_x, self.grads, self.constant
         saved_of, early_of = self.saved_of, self.early_of
         size, alias, xs_grads = p.size, p.alias, p.xs_grads
         all_reads, all_writes, all_labels, lingering = p.reads, p.writes, p.labels, p.lingering
@@ -494,6 +500,38 @@ class _Builder:
                 # it reads (the layer's input, the incoming gradient).
                 lingering.append((overlap, reads))
 
+    def xla_proxies(self, step, cur: list[int], touched: list[int]) -> None:
+        """:meth:`proxies` under XLA, then the step's transformed kernels.
+
+        XLA fuses a gated ``t + gate`` with t's elementwise producers: it
+        reads what t is computed from (:func:`memsave.xla.fused_sources`)
+        and the gate (the heads' gradients). A convolution's copy whose
+        input gets a gradient reads its kernel re-laid out, made as soon as
+        the gate opens (:meth:`memsave.xla.XlaModel.kernel`).
+        """
+        p, orig, xm = self.p, self.fp.orig, self.fp.xla_model
+        tensor_bytes, labels = self.fp.costs.tensor_bytes, self.fp.proxy_labels
+        gated = set(step.gated)
+        gate = [g for h in step.heads for g in self.grads.get(h, ())]
+        for t in step.boundary:
+            src = orig[t]
+            if t in gated:
+                v = p.value(tensor_bytes[t])
+                p.instr(labels[t], [orig[u] for u in xm.fused_sources(t)] + gate, [(v, ())])
+            else:
+                v = p.value(tensor_bytes[t], alias=src)
+                p.instr(labels[t], [src], [(v, ())])
+            cur[t] = v
+            touched.append(t)
+        self.xla_kernels = {}
+        for i in step.ops:
+            kernel = xm.kernel(i)
+            if kernel is not None:
+                w, nbytes = kernel
+                v = p.value(nbytes)
+                p.instr(labels[w], [cur[w]], [(v, ())])
+                self.xla_kernels[i] = v
+
     def constant_value(self, t: int) -> int:
         """A gradient Grappler folds: resident from before the step."""
         nbytes = self.fp.costs.tensor_bytes[t]
@@ -540,6 +578,7 @@ class ForwardProgram:
         self.foldable = [node.size_known and tensor_bytes[node.id] <= max_folded
                          for node in tensors]
         self.overlap = 0 if fg.xla else model.weight_gradient_overlap
+        self.xla_model = XlaModel(fg, costs) if fg.xla else None
         self._plan_ops()
 
         b = _Builder(self)
@@ -717,9 +756,44 @@ class ForwardProgram:
                 op.body is None and not scratch_ops[i],
             ))
         self.copy_plans, self.gradient_plans = copy_plans, gradient_plans
+        # Copies and their gradients: the same as the originals' but under XLA.
+        self.recompute_plans, self.copy_gradient_plans = copy_plans, gradient_plans
+        self.xla_forward_of: dict[int, int] = {}  # op -> where its XLA values start in early_of
+        if self.xla_model is not None:
+            self._plan_xla_ops()
         self.needed_copies = copies_that_run(fg, costs)
         proxy = Event.PROXY
         self.proxy_labels = [(proxy, t) for t in range(len(fg.tensors))]
+
+    def _plan_xla_ops(self) -> None:
+        """Under XLA, add to the per-op plans the buffers XLA makes for the
+        gradients (:class:`memsave.xla.XlaModel`): written when the op runs
+        (the original's, with its transformed kernel; a copy's kernel is
+        made when its step's gate opens, :meth:`_Builder.xla_proxies`) and
+        the gradient's temporaries, which differ for a recomputed copy."""
+        xm, costs = self.xla_model, self.costs
+        self.copy_plans = list(self.copy_plans)
+        self.recompute_plans = list(self.copy_plans)
+        self.gradient_plans = list(self.gradient_plans)
+        self.copy_gradient_plans = list(self.gradient_plans)
+        for i in range(len(self.fg.ops)):
+            if not costs.gradient[i].has_gradient:
+                continue
+            kernel = xm.kernel(i)
+            forward_early = xm.early(i, recomputed=False) + ((kernel[1],) if kernel else ())
+            copy_early = xm.early(i, recomputed=True)
+            plan = self.copy_plans[i]
+            if forward_early:
+                self.xla_forward_of[i] = len(plan[3])
+                self.copy_plans[i] = plan[:3] + (plan[3] + forward_early,) + plan[4:]
+            if copy_early:
+                self.recompute_plans[i] = plan[:3] + (plan[3] + copy_early,) + plan[4:]
+            for plans, recomputed in ((self.gradient_plans, False),
+                                      (self.copy_gradient_plans, True)):
+                g = plans[i]
+                scratch = xm.gradient_scratch(i, recomputed=recomputed)
+                early = bool(forward_early) or bool(copy_early) or g[4]
+                plans[i] = g[:4] + (early, g[5] + ((scratch,) if scratch else ())) + g[6:]
 
     def label(self, label: tuple[Event, int]) -> str:
         """An event's name (``"run dense/MatMul"``)."""
@@ -829,15 +903,27 @@ def _build_program(forward: ForwardProgram, schedule: Schedule | None) -> tuple[
         for i, v in b.saved_of.items():
             if i not in differentiated:
                 p.size[v] = 0
+        if fg.xla:
+            # An op whose gradient a recompute step takes on its copy makes
+            # its XLA values (memsave.xla) in that step, not in the forward pass.
+            for step in schedule.steps:
+                if step.kind == "recompute":
+                    for i in step.ops:
+                        start = forward.xla_forward_of.get(i)
+                        if start is not None:
+                            for v in b.early_of[i][start:]:
+                                p.size[v] = 0
     backward_start = len(p.reads)
 
     # Seeds: grad_ys = ones_like(y), a folded constant when y's shape is static.
+    # (Under XLA memsave's seeds read the ys, memsave.rewrite._after_forward.)
+    xla_seeds = fg.xla and schedule is not None
     for y in dict.fromkeys(fg.ys):
-        if forward.foldable[y]:
+        if forward.foldable[y] and not xla_seeds:
             v = b.constant_value(y)
         else:
             v = p.value(costs.tensor_bytes[y])
-            p.instr((Event.SEED, y), [], [(v, ())])
+            p.instr((Event.SEED, y), [orig[y]] if xla_seeds else [], [(v, ())])
         b.grads.setdefault(y, []).append(v)
 
     if schedule is None:
@@ -860,9 +946,16 @@ def _build_program(forward: ForwardProgram, schedule: Schedule | None) -> tuple[
                 # concat ran as Identity, allocating nothing).
                 gated = set()
             touched: list[int] = []  # tensors whose value is the step's own
-            b.proxies(step.boundary, gated, cur, touched)
-            b.run_ops(forward.needed_copies(step.ops), cur, boundary, touched)
-            b.backward(step.ops, cur, heads, boundary)
+            if fg.xla:
+                b.xla_proxies(step, cur, touched)
+                b.run_ops(forward.needed_copies(step.ops), cur, boundary, touched)
+                for i, v in b.xla_kernels.items():
+                    b.early_of[i] = b.early_of.get(i, []) + [v]
+                b.backward(step.ops, cur, heads, boundary, recomputed=True)
+            else:
+                b.proxies(step.boundary, gated, cur, touched)
+                b.run_ops(forward.needed_copies(step.ops), cur, boundary, touched)
+                b.backward(step.ops, cur, heads, boundary)
             for t in touched:
                 cur[t] = orig[t]
     # The xs' gradients are the step's outputs.
@@ -960,6 +1053,11 @@ def _simulate(fg, schedule, costs, model, timeline, forward, gradients_kept,
               extra_resident_bytes) -> MemoryTrace:
     forward = _forward_of(fg, costs, model, forward)
     p, _, backward_start = _build_program(forward, schedule)
+    if fg.xla:
+        # With the update in the compiled step, each gradient is consumed by
+        # its update (MemoryModel.xla_update_in_step): as gradients_kept=False.
+        return _replay_xla(forward, p, backward_start, timeline,
+                           gradients_kept and not model.xla_update_in_step, extra_resident_bytes)
     return _replay(forward, p, backward_start, timeline, gradients_kept, extra_resident_bytes)
 
 
@@ -1064,4 +1162,86 @@ def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline:
         peak_event=forward.label(p.labels[peak_k]) if peak_k >= 0 else "start",
         backward_start=backward_start,
         end_bytes=end,
+    )
+
+
+def _replay_xla(forward: ForwardProgram, p: _Program, backward_start: int, timeline: bool,
+                gradients_kept: bool, extra_resident_bytes: int) -> MemoryTrace:
+    """:func:`_replay` of a program XLA compiles: its instructions run
+    breadth-first (:func:`memsave.xla.breadth_first_order`), forward and
+    backward interleaved, so the replay goes event by event with reference
+    counts (the same rules, none of the forward program's precomputed order)."""
+    order = breadth_first_order(p.reads, p.writes, len(p.size))
+    reads = [p.reads[k] for k in order]
+    writes = [p.writes[k] for k in order]
+    labels = [p.labels[k] for k in order]
+    backward_start = next((j for j, k in enumerate(order) if k >= backward_start), len(order))
+    size, alias = p.size, p.alias
+    n_instr, n_val = len(reads), len(size)
+    # Each value's last reader, or where it is made if nothing reads it.
+    last = [-1] * n_val
+    for k, ws in enumerate(writes):
+        for v, _ in ws:
+            last[v] = k
+    for k, rs in enumerate(reads):
+        for r in rs:
+            last[r] = k
+    if gradients_kept:
+        for v in p.pinned:
+            last[v] = n_instr  # past the last instruction: the step's outputs
+    resident = p.resident_ids
+    for v in resident:
+        last[v] = n_instr  # alive before and after the step
+    dying: list[list[int]] = [[] for _ in range(n_instr)]
+    for v, k in enumerate(last):
+        if 0 <= k < n_instr:
+            dying[k].append(v)
+    counted_of = forward.counted_of
+    counted = [counted_of[n] for n in size]
+    if not gradients_kept:
+        for v in p.xs_grads:
+            counted[v] = 0  # consumed by the update as soon as written
+    # A view holds a reference to its buffer's root; a buffer is freed when
+    # the last value on it (base or view) has had its last reader.
+    root = list(range(n_val))
+    refs = [0] * n_val
+    alive = extra_resident_bytes
+    for v in resident:
+        refs[v] = 1 << 30
+        alive += counted[v]
+    resident_counted = alive
+    peak, peak_k = alive, -1
+    events: list[int] = []
+    for k, dies in enumerate(dying):
+        for v, cands in writes[k]:
+            a = alias[v]
+            if a >= 0:
+                r = root[a]
+                root[v] = r
+                refs[r] += 1
+                continue
+            for c in cands:
+                r = root[c]
+                if last[c] == k and refs[r] == 1 and size[r] == size[v]:
+                    root[v] = r
+                    refs[r] += 1
+                    break
+            else:
+                refs[v] = 1
+                alive += counted[v]
+        if alive > peak:
+            peak, peak_k = alive, k
+        events.append(alive)
+        for v in dies:
+            r = root[v]
+            refs[r] -= 1
+            if not refs[r]:
+                alive -= counted[r]
+    return MemoryTrace(
+        peak_bytes=peak,
+        resident_bytes=resident_counted,
+        timeline=tuple(zip(events, forward._named(labels))) if timeline else (),
+        peak_event=forward.label(labels[peak_k]) if peak_k >= 0 else "start",
+        backward_start=backward_start,
+        end_bytes=alive,
     )

@@ -14,10 +14,11 @@ _digest), compared with tf.gradients' run's, and another run of the same
 graph fetches the full gradients, compared entry by entry: a lower peak
 cannot come from computing less.
 
-The modes are measured one after the other in a fresh Python process
+Each mode is measured in a fresh Python process of its own
 (tests/fresh.py): the allocator peak counts every live tensor in the
-process, and tensors left by other tests (or by an earlier mode's
-variables, which the measurement checks are gone) would add the same
+process, and tensors left by other tests or by an earlier mode (measured
+one after the other in one process, the function mode left 7 MiB
+allocated that the XLA mode's peaks would count) would add the same
 constant to both sides and hide the difference. The peaks repeat to
 within about 1.5 MiB between runs (see REPEATS).
 """
@@ -31,7 +32,6 @@ import pytest
 import tensorflow as tf
 
 import memsave
-from fresh import one_after_another
 
 LAYERS = 24
 BATCH, WIDTH = 1024, 256
@@ -287,20 +287,9 @@ def measure_xla_conv():
 # -- the tests --------------------------------------------------------------------
 
 
-def measure_modes() -> dict:
-    """{mode: measure(mode)} for MODES, one after the other in this process.
-
-    Each mode builds its own variables (and, in session mode, its own graph)
-    and frees them before the next: one_after_another checks that none
-    leaves a tensor for the next mode's peaks.
-    """
-    return one_after_another({mode: functools.partial(measure, mode) for mode in MODES})
-
-
 def _measured(fresh, mode):
-    """measure(mode) from one fresh process for all MODES, measure_xla_conv() from one of
-    its own (its pre-split pool must be the process's first); each once per session."""
-    return fresh.call(measure_xla_conv) if mode == XLA_CONV else fresh.call(measure_modes)[mode]
+    """measure(mode) (measure_xla_conv() for XLA_CONV), once per session in a fresh process."""
+    return fresh.call(measure_xla_conv) if mode == XLA_CONV else fresh.call(measure, mode)
 
 
 def _peak_MiB(res, method):
