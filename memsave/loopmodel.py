@@ -14,14 +14,15 @@ filled by :meth:`memsave.problem.Problem.with_loops`).
 The model, per trip (T trips; S: the state, the body inputs that change
 from trip to trip; I: what while_v2 keeps of a trip, its ``saved``
 tensors; K: values of random draws the gradient reads; L: the input
-sequence the loop reads from a TensorList; F, B: the plain transient peaks
-of one trip forward and backward)::
+sequence the loop reads from a TensorList; G: the loop-invariant inputs
+holding data that need a gradient, e.g. a sequence the body gathers from;
+F, B: the plain transient peaks of one trip forward and backward)::
 
     choice           kept until the gradient (M)  forward transient            backward transient
     plain            T (I + K)                    F                            B
     per_step         T (S + K) + L                max(2L - M, F + I - S)       B + I
-    chunk(k)         ceil(T/k) S + L              max(2L - M, F + I - S + kS)  B + I + k S + 2L
-    chunk(k, store)  ceil(T/k) S + L              max(2L - M, F + k I)         B + k I + 2L
+    chunk(k)         ceil(T/k) S + L              max(2L - M, F + I - S + kS)  B + I + k S + 2L + G
+    chunk(k, store)  ceil(T/k) S + L              max(2L - M, F + k I)         B + k I + 2L + G
 
 A per-step trip recomputes its intermediates (at most I alive at once) in
 the backward loop; a chunk's backward first runs its k trips again, storing
@@ -30,7 +31,15 @@ back over them. The input sequence (L) is read again by the recomputation,
 so it lives until the gradient (plain keeps its items as part of I); it is
 made from a tensor just before the loop, both alive then, before any state
 is stored (``2L - M``: measured on a Keras LSTM, the start of the step
-holds two to three copies of the time-major input). The
+holds two to three copies of the time-major input). So do the other
+loop-invariant inputs holding data (a sequence the body gathers from):
+a gradient that runs trips again reads them (:func:`recomputing_costs`;
+while_v2's reads only those its body's gradient does). A chunk's backward
+is a while_v2 loop of its own inside the gradient loop: it sums the
+gradients of the invariants (G) from zeros of its own, beside the outer
+loop's sums, and those zeros are a constant of the gradient body, held for
+the life of the step function (``BodyFigures.gradient_constants``: 2, while
+the loop's own gradient holds one set). The
 recomputation costs one forward of the loop per step (``per_step``,
 ``chunk(k, store)``) or two (``chunk(k)``): :func:`recomputed_trips`.
 Both chunk schedules need the loop to have no op that must not run twice
@@ -50,11 +59,14 @@ from memsave.bodies import BodyFigures, body_figures
 from memsave.costs import body_costs
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from memsave.costs import Costs
     from memsave.graph import Body, ForwardGraph
     from memsave.memory_model import MemoryModel
 
-__all__ = ["LoopChoice", "TripBytes", "trip_bytes", "figures", "recomputed_trips",
+__all__ = ["LoopChoice", "TripBytes", "trip_bytes", "figures", "recomputing_costs",
+           "recomputed_trips",
            "chunk_size", "candidates", "LoopForecast", "LoopDecision", "options"]
 
 
@@ -127,12 +139,17 @@ class TripBytes:
         K: values of ops that must not run twice, stored whatever the choice.
     read_lists_bytes : int
         L: the TensorLists the loop reads (its input sequence), all trips.
+    invariant_gradient_bytes : int
+        G: the loop-invariant inputs holding data whose gradient the
+        gradient loop sums (a captured sequence, a weight read outside the
+        loop; not resource handles or TensorLists).
     """
 
     saved_bytes: int
     state_bytes: int
     kept_bytes: int
     read_lists_bytes: int
+    invariant_gradient_bytes: int = 0
 
 
 def trip_bytes(body: "Body", model: "MemoryModel") -> TripBytes:
@@ -144,7 +161,43 @@ def trip_bytes(body: "Body", model: "MemoryModel") -> TripBytes:
         state_bytes=sum(counted(size[t]) for t in body.state),
         kept_bytes=sum(counted(size[t]) for t in body.kept),
         read_lists_bytes=counted(body.read_lists_bytes),
+        invariant_gradient_bytes=sum(counted(size[t]) for t in _summed_invariants(body)),
     )
+
+
+def _summed_invariants(body: "Body") -> list[int]:
+    """Body tensor ids of the loop-invariant inputs holding data whose
+    gradient the gradient loop sums: the body's xs that are not its state,
+    its resource handles or lists, nor in ``no_gradient``."""
+    skip = set(body.state) | set(body.no_gradient)
+    return [x for x in body.fg.xs if x not in skip
+            and body.fg.tensors[x].dtype not in ("resource", "variant")]
+
+
+def recomputing_costs(fg: "ForwardGraph", costs: "Costs",
+                      choices: "Mapping[int, LoopChoice]") -> "Costs":
+    """``costs`` with the gradient of each loop ``choices`` does not leave
+    plain reading every loop-invariant input of the loop that holds data.
+
+    The trips the gradient runs again read them (a sequence the body
+    gathers from, which while_v2's own gradient reads only for its shape):
+    they stay alive until the gradient runs, or a plan recomputes them
+    before it (measured on an 8-trip while RNN gathering from a [8, 512,
+    256] sequence: the per-step step held the sequence through the loop's
+    gradient, 4 MiB above the forecast without it).
+    """
+    gradient, reads = list(costs.gradient), list(costs.gradient_reads)
+    for i, choice in choices.items():
+        op = fg.ops[i]
+        if choice.kind == "plain" or op.body is None or not op.body.loop:
+            continue
+        use = gradient[i]
+        more = [j for j in op.body.invariant if j < len(op.inputs)
+                and fg.tensors[op.inputs[j]].dtype not in ("resource", "variant")]
+        positions = tuple(sorted(set(use.reads_inputs) | set(more)))
+        gradient[i] = dataclasses.replace(use, reads_inputs=positions)
+        reads[i] = (tuple(op.inputs[j] for j in positions), reads[i][1])
+    return dataclasses.replace(costs, gradient=tuple(gradient), gradient_reads=tuple(reads))
 
 
 def figures(body: "Body", choice: LoopChoice, model: "MemoryModel") -> BodyFigures:
@@ -196,10 +249,16 @@ def figures(body: "Body", choice: LoopChoice, model: "MemoryModel") -> BodyFigur
     # the gradient of the whole list, added to the sum over the chunks
     # (CHUNK_LIST_GRADIENTS of its size alive beside the trip's values).
     backward_bytes += CHUNK_LIST_GRADIENTS * per.read_lists_bytes
+    # The chunk's own sums of the invariants' gradients, beside the outer
+    # loop's (measured on an 8-trip while RNN gathering from a [8, 512, 256]
+    # sequence: four sequence-sized buffers through the chunked gradient,
+    # the sequence, the outer sum, the chunk's sum and the new outer sum;
+    # and one more resident, the chunk's zeros).
+    backward_bytes += per.invariant_gradient_bytes
     saved_bytes = chunks * per.state_bytes + per.read_lists_bytes
     return BodyFigures(saved_bytes=saved_bytes, stored_bytes=plain.stored_bytes,
                        forward_bytes=max(_start_bytes(per, saved_bytes), forward_bytes),
-                       backward_bytes=backward_bytes)
+                       backward_bytes=backward_bytes, gradient_constants=2)
 
 
 #: Copies of a chunked loop's input sequence that its gradient holds at

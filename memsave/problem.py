@@ -222,8 +222,9 @@ class Problem:
     def with_loops(self, choices: Mapping[int, object]) -> Problem:
         """This graph with the loops' gradients as ``choices`` says (op index ->
         :class:`memsave.loopmodel.LoopChoice`; a loop not in it stays
-        plain): the same costs and model, its own caches; ``base`` is this
-        problem's. Cached per choices."""
+        plain): the same model and costs (but for what the changed loops'
+        gradients read, :func:`memsave.loopmodel.recomputing_costs`), its own
+        caches; ``base`` is this problem's. Cached per choices."""
         base = self.base
         key = tuple(sorted((i, c) for i, c in choices.items() if c.kind != "plain"))
         if not key:
@@ -231,13 +232,17 @@ class Problem:
         return base._once(("with_loops", key), lambda: base._variant(dict(key)))
 
     def _variant(self, choices: dict) -> Problem:
+        from memsave import loopmodel
+
         # A loop whose gradient memsave.loops.prepare changes is rewritten in
         # place (its body, its inputs): a recompute step cannot copy it from
         # the graph as extracted, so its outputs are kept, as a stateful op's.
+        # Its gradient runs its trips again: it reads the loop's inputs.
         fg = dataclasses.replace(self.fg, ops=tuple(
             dataclasses.replace(op, recomputable=False) if op.index in choices else op
             for op in self.fg.ops))
-        variant = Problem(fg, model=self.model, costs=self.costs,
+        variant = Problem(fg, model=self.model,
+                          costs=loopmodel.recomputing_costs(fg, self.costs, choices),
                           extra_resident_bytes=self.extra_resident_bytes)
         variant.loop_choices = choices
         variant.base = self

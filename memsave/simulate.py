@@ -723,7 +723,7 @@ class ForwardProgram:
                 loop_constants = tuple([
                     t for t in (inputs[j] for j in op.body.invariant if j < len(inputs))
                     if tensors[t].trainable and tensors[t].dtype not in ("resource", "variant")
-                    and self.foldable[t]])
+                    and self.foldable[t]]) * figures.gradient_constants
             aliases = use.aliases
             # The sizes of the values the gradient may read (None: not known
             # here): when they are all a new buffer's, every value read is a
