@@ -15,8 +15,8 @@ The model, per trip (T trips; S: the state, the body inputs that change
 from trip to trip; I: what while_v2 keeps of a trip, its ``saved``
 tensors; K: values of random draws the gradient reads; L: the input
 sequence the loop reads from a TensorList; G: the loop-invariant inputs
-holding data that need a gradient, e.g. a sequence the body gathers from;
-F, B: the plain transient peaks of one trip forward and backward)::
+holding data that receive a gradient, e.g. a sequence the body gathers
+from; F, B: the plain transient peaks of one trip forward and backward)::
 
     choice           kept until the gradient (M)  forward transient            backward transient
     plain            T (I + K)                    F                            B
@@ -38,8 +38,9 @@ while_v2's reads only those its body's gradient does). A chunk's backward
 is a while_v2 loop of its own inside the gradient loop: it sums the
 gradients of the invariants (G) from zeros of its own, beside the outer
 loop's sums, and those zeros are a constant of the gradient body, held for
-the life of the step function (``BodyFigures.gradient_constants``: 2, while
-the loop's own gradient holds one set). The
+the life of the step function (``BodyFigures.invariant_sums``: 2, while
+the loop's own gradient holds one set; :mod:`memsave.simulate` counts G,
+knowing which inputs receive a gradient). The
 recomputation costs one forward of the loop per step (``per_step``,
 ``chunk(k, store)``) or two (``chunk(k)``): :func:`recomputed_trips`.
 Both chunk schedules need the loop to have no op that must not run twice
@@ -139,17 +140,12 @@ class TripBytes:
         K: values of ops that must not run twice, stored whatever the choice.
     read_lists_bytes : int
         L: the TensorLists the loop reads (its input sequence), all trips.
-    invariant_gradient_bytes : int
-        G: the loop-invariant inputs holding data whose gradient the
-        gradient loop sums (a captured sequence, a weight read outside the
-        loop; not resource handles or TensorLists).
     """
 
     saved_bytes: int
     state_bytes: int
     kept_bytes: int
     read_lists_bytes: int
-    invariant_gradient_bytes: int = 0
 
 
 def trip_bytes(body: "Body", model: "MemoryModel") -> TripBytes:
@@ -161,17 +157,7 @@ def trip_bytes(body: "Body", model: "MemoryModel") -> TripBytes:
         state_bytes=sum(counted(size[t]) for t in body.state),
         kept_bytes=sum(counted(size[t]) for t in body.kept),
         read_lists_bytes=counted(body.read_lists_bytes),
-        invariant_gradient_bytes=sum(counted(size[t]) for t in _summed_invariants(body)),
     )
-
-
-def _summed_invariants(body: "Body") -> list[int]:
-    """Body tensor ids of the loop-invariant inputs holding data whose
-    gradient the gradient loop sums: the body's xs that are not its state,
-    its resource handles or lists, nor in ``no_gradient``."""
-    skip = set(body.state) | set(body.no_gradient)
-    return [x for x in body.fg.xs if x not in skip
-            and body.fg.tensors[x].dtype not in ("resource", "variant")]
 
 
 def recomputing_costs(fg: "ForwardGraph", costs: "Costs",
@@ -249,16 +235,16 @@ def figures(body: "Body", choice: LoopChoice, model: "MemoryModel") -> BodyFigur
     # the gradient of the whole list, added to the sum over the chunks
     # (CHUNK_LIST_GRADIENTS of its size alive beside the trip's values).
     backward_bytes += CHUNK_LIST_GRADIENTS * per.read_lists_bytes
-    # The chunk's own sums of the invariants' gradients, beside the outer
-    # loop's (measured on an 8-trip while RNN gathering from a [8, 512, 256]
-    # sequence: four sequence-sized buffers through the chunked gradient,
-    # the sequence, the outer sum, the chunk's sum and the new outer sum;
-    # and one more resident, the chunk's zeros).
-    backward_bytes += per.invariant_gradient_bytes
+    # The chunk's own sums of the invariants' gradients (G), beside the
+    # outer loop's (measured on an 8-trip while RNN gathering from a [8,
+    # 512, 256] sequence: four sequence-sized buffers through the chunked
+    # gradient, the sequence, the outer sum, the chunk's sum and the new
+    # outer sum; and one more resident, the chunk's zeros): the simulator
+    # adds them (``invariant_sums``), which knows what receives a gradient.
     saved_bytes = chunks * per.state_bytes + per.read_lists_bytes
     return BodyFigures(saved_bytes=saved_bytes, stored_bytes=plain.stored_bytes,
                        forward_bytes=max(_start_bytes(per, saved_bytes), forward_bytes),
-                       backward_bytes=backward_bytes, gradient_constants=2)
+                       backward_bytes=backward_bytes, invariant_sums=2)
 
 
 #: Copies of a chunked loop's input sequence that its gradient holds at

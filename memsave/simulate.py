@@ -719,11 +719,17 @@ class ForwardProgram:
 
             read_ins, read_outs = costs.gradient_reads[i]
             loop_constants = ()
+            sums_bytes = 0
             if op.body is not None and op.body.loop:
-                loop_constants = tuple([
-                    t for t in (inputs[j] for j in op.body.invariant if j < len(inputs))
-                    if tensors[t].trainable and tensors[t].dtype not in ("resource", "variant")
-                    and self.foldable[t]]) * figures.gradient_constants
+                summed = [t for t in (inputs[j] for j in op.body.invariant if j < len(inputs))
+                          if tensors[t].trainable and tensors[t].dtype not in ("resource", "variant")]
+                loop_constants = tuple([t for t in summed if self.foldable[t]])
+                # A chunked gradient's loop of each chunk sums again the
+                # gradients of those that receive one, from zeros of its own
+                # (BodyFigures.invariant_sums).
+                more = [t for t in summed if fg.receives_gradient(t)] * (figures.invariant_sums - 1)
+                loop_constants += tuple([t for t in more if self.foldable[t]])
+                sums_bytes = sum([tensor_bytes[t] for t in more])
             aliases = use.aliases
             # The sizes of the values the gradient may read (None: not known
             # here): when they are all a new buffer's, every value read is a
@@ -749,7 +755,7 @@ class ForwardProgram:
                 (max([tensor_bytes[t] for t in outputs]),
                  max([tensor_bytes[t] for t in inputs], default=0)) if scratch_ops[i] else (),
                 loop_constants,
-                figures.backward_bytes if figures is not None else None,
+                figures.backward_bytes + sums_bytes if figures is not None else None,
                 tuple(targets),
                 not use.reads_outputs and all([tensors[inputs[j]].constant
                                                for j in use.reads_inputs if j < len(inputs)]),
