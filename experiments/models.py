@@ -319,4 +319,51 @@ UNET = Model(
     size_flag="--unet-convs", size_help="U-Net sweep: conv layers per stack (depth 7n+8)",
 )
 
-MODELS = {m.name: m for m in (RESNET, MLP, UNET)}
+
+# -- LSTM over a sequence: one tf.while_loop ----------------------------------------------
+
+RNN_FEATURES, RNN_UNITS = 64, 128
+#: The batch holds this many steps; a model of ``n`` steps reads the first n
+#: (a Model's batch function does not know the size).
+RNN_MAX_STEPS = 128
+
+
+def rnn_init(n: int, seed: int) -> dict[str, np.ndarray]:
+    p = _Init(seed)
+    p.dense("W", RNN_FEATURES, 4 * RNN_UNITS)
+    p.dense("U", RNN_UNITS, 4 * RNN_UNITS)
+    p.dense("head/w", RNN_UNITS, NUM_CLASSES)
+    return p.params
+
+
+def rnn_loss(n, p, x, y, arch: Arch):
+    """An LSTM cell run for ``n`` steps by a tf.while_loop (what a Keras LSTM
+    runs on CPU); no hook of ``arch`` applies inside a loop body."""
+    xs = tf.transpose(x[:, :n], [1, 0, 2])
+    zeros = tf.zeros([tf.shape(x)[0], RNN_UNITS])
+
+    def body(t, h, c):
+        i, f, o, g = tf.split(tf.matmul(xs[t], p["W"]) + tf.matmul(h, p["U"]), 4, axis=1)
+        c = tf.sigmoid(f) * c + tf.sigmoid(i) * tf.tanh(g)
+        return t + 1, tf.sigmoid(o) * tf.tanh(c), c
+
+    _, h, _ = tf.while_loop(lambda t, h, c: t < n, body, [0, zeros, zeros], maximum_iterations=n)
+    return _xent(tf.matmul(h, p["head/w"]), y)
+
+
+def rnn_batch(batch: int, seed: int):
+    rng = np.random.default_rng(seed + 2)
+    x = rng.normal(size=(batch, RNN_MAX_STEPS, RNN_FEATURES)).astype(np.float32)
+    y = rng.integers(0, NUM_CLASSES, size=batch).astype(np.int32)
+    return x, y
+
+
+RNN = Model(
+    name="rnn", size_name="steps",
+    depth=lambda n: n, label=lambda n: f"LSTM-T{n}",
+    init=rnn_init, batch=rnn_batch, loss=rnn_loss,
+    title="LSTM(128) in a tf.while_loop (batch {b})", sizes=(32, 64, 128), batch_size=512,
+    size_flag="--rnn-steps", size_help=f"LSTM sweep: steps (at most {RNN_MAX_STEPS})",
+)
+
+MODELS = {m.name: m for m in (RESNET, MLP, UNET, RNN)}

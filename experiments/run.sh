@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The memory/speed study (experiments/study.py): peak memory, step time and
 # build time of memsave vs GradientTape, tf.gradients and tf.recompute_grad on
-# a CIFAR-10-shaped ResNet (up to ResNet-110), a deep MLP chain and a U-Net-like
-# net, plus the deepest ResNet each method trains under a memory cap.
+# a CIFAR-10-shaped ResNet (up to ResNet-110), a deep MLP chain, a U-Net-like
+# net and an LSTM run by a tf.while_loop (T=32..128: memsave's per-step and
+# chunked loop gradients), plus the deepest ResNet each method trains under a
+# memory cap.
 # Installs what it needs on first use, then passes all arguments to study.py.
 #   ./experiments/run.sh                        # the default study, ~10 min on 2 idle cores
 #   ./experiments/run.sh --help                 # sizes, methods, cap, output folder

@@ -1,8 +1,9 @@
 """The memory/speed study: does memsave save memory, and what does it cost?
 
-For three models (see ``models.py``): a CIFAR-10-shaped ResNet, a deep MLP
-chain and a U-Net-like net whose long skips leave no articulation point,
-each at a sweep of depths, on a fixed synthetic batch, this trains a few SGD
+For four models (see ``models.py``): a CIFAR-10-shaped ResNet, a deep MLP
+chain, a U-Net-like net whose long skips leave no articulation point and an
+LSTM run by a ``tf.while_loop`` (swept over sequence length), each at a
+sweep of depths, on a fixed synthetic batch, this trains a few SGD
 steps inside a ``tf.function`` with each gradient method:
 
 - ``GradientTape``        the baseline every ratio is taken against

@@ -251,6 +251,12 @@ def is_recomputable(op: tf.Operation) -> bool:
     return all(_fdef_read_only(f, op.graph) for f in fdefs)
 
 
+def runs_once(op: tf.Operation) -> bool:
+    """Whether running ``op`` again would give another value or repeat an
+    effect (a random draw, an assignment): stateful and not a read of state."""
+    return op.type not in READ_ONLY_STATEFUL_TYPES and not is_recomputable(op)
+
+
 def custom_gradient_arguments(op: tf.Operation, node_def=None) -> tuple[int, ...] | None:
     """Input positions of a ``tf.custom_gradient``'s arguments, or None for other ops.
 
@@ -284,8 +290,8 @@ def custom_gradient_arguments(op: tf.Operation, node_def=None) -> tuple[int, ...
     return tuple(range(n, len(op.inputs)))
 
 
-def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str) -> tf.Operation:
-    """Copy ``op`` into its graph with new ``inputs``, on the same device.
+def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str, *, graph=None) -> tf.Operation:
+    """Copy ``op`` into its graph (or ``graph``) with new ``inputs``, on the same device.
 
     Uses ``Graph._create_op_internal`` (the attrs, including colocation and
     ``_gradient_op_type`` of tf.custom_gradient, are copied verbatim) and
@@ -295,7 +301,7 @@ def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str) -> tf.Oper
     differentiating two copies of one op fails ("duplicate function").
     Control dependencies active in the caller's context are added.
     """
-    graph = op.graph
+    graph = op.graph if graph is None else graph
     new = graph._create_op_internal(  # pylint: disable=protected-access
         op.type,
         list(inputs),
@@ -346,6 +352,11 @@ def _give_private_func_graphs(op: tf.Operation) -> None:
         shapes = [tf.TensorShape(s) for s in op.get_attr("output_shapes")]
         op._cond_graph = _unique_func_graph(op, shapes, op.get_attr("cond").name)  # pylint: disable=protected-access
         op._body_graph = _unique_func_graph(op, shapes, op.get_attr("body").name)  # pylint: disable=protected-access
+
+
+def update_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
+    """Make ``op`` read ``tensor`` as its input ``index``."""
+    op._update_input(index, tensor)  # pylint: disable=protected-access
 
 
 def add_control_inputs(op: tf.Operation, control_ops: Sequence[tf.Operation]) -> None:
@@ -713,6 +724,17 @@ def cond_graph(op: tf.Operation):
         return control_flow_util_v2.get_func_graph(op, shapes, op.get_attr("cond").name)
     except Exception:  # noqa: BLE001
         return None
+
+
+def captured_outer(t: tf.Tensor):
+    """The outer tensor a function graph's placeholder captures, or None."""
+    graph = t.graph
+    if t.op.type != "Placeholder" or not hasattr(graph, "captures"):
+        return None
+    for external, internal in graph.captures:
+        if internal is t:
+            return external
+    return None
 
 
 def function_key(op: tf.Operation):

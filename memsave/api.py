@@ -28,7 +28,7 @@ from typing import Any, Union
 
 import tensorflow as tf
 
-from memsave import _tf_private, planners, xla
+from memsave import _tf_private, loops, planners, xla
 from memsave.errors import (
     ArgumentError,
     CheckpointError,
@@ -380,6 +380,14 @@ def gradients(
         aggregation_method=aggregation_method,
         colocate_gradients_with_ops=colocate_gradients_with_ops,
     )
+    if p.loops or planners.decides_loops(p.strategy, memory_budget):
+        with graph.as_default():
+            prepared = loops.apply(p.loops, graph, xs=xs, ops=[op.name for op in ex.fg.ops])
+        if p.schedule is None and any(r.applied.kind != "plain" for r in prepared.values()):
+            with graph.as_default():
+                return _tf_private.original_gradients(
+                    ys, xs, grad_ys, name=name, stop_gradients=stop_gradients,
+                    unconnected_gradients=unconnected, **stock)
     if p.schedule is None:
         logger.warning(
             "memsave.gradients(checkpoints=%r): nothing to checkpoint, so no memory is saved "
@@ -400,7 +408,7 @@ def gradients(
         # tf.gradients, which recomputes nothing, did not fit its budget.)
         problem = p.problem
         predicted = problem.peak(p.schedule, model=problem.judge)
-        baseline = problem.peak(None, model=problem.judge)
+        baseline = problem.base.peak(None, model=problem.judge)
         if predicted >= baseline:
             logger.warning(
                 "memsave.gradients(checkpoints=%r): this plan is not expected to save memory "

@@ -36,12 +36,21 @@ class BodyFigures:
         The body's transient peak above what it keeps, while the op runs and
         while its gradient runs (a loop's gradient also holds one trip's
         gradients beside the sums it carries).
+    invariant_sums : int
+        For a loop: the sums of each loop-invariant input's gradient its
+        gradient holds at once, each started from zeros (a constant
+        resident for the whole step when the shape is static): one for
+        while_v2's gradient loop; two for a chunked one, whose loop of each
+        chunk sums the gradients of the invariants that receive one beside
+        the outer loop's sums (:mod:`memsave.loopmodel`). The simulator
+        counts them, knowing which inputs receive a gradient.
     """
 
     saved_bytes: int
     stored_bytes: int
     forward_bytes: int
     backward_bytes: int
+    invariant_sums: int = 1
 
 
 _figures: "weakref.WeakKeyDictionary[Body, dict]" = weakref.WeakKeyDictionary()

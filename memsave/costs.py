@@ -263,6 +263,11 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None,
             for j, t in enumerate(op.outputs):
                 src = op.inputs[j] if op.type == "IdentityN" and j < len(op.inputs) else op.inputs[0]
                 alias_of[t] = src
+        if op.body is not None and op.body.loop:
+            # A loop passes its invariants through: the output is the input.
+            for j in op.body.invariant:
+                if j < len(op.outputs) and j < len(op.inputs):
+                    alias_of[op.outputs[j]] = op.inputs[j]
         inplace.append(op.type in INPLACE_OP_TYPES)
         if op.gradient is None:
             unlearned[op.type] = unlearned.get(op.type, 0) + 1

@@ -20,6 +20,7 @@ __all__ = [
     "ArgumentError",
     "PatchError",
     "DeviceProfileError",
+    "LoopChoiceError",
 ]
 
 
@@ -82,3 +83,7 @@ class MemoryBudgetError(MemsaveError, ValueError):
 
 class DeviceProfileError(MemsaveError, ValueError):
     """A :class:`memsave.timemodel.DeviceProfile` was given an invalid figure."""
+
+
+class LoopChoiceError(MemsaveError, ValueError):
+    """memsave.loops was given something other than a While op and a LoopChoice."""

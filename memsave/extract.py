@@ -192,7 +192,8 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
         outputs = tuple(tensor_id(t) for t in op.outputs)
         body, gradient = None, None
         if op.type in _tf_private.CALL_OP_TYPES or op.type in _tf_private.WHILE_OP_TYPES:
-            body, gradient = _read_body(op, bodies)
+            external = frozenset(j for j, t in enumerate(inputs) if nodes[t].kind == "external")
+            body, gradient = _read_body(op, bodies, external)
         if gradient is None:
             gradient = _gradient_use(op, node_def)
         op_nodes.append(OpNode(
@@ -252,8 +253,12 @@ _COUNTER_COMPARISONS = {"Less": 0, "LessEqual": 1}
 UNKNOWN_TRIPS = 1
 
 
-def _read_body(op: tf.Operation, cache: dict) -> tuple[Body | None, GradientUse | None]:
+def _read_body(op: tf.Operation, cache: dict, external: frozenset = frozenset()
+               ) -> tuple[Body | None, GradientUse | None]:
     """The Body of a call or While, and what the op's gradient reads.
+
+    ``external``: positions of the op's inputs that carry no gradient in
+    the enclosing graph (a loop's ``no_gradient`` when it passes them through).
 
     What the gradient keeps is read from the body's own ops, by the rules
     TensorFlow follows when it differentiates a function call (the forward
@@ -275,11 +280,16 @@ def _read_body(op: tf.Operation, cache: dict) -> tuple[Body | None, GradientUse 
     read = cache[key]
     if read is None:
         return None, None
-    fg, saved, stored, reads_inputs, reads_outputs, invariant = read
+    fg, saved, stored, reads_inputs, reads_outputs, invariant, state, kept, input_ids = read
     loop = op.type in _tf_private.WHILE_OP_TYPES
     trips, known = (_while_trips(op) if loop else (1, True))
+    no_gradient = tuple(sorted(input_ids[j] for j in invariant
+                               if j in external and input_ids[j] is not None)) if loop else ()
     body = Body(fg=fg, trips=trips, trips_known=known, saved=saved, stored=stored, loop=loop,
-                invariant=invariant)
+                invariant=invariant, state=state if loop else (), kept=kept if loop else (),
+                read_lists_bytes=_read_lists_bytes(op, [j for j in invariant if j not in external])
+                if loop else 0,
+                no_gradient=no_gradient)
     gradient = GradientUse(
         reads_inputs=reads_inputs, reads_outputs=() if loop else reads_outputs,
         aliases=(None,) * len(op.inputs),
@@ -327,7 +337,7 @@ def _read_function(op: tf.Operation, cache: dict):
         else:
             out_root.setdefault(r, k)
     saved, reads_inputs, reads_outputs = {}, set(), set()
-    stored = {}
+    stored, kept = {}, {}
     # A body's backward runs apart from its forward (a function's backward
     # function, the gradient loop): what early gradient values are computed
     # from is what it keeps, as the costs count it by default.
@@ -343,6 +353,8 @@ def _read_function(op: tf.Operation, cache: dict):
             if tn.kind != "internal":
                 j = position.get(r)
                 if j is None:
+                    if loop and _tf_private.runs_once(sub.tensors[r].op):
+                        kept[r] = r  # a random draw's value: kept each trip
                     continue
                 if not loop or j in invariant:
                     reads_inputs.add(j)
@@ -355,14 +367,49 @@ def _read_function(op: tf.Operation, cache: dict):
             else:
                 saved[r] = r
         j = LIST_WRITE_ITEM.get(node.type)
-        if loop and j is not None and j < len(node.inputs):
+        if loop and j is not None and j < len(node.inputs) and not (
+                node.type == "TensorListSetItem" and fg.tensors[node.inputs[1]].constant):
+            # (A SetItem at a constant index overwrites one item: a Keras
+            # RNN without return_sequences writes each output at index 0.)
             r = root(node.inputs[j])
             if fg.tensors[r].kind == "internal":
                 stored[r] = r
     saved_ids = tuple(sorted(dict.fromkeys(saved.values())))
     stored_ids = tuple(sorted(r for r in stored if r not in set(saved_ids)))
+    # The loop state (what a per-step gradient stores) and what must not be
+    # computed twice (read by the gradient, made by a random draw).
+    state = tuple(sorted(i for i, j in position.items()
+                         if loop and j not in invariant and fg.tensors[i].dtype not in ("resource", "variant")))
+    input_ids = [None] * len(inputs)
+    for i, j in position.items():
+        input_ids[j] = i
     return (fg, saved_ids, stored_ids, tuple(sorted(reads_inputs)), tuple(sorted(reads_outputs)),
-            tuple(sorted(invariant)))
+            tuple(sorted(invariant)), state, tuple(sorted(kept)), tuple(input_ids))
+
+
+
+def _read_lists_bytes(op: tf.Operation, invariant) -> int:
+    """Bytes of the TensorLists a While passes through that were unstacked
+    from a tensor (``TensorListFromTensor``): the items its body reads.
+    (Those that carry no gradient are not counted: a loop memsave prepares
+    reads their items from the source tensor, memsave.loops.prepare.)"""
+    total = 0
+    for j in invariant:
+        t = op.inputs[j]
+        while t.dtype == tf.variant:
+            if t.op.type == "TensorListFromTensor":
+                source = t.op.inputs[0]
+                total += _size(source.shape.as_list() if source.shape.rank is not None else None,
+                               source.dtype)[0]
+                break
+            if t.op.type == "Identity":
+                t = t.op.inputs[0]
+                continue
+            outer = _tf_private.captured_outer(t)
+            if outer is None or not tf.is_symbolic_tensor(outer):
+                break
+            t = outer
+    return total
 
 
 def _while_trips(op: tf.Operation) -> tuple[int, bool]:

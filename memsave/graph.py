@@ -195,6 +195,26 @@ class Body:
         A While's input positions that the body passes through unchanged
         (captured tensors, weights): the gradient loop sums their gradients
         from ``zeros_like`` of them.
+    state : tuple of int
+        A While's body tensor ids of the loop state: the body's inputs that
+        change from trip to trip and hold data (not TensorLists, resources or
+        the counter). What a per-step gradient stores each trip
+        (:mod:`memsave.loopmodel`).
+    kept : tuple of int
+        Body tensor ids the gradient reads that an op which must not run
+        twice made (a random draw inside the body): stored each trip
+        whatever the choice.
+    read_lists_bytes : int
+        Bytes of the TensorLists the loop reads items from and passes
+        through (a Keras RNN's unstacked input sequence) that need a
+        gradient: a gradient that recomputes trips reads them again, so they
+        stay alive until it runs. (Lists that need none are not counted: a
+        prepared loop reads their items from the tensor they were made of.)
+    no_gradient : tuple of int
+        Body tensor ids of loop-invariant inputs whose gradient nobody reads
+        (their outer tensors carry none): its per-trip sum is not computed
+        (Grappler drops it from while_v2's gradient loop; memsave.loops
+        does not build it).
     """
 
     fg: "ForwardGraph"
@@ -204,6 +224,10 @@ class Body:
     stored: tuple[int, ...] = ()
     loop: bool = False
     invariant: tuple[int, ...] = ()
+    state: tuple[int, ...] = ()
+    kept: tuple[int, ...] = ()
+    read_lists_bytes: int = 0
+    no_gradient: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

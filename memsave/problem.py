@@ -41,6 +41,7 @@ allocator does not report still takes memory).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 
 from memsave import candidates as _candidates
@@ -115,6 +116,10 @@ class Problem:
         self._forecasts: dict[tuple, MemoryTrace] = {}
         self._timelines: dict[tuple, MemoryTrace] = {}
         self._cached: dict[tuple, object] = {}
+        # Loops (memsave.loopmodel): op index -> LoopChoice of a loop whose
+        # gradient is not while_v2's, and the problem with every loop plain.
+        self.loop_choices: dict[int, object] = {}
+        self.base: Problem = self
 
     # -- candidates (memsave.candidates, each computed once) -------------------
 
@@ -172,7 +177,8 @@ class Problem:
         found = self._forward.get(model)
         if found is None:
             with paused_gc():
-                found = self._forward[model] = ForwardProgram(self.fg, self.costs, model)
+                found = self._forward[model] = ForwardProgram(
+                    self.fg, self.costs, model, loop_figures=self._loop_figures(model))
         return found
 
     def forecast(self, schedule: Schedule | None, *, model: MemoryModel | None = None,
@@ -269,6 +275,64 @@ class Problem:
         if schedule is None:
             return 0
         return sum(self.step_nanoseconds(s) for s in schedule.steps)
+
+    # -- loops (memsave.loopmodel) ---------------------------------------------------
+
+    @property
+    def loops(self):
+        """The While ops of the graph, each with its choices forecast (a tuple
+        of :class:`memsave.loopmodel.LoopDecision`, nothing chosen yet)."""
+        from memsave import loopmodel
+
+        return self._once(("loops",), lambda: loopmodel.options(self.fg, self.costs, self.model))
+
+    def with_loops(self, choices: Mapping[int, object]) -> Problem:
+        """This graph with the loops' gradients as ``choices`` says (op index ->
+        :class:`memsave.loopmodel.LoopChoice`; a loop not in it stays
+        plain): the same model and costs (but for what the changed loops'
+        gradients read, :func:`memsave.loopmodel.recomputing_costs`), its own
+        caches; ``base`` is this problem's. Cached per choices."""
+        base = self.base
+        key = tuple(sorted((i, c) for i, c in choices.items() if c.kind != "plain"))
+        if not key:
+            return base
+        return base._once(("with_loops", key), lambda: base._variant(dict(key)))
+
+    def _variant(self, choices: dict) -> Problem:
+        from memsave import loopmodel
+
+        # A loop whose gradient memsave.loops.prepare changes is rewritten in
+        # place (its body, its inputs): a recompute step cannot copy it from
+        # the graph as extracted, so its outputs are kept, as a stateful op's.
+        # Its gradient runs its trips again: it reads the loop's inputs.
+        fg = dataclasses.replace(self.fg, ops=tuple(
+            dataclasses.replace(op, recomputable=False) if op.index in choices else op
+            for op in self.fg.ops))
+        variant = Problem(fg, model=self.model,
+                          costs=loopmodel.recomputing_costs(fg, self.costs, choices),
+                          extra_resident_bytes=self.extra_resident_bytes, profile=self.profile)
+        variant.loop_choices = choices
+        variant.base = self
+        return variant
+
+    def loop_recompute_flops(self) -> int:
+        """FLOPs of the loop trips the gradients of ``loop_choices`` run again."""
+        from memsave import loopmodel
+
+        ops = self.fg.ops
+        return sum(loopmodel.recomputed_trips(ops[i].body, c)
+                   * self.costs.op_flops[i] // max(ops[i].body.trips, 1)
+                   for i, c in self.loop_choices.items())
+
+    def _loop_figures(self, model: MemoryModel) -> dict:
+        """Every loop's figures under its choice (plain when not chosen):
+        :func:`memsave.loopmodel.figures`, which also leaves out the per-trip
+        gradients nobody reads (a loop's input sequence's)."""
+        from memsave import loopmodel
+
+        plain = loopmodel.LoopChoice.plain()
+        return {op.index: loopmodel.figures(op.body, self.loop_choices.get(op.index, plain), model)
+                for op in self.fg.ops if op.body is not None and op.body.loop}
 
     @property
     def simulations(self) -> int:

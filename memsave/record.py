@@ -133,6 +133,12 @@ class Plan:
         Empty, or why nothing was chosen and what to do.
     budget : Budget or None
         With ``memory_budget=``: how the plan was chosen.
+    loops : tuple of memsave.loopmodel.LoopDecision
+        Per While op of the graph, the gradient the planner chose for it
+        (plain, per-step, chunks of k trips), T, bytes per step and the
+        forecast of every choice weighed; empty when the planner does not
+        choose for loops (:mod:`memsave.planners.loops`). ``problem`` then
+        forecasts with those choices, ``problem.base`` with every loop plain.
 
     Properties
     ----------
@@ -175,6 +181,7 @@ class Plan:
     schedule: Schedule | None = dataclasses.field(repr=False)
     note: str = ""
     budget: Budget | None = None
+    loops: tuple = ()
 
     # -- figures -------------------------------------------------------------------
 
@@ -184,7 +191,7 @@ class Plan:
 
     @property
     def baseline_peak_bytes(self) -> int:
-        return self.problem.peak(None)
+        return self.problem.base.peak(None)
 
     @property
     def resident_bytes(self) -> int:
@@ -196,7 +203,7 @@ class Plan:
 
     @property
     def recompute_cost(self) -> int:
-        return self.problem.costs.recompute_flops(self.schedule)
+        return self.problem.costs.recompute_flops(self.schedule) + self.problem.loop_recompute_flops()
 
     @property
     def recompute_seconds(self) -> float:
@@ -251,7 +258,7 @@ class Plan:
 
     @property
     def baseline_timeline(self) -> tuple[tuple[int, str], ...]:
-        return self.problem.timeline(None).timeline
+        return self.problem.base.timeline(None).timeline
 
     @property
     def peak_event(self) -> str:
@@ -259,7 +266,7 @@ class Plan:
 
     @property
     def baseline_peak_event(self) -> str:
-        return self.problem.forecast(None).peak_event
+        return self.problem.base.forecast(None).peak_event
 
     @functools.cached_property
     def assumptions(self) -> tuple[str, ...]:
@@ -417,6 +424,8 @@ class Plan:
             if len(shown) < len(self.steps):
                 lines.append(f"    ... {len(self.steps) - len(shown)} more (summary(full=True) "
                              "lists every step)")
+        if self.loops:
+            lines += _loop_lines(self.loops)
         for a in self.assumptions:
             lines.append(f"  assumed: {a}")
         if self.note:
@@ -456,6 +465,7 @@ class Plan:
             "optimal": self.optimal,
             "feasible": self.feasible,
             "budget_bytes": self.budget_bytes,
+            **({"loops": [_loop_dict(d) for d in self.loops]} if self.loops else {}),
         }
 
     def plot(self, path) -> None:
@@ -513,3 +523,25 @@ def _short(names: Sequence[str], limit: int = 2) -> str:
 def _table(rows: list[tuple]) -> list[str]:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     return ["    " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def _loop_lines(loops) -> list[str]:
+    """The summary's lines on loops: per loop, the choice, T, k, bytes per step
+    and what each choice weighed keeps."""
+    lines = ["  loops (gradient chosen per While op):"]
+    rows = [("loop", "choice", "T", "k", "state/step", "kept by each choice")]
+    for d in loops:
+        weighed = ", ".join(f"{f.choice} {_size(f.kept_bytes)}" for f in d.forecasts)
+        rows.append((d.name, str(d.choice), f"{d.trips}{'' if d.trips_known else '?'}",
+                     str(d.k) if d.k else "-", _size(d.state_bytes), weighed))
+    return lines + _table(rows)
+
+
+def _loop_dict(d) -> dict:
+    return {"name": d.name, "choice": str(d.choice), "trips": d.trips,
+            "trips_known": d.trips_known, "k": d.k, "state_bytes_per_step": d.state_bytes,
+            "plain_bytes_per_step": d.trip_bytes,
+            "kept_bytes": None if d.chosen is None else d.chosen.kept_bytes,
+            "recompute_flops": None if d.chosen is None else d.chosen.recompute_flops,
+            "forecasts": [{"choice": str(f.choice), "kept_bytes": f.kept_bytes,
+                           "recompute_flops": f.recompute_flops} for f in d.forecasts]}

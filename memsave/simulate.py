@@ -86,9 +86,9 @@ import dataclasses
 import enum
 import gc
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from memsave.bodies import body_figures
+from memsave.bodies import BodyFigures, body_figures
 from memsave.costs import Costs
 from memsave.errors import ArgumentError
 from memsave.graph import ForwardGraph
@@ -565,8 +565,12 @@ class ForwardProgram:
     here once.
     """
 
-    def __init__(self, fg: ForwardGraph, costs: Costs, model: MemoryModel) -> None:
+    def __init__(self, fg: ForwardGraph, costs: Costs, model: MemoryModel, *,
+                 loop_figures: Mapping[int, BodyFigures] | None = None) -> None:
         self.fg, self.costs, self.model = fg, costs, model
+        # Op index -> the figures of a loop whose gradient is not while_v2's
+        # (memsave.loopmodel.figures of its LoopChoice; Problem.with_loops).
+        self.loop_figures = dict(loop_figures or {})
         tensors, tensor_bytes = fg.tensors, costs.tensor_bytes
         xs = set(fg.xs)
         self.is_x = [node.id in xs for node in tensors]
@@ -692,7 +696,8 @@ class ForwardProgram:
         for i, op in enumerate(fg.ops):
             use = costs.gradient[i]
             inputs, outputs = op.inputs, op.outputs
-            figures = body_figures(op.body, model) if op.body is not None else None
+            figures = self.loop_figures.get(i) or (
+                body_figures(op.body, model) if op.body is not None else None)
             inplace = costs.inplace[i]
             copied_outputs = []
             for t in outputs:
@@ -714,11 +719,17 @@ class ForwardProgram:
 
             read_ins, read_outs = costs.gradient_reads[i]
             loop_constants = ()
+            sums_bytes = 0
             if op.body is not None and op.body.loop:
-                loop_constants = tuple([
-                    t for t in (inputs[j] for j in op.body.invariant if j < len(inputs))
-                    if tensors[t].trainable and tensors[t].dtype not in ("resource", "variant")
-                    and self.foldable[t]])
+                summed = [t for t in (inputs[j] for j in op.body.invariant if j < len(inputs))
+                          if tensors[t].trainable and tensors[t].dtype not in ("resource", "variant")]
+                loop_constants = tuple([t for t in summed if self.foldable[t]])
+                # A chunked gradient's loop of each chunk sums again the
+                # gradients of those that receive one, from zeros of its own
+                # (BodyFigures.invariant_sums).
+                more = [t for t in summed if fg.receives_gradient(t)] * (figures.invariant_sums - 1)
+                loop_constants += tuple([t for t in more if self.foldable[t]])
+                sums_bytes = sum([tensor_bytes[t] for t in more])
             aliases = use.aliases
             # The sizes of the values the gradient may read (None: not known
             # here): when they are all a new buffer's, every value read is a
@@ -744,7 +755,7 @@ class ForwardProgram:
                 (max([tensor_bytes[t] for t in outputs]),
                  max([tensor_bytes[t] for t in inputs], default=0)) if scratch_ops[i] else (),
                 loop_constants,
-                figures.backward_bytes if figures is not None else None,
+                figures.backward_bytes + sums_bytes if figures is not None else None,
                 tuple(targets),
                 not use.reads_outputs and all([tensors[inputs[j]].constant
                                                for j in use.reads_inputs if j < len(inputs)]),

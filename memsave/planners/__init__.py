@@ -113,6 +113,8 @@ def run(name: str | Planner, problem, *, budget=None, options: Mapping[str, Any]
     # the collector does not walk the process's TensorFlow objects again and
     # again (see memsave.simulate.paused_gc).
     with paused_gc():
+        if _loops.decides_loops(name, budget) and problem.loops:
+            return _loops.run(planner, problem, budget=budget, options=options, api=api)
         return planner(problem, budget=budget, **options)
 
 
@@ -131,6 +133,8 @@ def _keywords(fn) -> set[str] | None:
 
 # The built-in planners register themselves on import.
 from memsave.planners import budget as _budget  # noqa: E402
+from memsave.planners import loops as _loops  # noqa: E402
+from memsave.planners.loops import decides_loops  # noqa: E402,F401
 from memsave.planners import strategies as _strategies  # noqa: E402,F401
 
 

@@ -1,0 +1,172 @@
+"""Which gradient each while_v2 loop gets, chosen with the checkpoints (no TensorFlow).
+
+A While op of the differentiated graph (a Keras RNN, ``tf.scan``, a
+``tf.while_loop``) can be differentiated as while_v2 does (``plain``: every
+trip keeps what its gradient reads), per step (the loop state each trip,
+each trip recomputed backwards) or in chunks of k trips
+(:mod:`memsave.loops`, forecast by :mod:`memsave.loopmodel`). The choice
+changes what the loop op holds until its gradient runs, so it enters the
+one planning problem: :meth:`memsave.problem.Problem.with_loops` is the
+problem with a set of loop choices, whose forecasts (every planner's, the
+Plan's) simulate the loops with :func:`memsave.loopmodel.figures`.
+
+Data flow: :func:`memsave.planners.run` hands a problem with loops to
+:func:`run` when :func:`decides_loops` (``'memory'``, or a budget); it
+runs the planner once per combination of loop choices (every combination
+up to :data:`MAX_COMBINATIONS`, else one loop at a time, the others held)
+and returns the planner's Plan of the best one, with ``Plan.loops`` saying
+what each loop gets; :func:`memsave.api.gradients` applies it with
+:func:`memsave.loops.prepare` before the rewrite.
+
+* ``'memory'``: the lowest forecast peak (every byte counted, as the
+  strategies compare plans); among the combinations within
+  :data:`SAME_PEAK_FRACTION` of it, the least recompute (loop trips run
+  again plus the graph's recomputation). Every choice recomputes at most two
+  forwards of its loop (:func:`memsave.loopmodel.recomputed_trips`): that is
+  the bound on extra compute.
+* a budget: the least recompute whose forecast peak fits (the budget is
+  resolved against the plain forecast, every loop plain); ties go to the
+  lower peak. None fits: :class:`~memsave.errors.MemoryBudgetError` with the
+  smallest peak found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Mapping
+
+from memsave.errors import MemoryBudgetError
+from memsave.loopmodel import LoopChoice, LoopDecision
+from memsave.problem import Problem
+
+__all__ = ["run", "decides_loops", "SAME_PEAK_FRACTION", "MAX_COMBINATIONS"]
+
+#: Forecast peaks within this fraction of the lowest count as the lowest
+#: (``'memory'`` then takes the least recompute among them): measured on a
+#: Keras LSTM at T=1024, chunk(k=32) and chunk(k=17, inner=store) peak
+#: within 0.2% of each other, the second at 0.84x the first's CPU time.
+SAME_PEAK_FRACTION = 0.02
+
+#: Combinations of loop choices tried exhaustively at most (four choices a
+#: loop: three loops); beyond, one loop at a time.
+MAX_COMBINATIONS = 64
+
+
+def decides_loops(name: str, budget) -> bool:
+    """Whether the planner ``name`` chooses the loops' gradients: ``'memory'``
+    and every budgeted plan. (``'speed'``, ``'collection'`` and lists keep
+    while_v2's gradient: they keep what is asked, no more.)"""
+    return budget is not None or name == "memory"
+
+
+def run(planner: Callable, problem: Problem, *, budget=None, options: Mapping | None = None,
+        api: str = "memsave.gradients"):
+    """The planner's Plan with the loops' gradients chosen (module docstring)."""
+    from memsave.planners.budget import resolve_budget
+
+    options = dict(options or {})
+    loops = problem.loops
+    if budget is None:
+        def evaluate(choices):
+            variant = problem.with_loops(choices)
+            plan = planner(variant, **options)
+            return (plan, variant.peak(plan.schedule, model=variant.judge), plan.recompute_cost,
+                    _order(loops, choices))
+
+        best = _search(loops, evaluate, _lowest_peak)
+        return _with_decisions(best[0], loops)
+    budget_bytes = resolve_budget(budget, problem.peak(None), api=api)
+    lowest = [None]  # the smallest infeasible peak found, and its choices
+
+    def evaluate_budgeted(choices):
+        variant = problem.with_loops(choices)
+        try:
+            plan = planner(variant, budget=budget_bytes, **options)
+        except MemoryBudgetError as e:
+            low = e.min_peak_bytes
+            if low is not None and (lowest[0] is None or low < lowest[0][0]):
+                lowest[0] = (low, choices)
+            return None
+        return plan, variant.peak(plan.schedule), plan.recompute_cost, _order(loops, choices)
+
+    best = _search(loops, evaluate_budgeted, _least_recompute)
+    if best is None:
+        baseline = problem.peak(None)
+        low, choices = lowest[0] if lowest[0] is not None else (None, {})
+        said = ", ".join(f"{d.name} {choices.get(d.op, LoopChoice.plain())}" for d in loops)
+        raise MemoryBudgetError(
+            f"{api}: memory_budget={budget!r} ({budget_bytes:,} bytes) is below the smallest "
+            f"forecast peak memsave found"
+            + (f", {low:,} bytes ({low / max(baseline, 1):.1%} of tf.gradients' {baseline:,}; "
+               f"loops: {said}); pass memory_budget >= {low} (or >= "
+               f"{low / max(baseline, 1):.3f} as a fraction)" if low is not None else "")
+            + ", or a smaller batch or shorter sequences",
+            min_peak_bytes=low)
+    return _with_decisions(best[0], loops)
+
+
+def _order(loops: tuple[LoopDecision, ...], choices) -> int:
+    """How far down the loops' candidate lists ``choices`` goes: plain, per
+    step, chunks, chunks storing a chunk's trips. Equal recompute goes to
+    the simpler gradient (measured on a Keras LSTM at T=1024: per-step and
+    chunk(k=17, inner=store) each recompute one forward of the loop; the
+    chunks' step took 1.19x the per-step one's CPU time)."""
+    return sum(next(j for j, f in enumerate(d.forecasts)
+                    if f.choice == choices.get(d.op, LoopChoice.plain()))
+               for d in loops)
+
+
+def _lowest_peak(results):
+    """``'memory'``'s pick among (plan, peak, recompute, order) results."""
+    low = min(r[1] for r in results)
+    tied = [r for r in results if r[1] <= low * (1 + SAME_PEAK_FRACTION)]
+    return min(tied, key=lambda r: (r[2], r[3], r[1]))
+
+
+def _least_recompute(results):
+    """A budget's pick among feasible (plan, peak, recompute, order) results."""
+    return min(results, key=lambda r: (r[2], r[3], r[1]))
+
+
+def _search(loops: tuple[LoopDecision, ...], evaluate, pick):
+    """The result ``pick`` prefers among the combinations of loop choices
+    ``evaluate`` answers for (None: infeasible); None when none is feasible."""
+    per_loop = [[f.choice for f in d.forecasts] for d in loops]
+    total = 1
+    for c in per_loop:
+        total *= len(c)
+    if total <= MAX_COMBINATIONS:
+        results = []
+        for combo in itertools.product(*per_loop):
+            got = evaluate({d.op: c for d, c in zip(loops, combo)})
+            if got is not None:
+                results.append(got)
+        return pick(results) if results else None
+    # One loop at a time, the others held (first at per-step: the plain
+    # gradient of many long loops rarely fits what one of them saves).
+    current = {d.op: LoopChoice.per_step() for d in loops}
+    best = None
+    for d, choices in zip(loops, per_loop):
+        results = []
+        for c in choices:
+            got = evaluate({**current, d.op: c})
+            if got is not None:
+                results.append((got, c))
+        if not results:
+            continue
+        chosen = pick([g for g, _ in results])
+        current[d.op] = next(c for g, c in results if g is chosen)
+        best = chosen
+    return best
+
+
+def _with_decisions(plan, loops: tuple[LoopDecision, ...]):
+    """``plan`` with ``Plan.loops``: each loop with the choice its problem holds."""
+    choices = plan.problem.loop_choices
+    decisions = tuple(d.taking(choices.get(d.op, LoopChoice.plain())) for d in loops)
+    note = plan.note
+    if plan.schedule is None and choices:
+        note = ("nothing is recomputed outside the loops: the saving is the loops' gradients' "
+                f"({', '.join(f'{d.name}: {d.choice}' for d in decisions)})")
+    return dataclasses.replace(plan, loops=decisions, note=note)

@@ -1,0 +1,371 @@
+"""The planner chooses each loop's gradient (memsave.planners.loops).
+
+``'memory'`` and ``memory_budget=`` weigh, per While op of the
+differentiated graph, while_v2's gradient, per-step and chunked ones
+(forecast by memsave.loopmodel); the Plan says what it chose and
+memsave.gradients applies it (memsave.loops.apply, before the rewrite).
+Gradients are compared with tf.gradients'; the tests check that the loop's
+gradient was changed (the forward While pushes the state only), not only
+that the numbers agree. Keras ``fit`` through memsave.keras.checkpointed:
+loss histories equal plain fit's.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave
+from memsave import _tf_while, loopmodel, loops, planners
+from memsave.errors import MemoryBudgetError
+from memsave.loopmodel import LoopChoice
+
+keras = pytest.importorskip("keras")
+
+#: Quick, yet each [B, H] float32 is 256 KiB, which the CPU allocator
+#: counts (it reports no smaller buffer): the device's forecast sees the loop.
+T, B, F, H = 24, 1024, 16, 64
+
+
+def _values(steps=T):
+    rng = np.random.RandomState(0)
+    return (rng.randn(steps, B, F).astype(np.float32), rng.randn(F, 4 * H).astype(np.float32) * 0.2,
+            rng.randn(H, 4 * H).astype(np.float32) * 0.2)
+
+
+def _lstm_cell(x_t, h, c, W, U):
+    i, f, o, g = tf.split(tf.matmul(x_t, W) + tf.matmul(h, U), 4, axis=1)
+    c = tf.sigmoid(f) * c + tf.sigmoid(i) * tf.tanh(g)
+    return tf.sigmoid(o) * tf.tanh(c), c
+
+
+def _while_lstm(x, W, U):
+    steps = x.shape[0]
+
+    def body(t, h, c):
+        h, c = _lstm_cell(x[t], h, c, W, U)
+        return t + 1, h, c
+
+    zeros = tf.zeros([B, H])
+    return tf.while_loop(lambda t, h, c: t < steps, body, [0, zeros, zeros],
+                         maximum_iterations=steps)[1]
+
+
+def _scan_lstm(x, W, U):
+    zeros = tf.zeros([B, H])
+    hs, _ = tf.scan(lambda hc, x_t: _lstm_cell(x_t, *hc, W, U), x, initializer=(zeros, zeros))
+    return hs[-1]
+
+
+def _loss(build, x, W, U):
+    h = build(x, W, U)
+    return tf.reduce_mean(tf.square(h))
+
+
+def _step(evaluate, mode, build, **kwargs):
+    """(plain gradients, memsave's, the Plan, the While ops after the gradients)."""
+    xv, Wv, Uv = _values()
+    setup = lambda: (tf.constant(xv), tf.Variable(Wv), tf.Variable(Uv))  # noqa: E731
+    plans, whiles = [], []
+
+    def plain(s):
+        x, W, U = s
+        return tf.gradients(_loss(build, x, W, U), [W, U])
+
+    def ours(s):
+        x, W, U = s
+        loss = _loss(build, x, W, U)
+        plans.append(memsave.plan(loss, [W, U], **kwargs))
+        grads = memsave.gradients(loss, [W, U], **kwargs)
+        whiles.extend(loops.find_loops([loss]))
+        return grads
+
+    return evaluate(mode, setup, plain), evaluate(mode, setup, ours), plans[-1], whiles
+
+
+def assert_grads_equal(got, ref):
+    for g, r in zip(got, ref, strict=True):
+        scale = float(np.max(np.abs(r))) or 1.0
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("mode", ["session", "function"])
+@pytest.mark.parametrize("build", [_while_lstm, _scan_lstm], ids=["while", "scan"])
+def test_memory_chooses_a_loop_gradient_and_applies_it(evaluate, mode, build):
+    ref, got, plan, whiles = _step(evaluate, mode, build, checkpoints="memory")
+    assert_grads_equal(got, ref)
+    (decision,) = plan.loops
+    assert decision.trips == T and decision.trips_known
+    assert decision.choice.kind != "plain"
+    # The lowest forecast peak of the choices weighed (every byte counted).
+    assert decision.chosen.kept_bytes == min(f.kept_bytes for f in decision.forecasts)
+    assert plan.predicted_peak_bytes < plan.baseline_peak_bytes
+    assert plan.recompute_cost >= decision.chosen.recompute_flops > 0
+    # The rewrite ran: the differentiated While has memsave's gradient and
+    # pushes the loop state only (a chunked loop: the state once per chunk).
+    (op,) = [w for w in whiles if w.name == decision.name]
+    assert _tf_while.marked(op) is not None
+    body_inputs = {t.ref() for t in _tf_while.function_graphs(op)[1].inputs}
+    pushed = [t for t, _ in loops.accumulators(op)]
+    assert pushed and all(t.ref() in body_inputs for t in pushed), [t.name for t in pushed]
+
+
+def test_plan_summary_and_dict_show_each_loop(graph):
+    x, W, U = (tf.constant(v) for v in _values())
+    loss = _loss(_while_lstm, x, tf.Variable(W), tf.Variable(U))
+    plan = memsave.plan(loss, [v for v in graph.get_collection("variables")], checkpoints="memory")
+    (d,) = plan.loops
+    text = plan.summary()
+    assert "loops (gradient chosen per While op)" in text
+    assert d.name in text and str(d.choice) in text
+    assert d.state_bytes == 2 * B * H * 4  # h and c, float32
+    as_dict = plan.to_dict()["loops"][0]
+    assert as_dict["name"] == d.name and as_dict["trips"] == T
+    assert as_dict["choice"] == str(d.choice)
+    assert {f["choice"] for f in as_dict["forecasts"]} >= {"plain", "per-step"}
+
+
+def test_speed_and_lists_keep_while_v2s_gradient(graph):
+    x, W, U = (tf.constant(v) for v in _values())
+    Wv, Uv = tf.Variable(W), tf.Variable(U)
+    loss = _loss(_while_lstm, x, Wv, Uv)
+    assert memsave.plan(loss, [Wv, Uv], checkpoints="speed").loops == ()
+    memsave.gradients(loss, [Wv, Uv], checkpoints="speed")
+    assert all(_tf_while.marked(op) is None for op in loops.find_loops([loss]))
+
+
+def test_a_loop_gathering_from_a_sequence_that_needs_a_gradient(graph):
+    """An 8-trip RNN reading by index a captured sequence that needs a
+    gradient, tanh(x W_in) (batch 512, width 256: the sequence 4 MiB, the
+    state 512 KiB). Measured in a tf.function ('memory' with the loop's
+    choice forced), peak with resident: plain loop 28.2 MiB, per step 29.8,
+    chunk(k=2, inner=store) 36.8, chunk(k=2) 33.0-36.5. A gradient that runs
+    trips again reads the sequence, so it lives until the loop's gradient;
+    a chunk's own loop sums the sequence's gradient beside the outer loop's
+    sum, from zeros of its own held as a constant. The forecast counts them,
+    so 'memory' takes no chunk here (before: chunk(k=2, inner=store),
+    forecast 24.0 MiB)."""
+    steps, batch, width = 8, 512, 256
+    sequence_bytes = steps * batch * width * 4
+    rng = np.random.RandomState(0)
+    x = tf.constant(rng.randn(steps, batch, width).astype(np.float32))
+    w_in, w, u = (tf.Variable(rng.randn(width, width).astype(np.float32) * 0.05)
+                  for _ in range(3))
+    sequence = tf.tanh(tf.einsum("tbd,de->tbe", x, w_in))
+
+    def body(i, h):
+        return i + 1, tf.tanh(tf.matmul(h, w) + tf.matmul(tf.gather(sequence, i), u))
+
+    _, h = tf.while_loop(lambda i, h: i < steps, body, [tf.constant(0), tf.zeros([batch, width])],
+                         maximum_iterations=steps)
+    plan = memsave.plan(tf.reduce_mean(tf.square(h)), [w_in, w, u], checkpoints="memory")
+    (d,) = plan.loops
+    problem = plan.problem.base
+    loop = problem.fg.ops[d.op]
+    (seq,) = [t for t in loop.inputs if problem.costs.tensor_bytes[t] == sequence_bytes]
+    # while_v2's gradient reads the sequence's shape only; a per-step one reads it.
+    assert seq not in problem.costs.gradient_reads[d.op][0]
+    per_step = problem.with_loops({d.op: LoopChoice.per_step()})
+    assert seq in per_step.costs.gradient_reads[d.op][0]
+    chunk = LoopChoice.chunk(2, inner="store")
+    assert loopmodel.figures(loop.body, chunk, problem.model).invariant_sums == 2
+    assert problem.with_loops({d.op: chunk}).peak(None) > per_step.peak(None) + sequence_bytes
+    assert d.choice.kind != "chunk", plan.summary()
+
+
+def test_budget_takes_the_least_recompute_that_fits(graph):
+    x, W, U = (tf.constant(v) for v in _values())
+    Wv, Uv = tf.Variable(W), tf.Variable(U)
+    loss = _loss(_while_lstm, x, Wv, Uv)
+    plans = {}
+    for fraction in (0.9, 0.5, 0.25):
+        p = plans[fraction] = memsave.plan(loss, [Wv, Uv], memory_budget=fraction)
+        assert p.predicted_peak_bytes <= p.budget_bytes
+        assert p.budget_bytes == int(fraction * p.baseline_peak_bytes)
+        (d,) = p.loops
+        # Every other choice of the loop, with the budget solver's plan of
+        # the rest of the graph, recomputes more or does not fit.
+        for f in d.forecasts:
+            if f.choice == d.choice:
+                continue
+            variant = p.problem.base.with_loops({d.op: f.choice})
+            try:
+                other = planners.get("auto")(variant, budget=p.budget_bytes)
+            except MemoryBudgetError:
+                continue
+            assert other.recompute_cost >= p.recompute_cost, (f.choice, d.choice)
+    costs = [plans[f].recompute_cost for f in (0.9, 0.5, 0.25)]
+    assert costs == sorted(costs)
+    assert plans[0.25].loops[0].choice.kind != "plain"
+
+
+def test_budget_below_every_choice_says_the_smallest_peak(graph):
+    x, W, U = (tf.constant(v) for v in _values())
+    Wv, Uv = tf.Variable(W), tf.Variable(U)
+    loss = _loss(_while_lstm, x, Wv, Uv)
+    with pytest.raises(MemoryBudgetError, match="smallest forecast peak") as e:
+        memsave.plan(loss, [Wv, Uv], memory_budget=1000)
+    assert e.value.min_peak_bytes is not None and e.value.min_peak_bytes > 1000
+    assert memsave.plan(loss, [Wv, Uv], memory_budget=e.value.min_peak_bytes).feasible
+
+
+def _nested(x, W, U):
+    """A loop whose body runs a loop of 2 trips."""
+    def outer(j, h, c):
+        _, h, c = tf.while_loop(lambda i, h, c: i < j + 2,
+                                lambda i, h, c: (i + 1, *_lstm_cell(x[i], h, c, W, U)),
+                                [j, h, c], maximum_iterations=2)
+        return j + 2, h, c
+
+    zeros = tf.zeros([B, H])
+    return tf.while_loop(lambda j, h, c: j < T, outer, [0, zeros, zeros],
+                         maximum_iterations=T // 2)[1]
+
+
+def test_a_loop_in_a_loop_body_is_named_in_a_warning(evaluate, caplog):
+    with caplog.at_level(logging.WARNING, logger="memsave.loops"):
+        ref, got, plan, _ = _step(evaluate, "function", _nested, checkpoints="memory")
+    assert_grads_equal(got, ref)
+    (d,) = plan.loops  # the outer loop only
+    warned = [r.getMessage() for r in caplog.records if "keeps while_v2's gradient" in r.getMessage()]
+    assert warned and all(f"the body of loop {d.name}" in m for m in warned)
+
+
+def test_a_loop_in_a_called_function_is_named_in_a_warning(evaluate, caplog):
+    def build(x, W, U):
+        return tf.function(_while_lstm)(x, W, U)
+
+    with caplog.at_level(logging.WARNING, logger="memsave.loops"):
+        ref, got, plan, _ = _step(evaluate, "function", build, checkpoints="memory")
+    assert_grads_equal(got, ref)
+    assert plan.loops == ()
+    assert any("in function call" in r.getMessage() and "keeps while_v2's gradient" in r.getMessage()
+               for r in caplog.records)
+
+
+# -- Keras fit through memsave.keras.checkpointed ---------------------------------
+
+KT, KB, KF, KH = 12, 16, 6, 16
+SAMPLES, EPOCHS = 64, 2
+
+
+def _keras_layers(name):
+    L = keras.layers
+    return {
+        "LSTM": lambda: [L.LSTM(KH)],
+        "stacked": lambda: [L.LSTM(KH, return_sequences=True), L.GRU(KH, return_sequences=True),
+                            L.Flatten()],
+        "Bidirectional": lambda: [L.Bidirectional(L.LSTM(KH))],
+        "recurrent_dropout": lambda: [L.LSTM(KH, recurrent_dropout=0.2, seed=3)],
+        "GRU": lambda: [L.GRU(KH)],
+        "SimpleRNN": lambda: [L.SimpleRNN(KH)],
+        "masking": lambda: [L.Masking(0.0), L.LSTM(KH)],
+    }[name]()
+
+
+def _fit(name, checkpoints, caplog, **kwargs):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((KT, KF)), *_keras_layers(name), keras.layers.Dense(3)])
+    if checkpoints is not None:
+        memsave.keras.checkpointed(model, checkpoints, **kwargs)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    rng = np.random.RandomState(1)
+    x = rng.randn(SAMPLES, KT, KF).astype(np.float32)
+    x[::2, -4:, :] = 0.0  # masked steps (for "masking")
+    y = rng.randn(SAMPLES, 3).astype(np.float32)
+    keras.utils.set_random_seed(2)
+    with caplog.at_level(logging.INFO, logger="memsave.loops"):
+        history = model.fit(x, y, batch_size=KB, epochs=EPOCHS, shuffle=False, verbose=0)
+    return history.history["loss"]
+
+
+LOOPS_IN = {"LSTM": 1, "stacked": 2, "Bidirectional": 2, "recurrent_dropout": 1, "GRU": 1,
+            "SimpleRNN": 1, "masking": 1}
+
+
+@pytest.mark.parametrize("name", [n if n == "LSTM" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in LOOPS_IN])
+def test_keras_fit_history_equals_plain_fit(name, caplog):
+    plain = _fit(name, None, caplog)
+    caplog.clear()
+    got = _fit(name, "memory", caplog)
+    np.testing.assert_allclose(got, plain, rtol=1e-5)
+    prepared = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memsave: loop")
+                and "gradient" in r.getMessage() and "keeps" not in r.getMessage()]
+    # Each loop of the train step got a gradient of memsave's (traced once
+    # for fit's step).
+    assert len(prepared) >= LOOPS_IN[name], prepared
+    assert not any("plain gradient" in m for m in prepared)
+
+
+def test_keras_plan_of_a_fit_step_shows_the_loop():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((KT, KF)), keras.layers.LSTM(KH), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.zeros((KB, KT, KF), np.float32)
+    y = np.zeros((KB, 3), np.float32)
+    plan = memsave.keras.plan(model, x, y, checkpoints="memory")
+    (d,) = plan.loops
+    assert d.trips == KT and d.choice.kind != "plain"
+    assert plan.predicted_peak_bytes <= plan.baseline_peak_bytes
+
+
+def test_memory_under_xla_equals_tf_gradients():
+    xv, Wv, Uv = _values()
+    x, W, U = tf.constant(xv), tf.Variable(Wv), tf.Variable(Uv)
+    plans = []
+
+    @tf.function(jit_compile=True)
+    def plain(x):
+        return tf.gradients(_loss(_while_lstm, x, W, U), [W, U])
+
+    @tf.function(jit_compile=True)
+    def ours(x):
+        loss = _loss(_while_lstm, x, W, U)
+        plans.append(memsave.plan(loss, [W, U], checkpoints="memory"))
+        grads = memsave.gradients(loss, [W, U], checkpoints="memory")
+        (op,) = loops.find_loops([loss])
+        assert _tf_while.marked(op) is not None
+        return grads
+
+    assert_grads_equal([g.numpy() for g in ours(x)], [g.numpy() for g in plain(x)])
+    assert plans[0].loops[0].choice.kind != "plain"
+
+
+def test_unknown_trip_count_is_planned_per_step_at_most():
+    """``maximum_iterations`` unknown at trace time (an argument of the
+    tf.function): T is not known (forecast as one trip), so no chunk size is
+    weighed; the gradients are tf.gradients'."""
+    xv, Wv, Uv = _values()
+    x, W, U = tf.constant(xv), tf.Variable(Wv), tf.Variable(Uv)
+    plans = []
+
+    def loss_of(n):
+        def body(t, h, c):
+            h, c = _lstm_cell(x[t], h, c, W, U)
+            return t + 1, h, c
+
+        zeros = tf.zeros([B, H])
+        h = tf.while_loop(lambda t, h, c: t < n, body, [0, zeros, zeros], maximum_iterations=n)[1]
+        return tf.reduce_mean(tf.square(h))
+
+    spec = [tf.TensorSpec([], tf.int32)]
+
+    @tf.function(input_signature=spec)
+    def plain(n):
+        return tf.gradients(loss_of(n), [W, U])
+
+    @tf.function(input_signature=spec)
+    def ours(n):
+        loss = loss_of(n)
+        plans.append(memsave.plan(loss, [W, U], checkpoints="memory"))
+        return memsave.gradients(loss, [W, U], checkpoints="memory")
+
+    n = tf.constant(T - 1)
+    assert_grads_equal([g.numpy() for g in ours(n)], [g.numpy() for g in plain(n)])
+    (d,) = plans[-1].loops
+    assert not d.trips_known
+    assert {f.choice.kind for f in d.forecasts} == {"plain", "per_step"}
