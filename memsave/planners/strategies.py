@@ -466,8 +466,8 @@ def candidate_plan(
         return (problem.peak(problem.schedule(c), model=judge),
                 problem.peak(problem.schedule(c), model=judge, gradients_kept=False), len(c))
 
+    if problem.fg.xla:
+        return min(within, key=memory_key), limit, within
     best = min(within, key=lambda c: (problem.step_time(problem.schedule(c)).total_s,
                                       *memory_key(c)))
-    if problem.fg.xla:
-        best = min(within, key=memory_key)
     return best, limit, within
