@@ -715,6 +715,14 @@ def step_seconds(fg: ForwardGraph, costs: Costs, step, seconds: OpSeconds, *,
     return StepSeconds(recompute, rewrite, len(run))
 
 
+def step_gate_seconds(profile: DeviceProfile) -> float:
+    """The fixed part of a recompute step's gates (:data:`GATE_OPS` kernel
+    launches), paid once per step with a floating head: a part of
+    :func:`step_seconds`' ``rewrite_s``, for planners bounding it without a
+    schedule."""
+    return GATE_OPS * profile.overhead_s
+
+
 def head_gate_seconds(fg: ForwardGraph, costs: Costs, t: int, profile: DeviceProfile) -> float:
     """Seconds the rewrite's gate costs per head ``t`` of a recompute step
     (read ``t``, write ``t + gate``; 0 for a head that is not floating): a

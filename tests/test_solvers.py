@@ -23,13 +23,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
-import sys
 
 import pytest
 
 import handgraphs as H
 from memsave import planners
 from memsave.planners import budget as B
+from memsave.planners import milp as milp_module
 from memsave.planners.dp import _Terms
 from memsave.planners.segments import Decision, Segments
 from memsave.problem import Problem
@@ -116,23 +116,12 @@ def decisions(p: Segments) -> list[Decision]:
     return list(out)
 
 
-#: Cases whose MILP solves take seconds (3-6 s of CPU for the budgets of the
-#: brute-force table, measured on 2 cores; the others 0.4-1.5 s): their
-#: MILP tests run in the slow tier only.
-SLOW_MILP = {"chain s0 n6", "chain s1 n9", "chain s2 n12", "chain s3 n14", "chain s4 n14",
-             "dag s2 n10", "dag s3 n12", "dag s4 n12", "dag s5 n11", "residual block",
-             "tanh chain 8", "unet", "residual convs s1 b4"}
-
-
 def _params(cases, solvers=(None,)):
     """pytest params of (case[, solver]): each case's tests run on one worker, where
-    they share its brute force and its MILP answers (tests/conftest.py), and the
-    tests that solve a SLOW_MILP case's MILP are slow."""
+    they share its brute force and its MILP answers (tests/conftest.py)."""
     for solver in solvers:
         for case in cases:
             marks = [pytest.mark.xdist_group(f"test_solvers[{case}]")]
-            if case in SLOW_MILP and solver in (None, "milp"):
-                marks.append(pytest.mark.slow)
             values, name = ((case,), case) if solver is None else ((case, solver), f"{case}-{solver}")
             yield pytest.param(*values, marks=marks, id=name)
 
@@ -148,10 +137,14 @@ def _oracle(name):
         # The cost solvers read without simulating is the evaluated plan's (and
         # its bound without a schedule is below it),
         # and the at-turn bound never cuts off a plan the simulator accepts.
+        # So do milp's master bounds on each decision's partition into groups.
+        master = milp_module._Master(p, p.plain.peak_bytes)
         for e in evs:
             assert p.cost(e.decision) == e.recompute_ns
             assert p.lower_bound(e.decision) <= e.recompute_ns, e.decision
             assert p.turn_bound(e.decision) <= e.peak_bytes, e.decision
+            ns, peak = master.bound(p.groups(e.decision))
+            assert ns <= e.recompute_ns and peak <= e.peak_bytes, (e.decision, ns, peak)
         lo = min(e.peak_bytes for e in evs)
         hi = p.plain.peak_bytes
         budgets = sorted({lo - 1, lo, *(int(lo + f * (hi - lo)) for f in (0.2, 0.35, 0.5, 0.75)), hi})
@@ -314,13 +307,6 @@ def test_unknown_solver_lists_the_known_ones():
     assert {"auto", "dp", "greedy", "milp"} <= set(planners.available())
 
 
-def test_milp_without_highspy_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "highspy", None)
-    p = _problem(H.chain(6), random.Random(0), 4)
-    with pytest.raises(ImportError, match=r"memsave\[milp\]"):
-        solve(p, p.plain.peak_bytes // 2, solver="milp")
-
-
 def test_auto_picks_dp_on_chains_and_greedy_on_large_graphs():
     assert solve(_chain(0, 8, 5), 0).solver == "dp"
     rs = random.Random(7)
@@ -347,29 +333,3 @@ def test_budget_planner_never_calls_a_budget_memory_meets_infeasible(seed):
             B.solve(problem, 1, api="test")
         assert e.value.min_peak_bytes <= ours
         assert B.solve(Problem(fg), ours, api="test").predicted_peak_bytes <= ours
-
-
-@pytest.mark.slow
-def test_milp_prints_nothing():
-    """HiGHS prints a banner when a process makes its first solver object,
-    before options can silence it: memsave's output stays the user's."""
-    import subprocess
-    import textwrap
-
-    pytest.importorskip("highspy")
-    code = textwrap.dedent("""
-        import random, sys
-        sys.path.insert(0, "tests")
-        import handgraphs as H
-        from memsave.planners import budget as B
-        from memsave.planners.segments import Segments
-        from memsave.problem import Problem
-        p = Segments(Problem(H.chain(6)))
-        out = B.CORES["milp"](p, p.plain.peak_bytes // 2)
-        print("peak", out.evaluation.peak_bytes)
-    """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.startswith("peak "), run.stdout
-    assert "HiGHS" not in run.stdout + run.stderr, run.stdout

@@ -20,9 +20,10 @@ time_limit_s=None) -> Outcome``, and each is a planner of its own
     stored and expensive-kept segments that trade memory for time);
     :mod:`memsave.planners.dp`.
 ``milp``
-    exact on small graphs: a MILP solved by HiGHS (optional extra
-    ``memsave[milp]``, i.e. ``highspy``), seeded with ``greedy``'s plan,
-    made exact against the simulator by lazy no-good cuts;
+    exact on small graphs: an integer program over groups of segments
+    whose partitions are enumerated cheapest first (best-first search),
+    seeded with ``greedy``'s plan, made exact against the simulator by lazy
+    no-good cuts;
     :mod:`memsave.planners.milp`.
 ``greedy``
     fast heuristic for large graphs; never exceeds the budget, monotone;
@@ -65,9 +66,8 @@ CORES: dict[str, Core] = {"dp": dp, "milp": milp, "greedy": greedy}
 #: simulation of the whole graph: minutes at 40 cuts of a 1000-op chain).
 DP_MAX_CUTS = 12
 
-#: ``auto`` uses ``milp`` (when highspy is installed) on non-chain graphs with
-#: at most this many candidate cuts; its lazy cuts may take many rounds
-#: beyond that.
+#: ``auto`` uses ``milp`` on non-chain graphs with at most this many
+#: candidate cuts; beyond that its enumeration may visit many partitions.
 MILP_MAX_CUTS = 12
 
 #: With fewer articulation points than this, the budget solvers also plan
@@ -136,15 +136,11 @@ def is_chain(space: Segments) -> bool:
 
 def choose(space: Segments, *, milp: bool = True) -> str:
     """The core ``auto`` picks: ``dp`` on small chains, ``milp`` on small
-    spaces when highspy is installed (and ``milp``), ``greedy`` otherwise."""
+    spaces (when ``milp``), ``greedy`` otherwise."""
     m = len(space.candidates)
     if m <= DP_MAX_CUTS and is_chain(space):
         return "dp"
     if milp and m <= MILP_MAX_CUTS:
-        try:
-            import highspy  # noqa: F401
-        except ImportError:
-            return "greedy"
         return "milp"
     return "greedy"
 

@@ -55,14 +55,16 @@ import functools
 import math
 from collections.abc import Iterable, Sequence
 
+from memsave import xla
 from memsave.costs import is_activation
 from memsave.errors import ArgumentError
 from memsave.memory_model import MemoryModel
 from memsave.problem import Problem
 from memsave.schedule import Schedule
-from memsave.timemodel import head_gate_seconds
+from memsave.timemodel import head_gate_seconds, step_gate_seconds
 
-__all__ = ["Decision", "Evaluation", "Outcome", "Segments", "TurnBound", "EXPENSIVE_FACTOR"]
+__all__ = ["Decision", "Evaluation", "Outcome", "Segments", "StepBounds", "TurnBound",
+           "EXPENSIVE_FACTOR"]
 
 #: A tensor is one of its segment's *expensive outputs* when keeping it saves
 #: at least this many times the graph's average recompute seconds per byte
@@ -199,6 +201,23 @@ class Segments:
         self._cache: dict[Decision, Evaluation] = {}
         self._lower_cache: dict[tuple[int, bool], int] = {}
         self._seg_of_op = {o: k for k, seg in enumerate(self.segments) for o in seg}
+        # For group_lower_bound: per tensor, the last segment reading it (beyond
+        # the last segment when an op outside every segment reads it), the
+        # tensors kept whatever the decision, and the ops never copied.
+        self._group_cache: dict[tuple[int, int, bool], int] = {}
+        self._candidate_set = frozenset(self.candidates)
+        self._stuck = xla.in_place_ops(fg)
+        outside = len(self.segments)
+        self._last_reader = {}
+        for op in fg.ops:
+            k = self._seg_of_op.get(op.index, outside)
+            if op.index in self._stuck:
+                k = outside
+            for t in op.inputs:
+                if k > self._last_reader.get(t, -1):
+                    self._last_reader[t] = k
+        self._forced_kept = fg.captured() | {
+            t for i in self._stuck for t in (*fg.ops[i].inputs, *fg.ops[i].outputs)}
         profile = problem.profile
         self._head_ns = {  # less a nanosecond for the rounding of each step's time
             t: max(0, math.floor(1e9 * head_gate_seconds(fg, self.costs, t, profile)) - 1)
@@ -341,6 +360,75 @@ class Segments:
                 1e9 * self._segment_seconds(k, expensive)) - len(self.segments[k]))
         return found
 
+    def groups(self, d: Decision) -> list[tuple[int, int, str]]:
+        """The canonical ``d`` as a partition of the segments into groups
+        ``(a, b, mode)`` (segments ``a .. b-1``; mode ``"S"`` stored, one
+        segment per group; ``"E"`` expensive-kept; ``"R"`` recomputed): a new
+        recomputed or expensive-kept group starts where the mode changes or
+        at a kept candidate. What :mod:`memsave.planners.dp` and
+        :mod:`memsave.planners.milp` choose among."""
+        d = self.canonical(d)
+        out: list[tuple[int, int, str]] = []
+        for j in range(len(self.segments)):
+            mode = "S" if j in d.stored else "E" if j in d.expensive else "R"
+            if out and mode != "S" and out[-1][2] == mode and (j - 1) not in d.kept:
+                a, _, _ = out.pop()
+                out.append((a, j + 1, mode))
+            else:
+                out.append((j, j + 1, mode))
+        return out
+
+    def group_lower_bound(self, a: int, b: int, expensive: bool = False) -> int:
+        """A lower bound on the nanoseconds the copies of segments ``a .. b-1``
+        take in any decision that recomputes them as one group (candidates
+        ``a .. b-2`` not kept; with ``expensive``, the group's expensive
+        outputs kept), without a schedule (cached).
+
+        The copies that run with every tensor kept that such a decision may
+        keep: the other candidates, the expensive outputs, and what ops
+        outside the group read or a custom gradient captured (a stored or
+        non-recomputable reader keeps it); each op is copied at most once, so
+        the bounds of a decision's groups add up (:meth:`groups`). Less a
+        nanosecond per op for the rounding of each step's time. At least
+        :meth:`lower_bound`'s terms of the same segments, whose cuts are all
+        kept; ``milp``'s master minimises their sum, and tests/test_solvers.py
+        checks the sum against every decision of its cases.
+        """
+        key = (a, b, expensive)
+        found = self._group_cache.get(key)
+        if found is not None:
+            return found
+        fg, reads = self.fg, self.costs.gradient_reads
+        ops = [o for k in range(a, b) for o in self.segments[k] if o not in self._stuck]
+        interior = {self.candidates[k] for k in range(a, b - 1)}
+        extra = {t for k in range(a, b) for t in self.expensive_outputs[k]} if expensive else set()
+        last_reader, forced, cands = self._last_reader, self._forced_kept, self._candidate_set
+
+        def kept(t: int) -> bool:
+            return (t in extra or t in forced or last_reader.get(t, b) >= b
+                    or (t in cands and t not in interior))
+
+        need: set[int] = set()
+        for i in ops:
+            read_ins, read_outs = reads[i]
+            need.update(t for t in read_ins if not kept(t))
+            need.update(read_outs)
+        run = []
+        runs_anyway = self.problem.copies_that_run
+        for i in reversed(ops):
+            op = fg.ops[i]
+            if any(t in need for t in op.outputs) or runs_anyway((i,)):
+                run.append(i)
+                need.update(t for t in op.inputs if not kept(t))
+        found = self._group_cache[key] = max(
+            0, math.floor(1e9 * self.problem.seconds.recompute_s(run)) - len(ops))
+        return found
+
+    @functools.cached_property
+    def step_bounds(self) -> StepBounds:
+        """Lower bounds on the gates' nanoseconds (:class:`StepBounds`)."""
+        return StepBounds(self)
+
     def _segment_seconds(self, k: int, expensive: bool) -> float:
         fg, reads = self.fg, self.costs.gradient_reads
         ops = self.segments[k]
@@ -359,6 +447,82 @@ class Segments:
                 run.append(i)
                 need.update(t for t in op.inputs if t not in keep)
         return self.problem.seconds.recompute_s(run)
+
+
+class StepBounds:
+    """Lower bounds on what a decision's recompute steps add beyond their
+    copies (the rewrite's gates, :func:`memsave.timemodel.step_seconds`), by
+    what its groups (:meth:`Segments.groups`) certainly make; in integer
+    nanoseconds, each less one for rounding. Zero throughout unless every
+    candidate and y is floating (a step's gates are paid only when it has
+    a floating head).
+
+    ``head[k]``: candidate ``k`` is kept (a recomputed or expensive-kept
+    group starts after it, or a stored segment of ``keepers[k]`` reads it;
+    -1: an op that is never copied does) and segment ``k`` is not stored:
+    ``k`` heads a recompute step,
+    which reads and writes it (``t + gate``) and, when every other
+    candidate is its ancestor or descendant (so no other candidate's step
+    is the same step: a step is one layer of the heads' dependencies),
+    launches the gates' kernels. ``start[k]``: such a group's first segment
+    reads ``k`` (an op of segment ``readers[k]`` reads it) through a gated
+    proxy. ``ys``: the last segment is
+    recomputed: the step of the ys.
+    """
+
+    def __init__(self, space: Segments) -> None:
+        fg, costs, profile = space.fg, space.costs, space.problem.profile
+        cands = space.candidates
+        m = len(cands)
+        self.head = [0] * m
+        self.start = [0] * m
+        self.ys = 0
+        self.readers: list[frozenset[int]] = [frozenset()] * m
+        self.keepers: list[frozenset[int]] = [frozenset()] * m
+        if not all(head_gate_seconds(fg, costs, t, profile) > 0 for t in (*cands, *fg.ys)):
+            return
+        fixed = step_gate_seconds(profile)
+
+        def ns(seconds: float) -> int:
+            return max(0, math.floor(1e9 * seconds) - 1)
+
+        # Candidates each candidate reaches (bit j: candidate j), by a reverse sweep.
+        bit = {t: 1 << j for j, t in enumerate(cands)}
+        consumers = fg.consumers()
+        below = [0] * len(fg.ops)
+        for op in reversed(fg.ops):
+            reach = 0
+            for t in op.outputs:
+                reach |= bit.get(t, 0)
+                for c in consumers[t]:
+                    reach |= below[c]
+            below[op.index] = reach
+        after = []
+        for t in cands:
+            reach = 0
+            for c in consumers[t]:
+                reach |= below[c]
+            after.append(reach)
+        every = (1 << m) - 1
+        for k, t in enumerate(cands):
+            p = fg.tensors[t].producer
+            if p in space._stuck or not fg.receives_gradient(t):
+                continue
+            later = every & ~((1 << (k + 1)) - 1)
+            chained = (after[k] & later) == later and all(after[j] >> k & 1 for j in range(k))
+            own = head_gate_seconds(fg, costs, t, profile)
+            self.head[k] = ns(own + (fixed if chained else 0.0))
+            self.start[k] = ns(own)
+            self.readers[k] = frozenset(space._seg_of_op[c] for c in consumers[t]
+                                        if c in space._seg_of_op and c not in space._stuck)
+            self.keepers[k] = frozenset(space._seg_of_op.get(c, -1) for c in consumers[t])
+            if any(c in space._stuck for c in consumers[t]):
+                self.keepers[k] |= {-1}
+        last = set(space.segments[-1]) - space._stuck
+        ys = [y for y in dict.fromkeys(fg.ys) if fg.tensors[y].kind == "internal"
+              and fg.tensors[y].producer in last and y not in bit]
+        if ys:
+            self.ys = ns(fixed + sum(head_gate_seconds(fg, costs, y, profile) for y in ys))
 
 
 class TurnBound:
