@@ -220,9 +220,10 @@ def _solve(problem: Problem, memory_budget, solver: str, time_limit_s, api: str,
     for cands in tries:
         space = Segments(problem, [*coarsen(fg, problem.costs, cands, MAX_CUTS), *include],
                          model=model)
-        # A preset's bounded search (max_simulations) is not worth MILP's
-        # proof: its loose bound visits many stored sets (seconds even on a
-        # 70-op graph, tens of seconds where nothing fits).
+        # A preset's bounded search (max_simulations) keeps to greedy: it
+        # should cost a bounded number of simulations, and where nothing
+        # fits the exact solver's search for the smallest peak may visit
+        # many partitions.
         name = choose(space, milp=max_simulations is None) if solver == "auto" else solver
         extra = {"max_simulations": max_simulations} if max_simulations and name == "greedy" else {}
         out = CORES[name](space, budget_bytes, time_limit_s=time_limit_s, **extra)
