@@ -15,10 +15,13 @@ is a module global to toggle.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+from collections.abc import Sequence
 
 from memsave.errors import OptionsError
 
-__all__ = ["Allocator", "CPU_ONEDNN", "BFC", "MemoryModel"]
+__all__ = ["Allocator", "CPU_ONEDNN", "BFC", "MemoryModel", "half_conv2d_gradient_scratch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +90,61 @@ CONSTANT_FOLDING_MAX_BYTES = 10 * 1024 * 1024
 WEIGHT_GRADIENT_OVERLAP = 1
 
 
+#: Working set TensorFlow's CPU convolution gradient kernels size their
+#: im2col buffer for (``Conv2DCustomBackpropInputOp`` and
+#: ``Conv2DCustomBackpropFilterOp``: "30MB is from ivybridge", an L3 cache),
+#: and the per-thread work under which the input gradient shards images
+#: instead of splitting one contraction (an L2 cache, 256 KiB).
+CONV_GRADIENT_L3_BYTES = 30 << 20
+CONV_GRADIENT_L2_BYTES = 256 << 10
+
+
+def half_conv2d_gradient_scratch(input_shape: Sequence[int], filter_shape: Sequence[int],
+                                 output_shape: Sequence[int], *, input_gradient: bool,
+                                 filter_gradient: bool, threads: int, itemsize: int = 2) -> tuple[int, ...]:
+    """Bytes of the im2col buffers of a float16 ``Conv2D``'s gradient kernels on a CPU.
+
+    Where oneDNN does not take float16 (a CPU without AVX512-FP16: TensorFlow
+    logs "oneDNN supports DT_HALF only on platforms with AVX-512"), the
+    gradients of a float16 ``Conv2D`` run TensorFlow's own kernels, which
+    shard the batch into groups of images sized to a 30 MiB working set
+    (:data:`CONV_GRADIENT_L3_BYTES`) and allocate one im2col buffer for a
+    whole group, whatever the batch: ``ceil(L3 / itemsize / work) *
+    out_positions * kh * kw * in_channels`` elements, ``work`` being the
+    elements of one image's three matrices. The input's gradient uses one
+    image's buffer when a thread's share of that work reaches
+    :data:`CONV_GRADIENT_L2_BYTES` (or the batch is 1). Measured (allocator
+    records of keras.applications MobileNetV2 64x64 batch 32 under
+    ``mixed_float16``): block_2_project's two gradient kernels each held a
+    23.84 MiB buffer, side by side, as computed here; float32 runs oneDNN's
+    kernels, which hold no such buffer.
+
+    Shapes are NHWC (the only layout these kernels take); returns one size per
+    kernel that runs (input gradient, filter gradient).
+    """
+    batch, out_h, out_w, out_c = output_shape
+    kh, kw, in_c = filter_shape[0], filter_shape[1], filter_shape[2]
+    del input_shape  # the output's positions and the filter say it all
+    positions, patch = out_h * out_w, kh * kw * in_c
+    work = positions * out_c + patch * out_c + positions * patch
+    images = math.ceil(CONV_GRADIENT_L3_BYTES // itemsize / work)
+    found = []
+    if input_gradient:
+        parallel = batch == 1 or work // max(threads, 1) >= CONV_GRADIENT_L2_BYTES // itemsize
+        found.append((1 if parallel else images) * positions * patch * itemsize)
+    if filter_gradient:
+        found.append(images * positions * patch * itemsize)
+    return tuple(found)
+
+
+def cpu_threads() -> int:
+    """Threads TensorFlow's CPU kernels shard their work over (the CPUs this process may use)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryModel:
     """The settings of the memory model (see the module docstring).
@@ -128,6 +186,14 @@ class MemoryModel:
     constant_folding_max_bytes: int = CONSTANT_FOLDING_MAX_BYTES
     early_gradient_values: bool = False
     xla_update_in_step: bool = True
+    half_conv2d_im2col: bool | None = None
+
+    @property
+    def runs_half_conv2d_im2col(self) -> bool:
+        """:attr:`half_conv2d_im2col`, its default resolved."""
+        if self.half_conv2d_im2col is None:
+            return self.allocator == CPU_ONEDNN
+        return self.half_conv2d_im2col
 
     def __post_init__(self) -> None:
         if self.weight_gradient_overlap < 0:
