@@ -21,7 +21,8 @@ from collections.abc import Sequence
 
 from memsave.errors import OptionsError
 
-__all__ = ["Allocator", "CPU_ONEDNN", "BFC", "MemoryModel", "half_conv2d_gradient_scratch"]
+__all__ = ["Allocator", "CPU_ONEDNN", "BFC", "MemoryModel", "half_conv2d_gradient_scratch",
+           "half_matmul_scratch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +138,19 @@ def half_conv2d_gradient_scratch(input_shape: Sequence[int], filter_shape: Seque
     return tuple(found)
 
 
+def half_matmul_scratch(a_bytes: int, b_bytes: int, out_bytes: int) -> tuple[int, ...]:
+    """Bytes of the float32 temporaries of a float16 ``MatMul`` on a CPU without oneDNN.
+
+    TensorFlow's kernel converts both operands to float32, multiplies them
+    into a float32 result and converts that back: three temporaries of
+    twice the float16 bytes, held while the kernel runs. Measured
+    (allocator records, a tanh chain of [2048, 256] x [256, 256] float16
+    products): ``x^T dy`` held two 2 MiB and one 0.25 MiB float32
+    temporaries, ``dy w^T`` 2, 0.25 and 2 MiB, side by side.
+    """
+    return tuple(2 * n for n in (a_bytes, b_bytes, out_bytes))
+
+
 def cpu_threads() -> int:
     """Threads TensorFlow's CPU kernels shard their work over (the CPUs this process may use)."""
     try:
@@ -179,6 +193,16 @@ class MemoryModel:
         :func:`memsave.simulate.simulate`; memsave's ordered steps hold a
         step's weight gradients to the step's end, not counted). False: a
         compiled function that returns its gradients. Not read without XLA.
+    float16_without_onednn : bool or None
+        Whether float16 kernels run without oneDNN, as on a CPU without
+        AVX512-FP16 (TensorFlow logs "oneDNN supports DT_HALF only on
+        platforms with AVX-512"): a ``Conv2D``'s gradient kernels then hold
+        im2col buffers of up to 30 MiB (:func:`half_conv2d_gradient_scratch`)
+        and a ``MatMul`` computes in float32 copies of its operands and
+        result (:func:`half_matmul_scratch`). None (the default): on the CPU
+        allocator (:data:`CPU_ONEDNN`), that is on a CPU; pass False for a
+        CPU with AVX512-FP16 (not measured). Not read under XLA, which
+        compiles its own kernels.
     """
 
     allocator: Allocator = CPU_ONEDNN
@@ -186,14 +210,14 @@ class MemoryModel:
     constant_folding_max_bytes: int = CONSTANT_FOLDING_MAX_BYTES
     early_gradient_values: bool = False
     xla_update_in_step: bool = True
-    half_conv2d_im2col: bool | None = None
+    float16_without_onednn: bool | None = None
 
     @property
-    def runs_half_conv2d_im2col(self) -> bool:
-        """:attr:`half_conv2d_im2col`, its default resolved."""
-        if self.half_conv2d_im2col is None:
+    def runs_float16_without_onednn(self) -> bool:
+        """:attr:`float16_without_onednn`, its default resolved."""
+        if self.float16_without_onednn is None:
             return self.allocator == CPU_ONEDNN
-        return self.half_conv2d_im2col
+        return self.float16_without_onednn
 
     def __post_init__(self) -> None:
         if self.weight_gradient_overlap < 0:
