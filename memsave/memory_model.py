@@ -15,10 +15,14 @@ is a module global to toggle.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+from collections.abc import Sequence
 
 from memsave.errors import OptionsError
 
-__all__ = ["Allocator", "CPU_ONEDNN", "BFC", "MemoryModel"]
+__all__ = ["Allocator", "CPU_ONEDNN", "BFC", "MemoryModel", "half_conv2d_gradient_scratch",
+           "half_matmul_scratch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +91,74 @@ CONSTANT_FOLDING_MAX_BYTES = 10 * 1024 * 1024
 WEIGHT_GRADIENT_OVERLAP = 1
 
 
+#: Working set TensorFlow's CPU convolution gradient kernels size their
+#: im2col buffer for (``Conv2DCustomBackpropInputOp`` and
+#: ``Conv2DCustomBackpropFilterOp``: "30MB is from ivybridge", an L3 cache),
+#: and the per-thread work under which the input gradient shards images
+#: instead of splitting one contraction (an L2 cache, 256 KiB).
+CONV_GRADIENT_L3_BYTES = 30 << 20
+CONV_GRADIENT_L2_BYTES = 256 << 10
+
+
+def half_conv2d_gradient_scratch(input_shape: Sequence[int], filter_shape: Sequence[int],
+                                 output_shape: Sequence[int], *, input_gradient: bool,
+                                 filter_gradient: bool, threads: int, itemsize: int = 2) -> tuple[int, ...]:
+    """Bytes of the im2col buffers of a float16 ``Conv2D``'s gradient kernels on a CPU.
+
+    Where oneDNN does not take float16 (a CPU without AVX512-FP16: TensorFlow
+    logs "oneDNN supports DT_HALF only on platforms with AVX-512"), the
+    gradients of a float16 ``Conv2D`` run TensorFlow's own kernels, which
+    shard the batch into groups of images sized to a 30 MiB working set
+    (:data:`CONV_GRADIENT_L3_BYTES`) and allocate one im2col buffer for a
+    whole group, whatever the batch: ``ceil(L3 / itemsize / work) *
+    out_positions * kh * kw * in_channels`` elements, ``work`` being the
+    elements of one image's three matrices. The input's gradient uses one
+    image's buffer when a thread's share of that work reaches
+    :data:`CONV_GRADIENT_L2_BYTES` (or the batch is 1). Measured (allocator
+    records of keras.applications MobileNetV2 64x64 batch 32 under
+    ``mixed_float16``): block_2_project's two gradient kernels each held a
+    23.84 MiB buffer, side by side, as computed here; float32 runs oneDNN's
+    kernels, which hold no such buffer.
+
+    Shapes are NHWC (the only layout these kernels take); returns one size per
+    kernel that runs (input gradient, filter gradient).
+    """
+    batch, out_h, out_w, out_c = output_shape
+    kh, kw, in_c = filter_shape[0], filter_shape[1], filter_shape[2]
+    del input_shape  # the output's positions and the filter say it all
+    positions, patch = out_h * out_w, kh * kw * in_c
+    work = positions * out_c + patch * out_c + positions * patch
+    images = math.ceil(CONV_GRADIENT_L3_BYTES // itemsize / work)
+    found = []
+    if input_gradient:
+        parallel = batch == 1 or work // max(threads, 1) >= CONV_GRADIENT_L2_BYTES // itemsize
+        found.append((1 if parallel else images) * positions * patch * itemsize)
+    if filter_gradient:
+        found.append(images * positions * patch * itemsize)
+    return tuple(found)
+
+
+def half_matmul_scratch(a_bytes: int, b_bytes: int, out_bytes: int) -> tuple[int, ...]:
+    """Bytes of the float32 temporaries of a float16 ``MatMul`` on a CPU without oneDNN.
+
+    TensorFlow's kernel converts both operands to float32, multiplies them
+    into a float32 result and converts that back: three temporaries of
+    twice the float16 bytes, held while the kernel runs. Measured
+    (allocator records, a tanh chain of [2048, 256] x [256, 256] float16
+    products): ``x^T dy`` held two 2 MiB and one 0.25 MiB float32
+    temporaries, ``dy w^T`` 2, 0.25 and 2 MiB, side by side.
+    """
+    return tuple(2 * n for n in (a_bytes, b_bytes, out_bytes))
+
+
+def cpu_threads() -> int:
+    """Threads TensorFlow's CPU kernels shard their work over (the CPUs this process may use)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryModel:
     """The settings of the memory model (see the module docstring).
@@ -121,6 +193,16 @@ class MemoryModel:
         :func:`memsave.simulate.simulate`; memsave's ordered steps hold a
         step's weight gradients to the step's end, not counted). False: a
         compiled function that returns its gradients. Not read without XLA.
+    float16_without_onednn : bool or None
+        Whether float16 kernels run without oneDNN, as on a CPU without
+        AVX512-FP16 (TensorFlow logs "oneDNN supports DT_HALF only on
+        platforms with AVX-512"): a ``Conv2D``'s gradient kernels then hold
+        im2col buffers of up to 30 MiB (:func:`half_conv2d_gradient_scratch`)
+        and a ``MatMul`` computes in float32 copies of its operands and
+        result (:func:`half_matmul_scratch`). None (the default): on the CPU
+        allocator (:data:`CPU_ONEDNN`), that is on a CPU; pass False for a
+        CPU with AVX512-FP16 (not measured). Not read under XLA, which
+        compiles its own kernels.
     """
 
     allocator: Allocator = CPU_ONEDNN
@@ -128,6 +210,14 @@ class MemoryModel:
     constant_folding_max_bytes: int = CONSTANT_FOLDING_MAX_BYTES
     early_gradient_values: bool = False
     xla_update_in_step: bool = True
+    float16_without_onednn: bool | None = None
+
+    @property
+    def runs_float16_without_onednn(self) -> bool:
+        """:attr:`float16_without_onednn`, its default resolved."""
+        if self.float16_without_onednn is None:
+            return self.allocator == CPU_ONEDNN
+        return self.float16_without_onednn
 
     def __post_init__(self) -> None:
         if self.weight_gradient_overlap < 0:

@@ -92,7 +92,8 @@ from memsave.bodies import BodyFigures, body_figures
 from memsave.costs import Costs
 from memsave.errors import ArgumentError
 from memsave.graph import ForwardGraph
-from memsave.memory_model import BFC, CPU_ONEDNN, Allocator, MemoryModel
+from memsave.memory_model import (BFC, CPU_ONEDNN, Allocator, MemoryModel, cpu_threads,
+                                  half_conv2d_gradient_scratch, half_matmul_scratch)
 from memsave.schedule import Schedule
 from memsave.xla import XlaModel, breadth_first_order
 
@@ -762,6 +763,9 @@ class ForwardProgram:
                 op.body is None and not scratch_ops[i],
             ))
         self.copy_plans, self.gradient_plans = copy_plans, gradient_plans
+        if not fg.xla and model.runs_float16_without_onednn:
+            self._plan_half_conv2d()
+            self._plan_half_matmul()
         # Copies and their gradients: the same as the originals' but under XLA.
         self.recompute_plans, self.copy_gradient_plans = copy_plans, gradient_plans
         self.xla_forward_of: dict[int, int] = {}  # op -> where its XLA values start in early_of
@@ -770,6 +774,56 @@ class ForwardProgram:
         self.needed_copies = copies_that_run(fg, costs)
         proxy = Event.PROXY
         self.proxy_labels = [(proxy, t) for t in range(len(fg.tensors))]
+
+    def _plan_half_conv2d(self) -> None:
+        """Add to the gradient plans of float16 ``Conv2D`` ops the im2col
+        buffers TensorFlow's CPU kernels hold while they run
+        (:func:`memsave.memory_model.half_conv2d_gradient_scratch`): both
+        kernels (input and filter) run side by side, each with its buffer."""
+        fg, costs, plans = self.fg, self.costs, self.gradient_plans
+        threads = cpu_threads()
+        for i, op in enumerate(fg.ops):
+            if op.type != "Conv2D" or len(op.inputs) < 2 or not op.outputs:
+                continue
+            x, w, y = op.inputs[0], op.inputs[1], op.outputs[0]
+            out = fg.tensors[y]
+            shapes = [fg.tensors[t].shape for t in (x, w, y)]
+            if out.dtype != "float16" or any(s is None or len(s) != 4 for s in shapes) \
+                    or any(d is None for s in shapes for d in s[1:]) or None in shapes[1]:
+                continue
+            per_image = out.itemsize * shapes[2][1] * shapes[2][2] * shapes[2][3]
+            batch = max(costs.tensor_bytes[y] // per_image, 1) if per_image else 1
+            targets = {j for j, _ in costs.gradient_targets[i]}
+            scratch = half_conv2d_gradient_scratch(
+                shapes[0], shapes[1], (batch, *shapes[2][1:]), input_gradient=0 in targets,
+                filter_gradient=1 in targets, threads=threads, itemsize=out.itemsize)
+            if scratch and costs.gradient[i].has_gradient:
+                g = plans[i]
+                plans[i] = g[:5] + (g[5] + scratch,) + g[6:10] + (False,)
+
+    def _plan_half_matmul(self) -> None:
+        """Add to the plans of float16 ``MatMul`` ops the float32 temporaries
+        TensorFlow's CPU kernel computes in
+        (:func:`memsave.memory_model.half_matmul_scratch`): the op's own, and
+        each gradient product's (``dy w^T`` and ``x^T dy``, side by side)."""
+        fg, costs = self.fg, self.costs
+        copy_plans, plans, nbytes = self.copy_plans, self.gradient_plans, costs.tensor_bytes
+        for i, op in enumerate(fg.ops):
+            if op.type != "MatMul" or len(op.inputs) != 2 or len(op.outputs) != 1 \
+                    or fg.tensors[op.outputs[0]].dtype != "float16":
+                continue
+            (a, b), y = op.inputs, op.outputs[0]
+            c = copy_plans[i]
+            copy_plans[i] = c[:4] + (half_matmul_scratch(nbytes[a], nbytes[b], nbytes[y]),) + c[5:]
+            targets = {j for j, _ in costs.gradient_targets[i]}
+            scratch = ()
+            if 0 in targets:  # dy w^T
+                scratch += half_matmul_scratch(nbytes[y], nbytes[b], nbytes[a])
+            if 1 in targets:  # x^T dy
+                scratch += half_matmul_scratch(nbytes[a], nbytes[y], nbytes[b])
+            if scratch and costs.gradient[i].has_gradient:
+                g = plans[i]
+                plans[i] = g[:5] + (g[5] + scratch,) + g[6:10] + (False,)
 
     def _plan_xla_ops(self) -> None:
         """Under XLA, add to the per-op plans the buffers XLA makes for the

@@ -163,6 +163,23 @@ MAX_FUSED_SOURCES = 8
 #: Bytes XLA:CPU computes a float16 or bfloat16 convolution in (float32).
 _CONV_ACCUMULATOR_BYTES = 4
 
+#: Half-precision dtypes (``TensorNode.dtype``) XLA:CPU widens in convolutions.
+HALF_DTYPES = frozenset({"float16", "bfloat16"})
+
+#: Op types whose float16/bfloat16 outputs XLA:CPU computes and keeps in
+#: float32: it converts the operands of a half-precision convolution or dot
+#: to float32, and the conversion of the result back is fused into each of
+#: its readers, so the buffer that lives is the float32 result; so is the
+#: gradient that reaches it (Keras' mixed-precision batch norm, which
+#: normalises in float32, differentiates it in float32). Read from XLA's
+#: buffer assignment of keras.applications MobileNetV2 (64x64, batch 32,
+#: ``mixed_float16``, 'memory', SGD in the step): at the peak, the
+#: expand convolution's output ``f32[32,32,32,96]`` (12 MiB, 6 MiB in
+#: float16), its gradient as ``f32``, and the dilated gradient of the strided
+#: depthwise convolution after it ``f32[32,33,33,96]`` (13 MiB).
+UPCAST_OP_TYPES = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MatMul",
+                             "BatchMatMulV2", "BatchMatMulV3"})
+
 
 class XlaModel:
     """Per op, the buffers an XLA-compiled step holds besides the executor's.
@@ -190,11 +207,18 @@ class XlaModel:
       dense depthwise kernel gradient's buffers
       (:data:`DENSE_DEPTHWISE_GRADIENT_TYPES`, stock gradients only).
 
+    Each is counted at float32's width for a float16 or bfloat16
+    convolution, which XLA:CPU computes in float32 (:data:`UPCAST_OP_TYPES`).
+
     Not modelled: the weight copies XLA makes for plain tf.gradients with
     the update in the step (measured on ResNet50: 89.8 MiB of copies, 53
     MiB of them placed in the buffers of parameters already copied, so
     about 40 MiB more at the peak), the breadth-first order itself beyond
-    these buffers, and fusions other than :func:`fused_sources`.
+    these buffers, and fusions other than :func:`fused_sources`. On
+    MobileNetV2 (64x64, batch 32, 'memory') XLA's peak holds, beside the
+    block it differentiates, the recomputation of the segment before it
+    (about 25 MiB, float32 or mixed_float16 alike), which the forecast does
+    not: 22-30% under in float32, 37-43% under in mixed_float16.
     """
 
     def __init__(self, fg: ForwardGraph, costs) -> None:
@@ -205,7 +229,10 @@ class XlaModel:
         self._kernel: dict[int, tuple[int, int]] = {}
         self._scratch: dict[int, int] = {}
         self._scratch_copy: dict[int, int] = {}
-        tensor_bytes = costs.tensor_bytes
+        # XLA:CPU computes a float16/bfloat16 convolution in float32: every
+        # buffer it makes for one (re-laid-out operands, dilated gradients)
+        # is float32 (UPCAST_OP_TYPES).
+        tensor_bytes = _AccumulatorBytes(fg, costs.tensor_bytes)
         in_place = in_place_ops(fg)
         for op in fg.ops:
             i = op.index
@@ -244,7 +271,7 @@ class XlaModel:
                 if copy_transient:
                     self._scratch_copy[i] = copy_transient
             elif i in in_place and op.inputs:
-                self._early[i] = (tensor_bytes[op.inputs[0]],)
+                self._early[i] = (costs.tensor_bytes[op.inputs[0]],)
 
     def early(self, i: int, *, recomputed: bool) -> tuple[int, ...]:
         """Bytes of the buffers op ``i`` makes, when it runs, for its gradient."""
@@ -261,6 +288,30 @@ class XlaModel:
     def gradient_scratch(self, i: int, *, recomputed: bool) -> int:
         """Bytes of the temporaries op ``i``'s gradient makes under XLA."""
         return (self._scratch_copy if recomputed else self._scratch).get(i, 0)
+
+
+class _AccumulatorBytes:
+    """Bytes of a tensor as XLA:CPU holds it in a convolution: at least the
+    float32 accumulator's width (a tensor already widened by :func:`xla_costs`
+    is not widened again)."""
+
+    def __init__(self, fg: ForwardGraph, tensor_bytes) -> None:
+        self._fg, self._bytes = fg, tensor_bytes
+
+    def __getitem__(self, t: int) -> int:
+        node = self._fg.tensors[t]
+        n = self._bytes[t]
+        if node.dtype in HALF_DTYPES and 0 < node.itemsize < _CONV_ACCUMULATOR_BYTES \
+                and not _widened(self._fg, t):
+            return n * _CONV_ACCUMULATOR_BYTES // node.itemsize
+        return n
+
+
+def _widened(fg: ForwardGraph, t: int) -> bool:
+    """Whether :func:`xla_costs` counts tensor ``t`` at float32 width."""
+    node = fg.tensors[t]
+    return (node.dtype in HALF_DTYPES and node.producer is not None
+            and fg.ops[node.producer].type in UPCAST_OP_TYPES)
 
 
 def _strided(fg: ForwardGraph, x: int, y: int) -> bool:
@@ -307,7 +358,8 @@ def xla_costs(fg: ForwardGraph, costs):
     """``costs`` with what each gradient reads as XLA reads it.
 
     A read of a cheap elementwise op's output becomes reads of its fused
-    sources (:func:`fused_sources`); a convolution's gradient
+    sources (:func:`fused_sources`); a float16/bfloat16 output of
+    :data:`UPCAST_OP_TYPES` counts float32's bytes; a convolution's gradient
     (:data:`TRANSFORMED_OPERAND_TYPES`) reads the re-laid-out input and
     kernel that :class:`XlaModel` makes in their place, not the input and
     kernel themselves. Returns ``costs`` unchanged outside XLA.
@@ -325,7 +377,11 @@ def xla_costs(fg: ForwardGraph, costs):
         ins = tuple(dict.fromkeys(u for t in read_ins for u in fused_sources(fg, t, memo)))
         outs = tuple(dict.fromkeys(u for t in read_outs for u in fused_sources(fg, t, memo)))
         reads.append((ins, outs))
-    return dataclasses.replace(costs, gradient_reads=tuple(reads))
+    tensor_bytes = list(costs.tensor_bytes)
+    for node in fg.tensors:
+        if _widened(fg, node.id) and 0 < node.itemsize < _CONV_ACCUMULATOR_BYTES:
+            tensor_bytes[node.id] = tensor_bytes[node.id] * _CONV_ACCUMULATOR_BYTES // node.itemsize
+    return dataclasses.replace(costs, gradient_reads=tuple(reads), tensor_bytes=tuple(tensor_bytes))
 
 
 def breadth_first_order(reads: Sequence[Sequence[int]],

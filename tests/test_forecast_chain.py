@@ -61,18 +61,25 @@ def _model(model: str):
 
 
 def measure(model: str) -> dict:
+    ws, x, loss_fn = _model(model)
+    return measure_step(ws, lambda: loss_fn(ws, x), repeats=REPEATS)
+
+
+def measure_step(ws, loss_fn, *, repeats: int) -> dict:
+    """Per method (tf.gradients, memsave 'memory'): the median measured peak
+    of ``repeats`` steps returning the gradients of ``loss_fn()`` with respect
+    to ``ws``, the forecast of ``memsave.plan`` and its checkpoints."""
     import tensorflow as tf
 
     import memsave
 
-    ws, x, loss_fn = _model(model)
     out = {}
     for method in ("plain", "memory"):
         plans = []
 
         @tf.function
         def step():
-            loss = loss_fn(ws, x)
+            loss = loss_fn()
             plans.append(memsave.plan(loss, ws, checkpoints="memory"))
             if method == "plain":
                 return tf.gradients(loss, ws)
@@ -80,7 +87,7 @@ def measure(model: str) -> dict:
 
         step()
         peaks = []
-        for _ in range(REPEATS):
+        for _ in range(repeats):
             tf.config.experimental.reset_memory_stats("CPU:0")
             r = step()
             peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])

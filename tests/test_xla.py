@@ -123,6 +123,29 @@ def test_xla_model_holds_transformed_operands_of_convolutions():
     assert plain_xla > plain
 
 
+def test_half_precision_convolutions_are_counted_in_float32_under_xla():
+    # XLA:CPU computes a float16 convolution in float32 and keeps that result;
+    # so are the buffers it makes for the gradient (memsave.xla.UPCAST_OP_TYPES).
+    fg, ids = _conv_chain(2)
+    half = dataclasses.replace(fg, tensors=tuple(
+        dataclasses.replace(t, dtype="float16", itemsize=2) if t.kind == "internal" else t
+        for t in fg.tensors))
+    raw = estimate_costs(half)
+    costs = xla.xla_costs(half, raw)
+    for t in ("conv0:0", "conv1:0"):
+        assert costs.tensor_bytes[ids[t]] == 2 * raw.tensor_bytes[ids[t]]
+    for t in ("relu0:0", "read1:0"):  # not computed by a convolution: as they are
+        assert costs.tensor_bytes[ids[t]] == raw.tensor_bytes[ids[t]]
+    model = xla.XlaModel(half, costs)
+    conv1 = fg.tensors[ids["conv1:0"]].producer
+    assert model.early(conv1, recomputed=False) == (8 * MiB,)  # relu0 re-laid out in float32
+    assert model.kernel(conv1) == (ids["read1:0"], 2 * MiB)
+    # float32 graphs are left as they are, and so is everything outside XLA.
+    assert xla.xla_costs(fg, estimate_costs(fg)).tensor_bytes == estimate_costs(fg).tensor_bytes
+    off = dataclasses.replace(half, xla=False)
+    assert xla.xla_costs(off, estimate_costs(off)).tensor_bytes == estimate_costs(off).tensor_bytes
+
+
 def test_saving_warning_names_plans_that_save_little_under_xla():
     fg, ids = _conv_chain(12)
     problem = Problem(fg)
