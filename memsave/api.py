@@ -380,7 +380,7 @@ def gradients(
         aggregation_method=aggregation_method,
         colocate_gradients_with_ops=colocate_gradients_with_ops,
     )
-    if p.loops or planners.decides_loops(p.strategy, memory_budget):
+    if p.loops or planners.decides_loops(p.strategy, memory_budget, strategy_options):
         with graph.as_default():
             prepared = loops.apply(p.loops, graph, xs=xs, ops=[op.name for op in ex.fg.ops])
         if p.schedule is None and any(r.applied.kind != "plain" for r in prepared.values()):

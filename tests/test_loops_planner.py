@@ -128,12 +128,38 @@ def test_plan_summary_and_dict_show_each_loop(graph):
     assert {f["choice"] for f in as_dict["forecasts"]} >= {"plain", "per-step"}
 
 
-def test_speed_and_lists_keep_while_v2s_gradient(graph):
+@pytest.mark.parametrize("mode", ["session", "function"])
+def test_speed_takes_the_least_recompute_within_its_budget(evaluate, mode):
+    """'speed' chooses the loop's gradient too: the least recompute whose
+    forecast peak is within its budget (0.75 of the loop-free problem's
+    working memory): per step here (one forward of the loop again), not a
+    chunk (up to two) nor plain (over the budget). Applied: the While has
+    memsave's gradient, and the gradients are tf.gradients'."""
+    from memsave.planners.strategies import speed_budget_bytes
+
+    ref, got, plan, whiles = _step(evaluate, mode, _while_lstm, checkpoints="speed")
+    assert_grads_equal(got, ref)
+    (d,) = plan.loops
+    assert d.choice == LoopChoice.per_step(), plan.summary()
+    base = plan.problem.base
+    within = speed_budget_bytes(base)
+    assert base.peak(None, model=base.judge) > within  # plain does not fit
+    assert plan.problem.peak(plan.schedule, model=base.judge) <= within
+    for f in d.forecasts:
+        if f.choice.kind == "chunk":
+            variant = base.with_loops({d.op: f.choice})
+            assert variant.loop_recompute_flops() >= plan.problem.loop_recompute_flops()
+    (op,) = [w for w in whiles if w.name == d.name]
+    assert _tf_while.marked(op) is not None
+
+
+def test_speed_by_rule_and_lists_keep_while_v2s_gradient(graph):
     x, W, U = (tf.constant(v) for v in _values())
     Wv, Uv = tf.Variable(W), tf.Variable(U)
     loss = _loss(_while_lstm, x, Wv, Uv)
-    assert memsave.plan(loss, [Wv, Uv], checkpoints="speed").loops == ()
-    memsave.gradients(loss, [Wv, Uv], checkpoints="speed")
+    rule = {"op_types": frozenset({"MatMul"})}
+    assert memsave.plan(loss, [Wv, Uv], checkpoints="speed", strategy_options=rule).loops == ()
+    memsave.gradients(loss, [Wv, Uv], checkpoints="speed", strategy_options=rule)
     assert all(_tf_while.marked(op) is None for op in loops.find_loops([loss]))
 
 

@@ -113,8 +113,13 @@ def run(name: str | Planner, problem, *, budget=None, options: Mapping[str, Any]
     # the collector does not walk the process's TensorFlow objects again and
     # again (see memsave.simulate.paused_gc).
     with paused_gc():
-        if _loops.decides_loops(name, budget) and problem.loops:
-            return _loops.run(planner, problem, budget=budget, options=options, api=api)
+        if _loops.decides_loops(name, budget, options) and problem.loops:
+            within = None
+            if name == "speed" and budget is None:
+                within = speed_budget_bytes(problem, options.get("budget_fraction",
+                                                                 SPEED_BUDGET_FRACTION), api=api)
+            return _loops.run(planner, problem, budget=budget, options=options, api=api,
+                              within_bytes=within)
         return planner(problem, budget=budget, **options)
 
 
@@ -136,6 +141,7 @@ from memsave.planners import budget as _budget  # noqa: E402
 from memsave.planners import loops as _loops  # noqa: E402
 from memsave.planners.loops import decides_loops  # noqa: E402,F401
 from memsave.planners import strategies as _strategies  # noqa: E402,F401
+from memsave.planners.strategies import SPEED_BUDGET_FRACTION, speed_budget_bytes  # noqa: E402
 
 
 def _solver_planner(core_name: str) -> Planner:

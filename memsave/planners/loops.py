@@ -11,7 +11,7 @@ problem with a set of loop choices, whose forecasts (every planner's, the
 Plan's) simulate the loops with :func:`memsave.loopmodel.figures`.
 
 Data flow: :func:`memsave.planners.run` hands a problem with loops to
-:func:`run` when :func:`decides_loops` (``'memory'``, or a budget); it
+:func:`run` when :func:`decides_loops` (``'memory'``, ``'speed'``, or a budget); it
 runs the planner once per combination of loop choices (every combination
 up to :data:`MAX_COMBINATIONS`, else one loop at a time, the others held)
 and returns the planner's Plan of the best one, with ``Plan.loops`` saying
@@ -24,6 +24,10 @@ what each loop gets; :func:`memsave.api.gradients` applies it with
   again plus the graph's recomputation). Every choice recomputes at most two
   forwards of its loop (:func:`memsave.loopmodel.recomputed_trips`): that is
   the bound on extra compute.
+* ``'speed'``: the least recompute among the combinations whose forecast
+  peak fits its budget (0.75 of the loop-free problem's working memory,
+  :func:`memsave.planners.strategies.speed_budget_bytes`); none fits: every
+  loop plain, as ``'speed'`` plans without loops.
 * a budget: the least recompute whose forecast peak fits (the budget is
   resolved against the plain forecast, every loop plain); ties go to the
   lower peak. None fits: :class:`~memsave.errors.MemoryBudgetError` with the
@@ -53,16 +57,25 @@ SAME_PEAK_FRACTION = 0.02
 MAX_COMBINATIONS = 64
 
 
-def decides_loops(name: str, budget) -> bool:
-    """Whether the planner ``name`` chooses the loops' gradients: ``'memory'``
-    and every budgeted plan. (``'speed'``, ``'collection'`` and lists keep
-    while_v2's gradient: they keep what is asked, no more.)"""
-    return budget is not None or name == "memory"
+def decides_loops(name: str, budget, options: Mapping | None = None) -> bool:
+    """Whether the planner ``name`` chooses the loops' gradients: ``'memory'``,
+    ``'speed'`` (but with ``op_types``, a rule) and every budgeted plan.
+    (``'collection'`` and lists keep while_v2's gradient: they keep what is
+    asked, no more.)"""
+    if budget is not None or name == "memory":
+        return True
+    return name == "speed" and (options or {}).get("op_types") is None
 
 
 def run(planner: Callable, problem: Problem, *, budget=None, options: Mapping | None = None,
-        api: str = "memsave.gradients"):
-    """The planner's Plan with the loops' gradients chosen (module docstring)."""
+        api: str = "memsave.gradients", within_bytes: int | None = None):
+    """The planner's Plan with the loops' gradients chosen (module docstring).
+
+    ``within_bytes`` (``'speed'``, its budget on the loop-free problem): with
+    no ``budget``, the least recompute among the combinations whose forecast
+    peak (every byte counted) is at most that, instead of the lowest peak;
+    none: the planner's plan with every loop plain.
+    """
     from memsave.planners.budget import resolve_budget
 
     options = dict(options or {})
@@ -74,7 +87,13 @@ def run(planner: Callable, problem: Problem, *, budget=None, options: Mapping | 
             return (plan, variant.peak(plan.schedule, model=variant.judge), plan.recompute_cost,
                     _order(loops, choices))
 
-        best = _search(loops, evaluate, _lowest_peak)
+        if within_bytes is None:
+            best = _search(loops, evaluate, _lowest_peak)
+        else:
+            best = _search(loops, lambda c: (lambda r: r if r[1] <= within_bytes else None)(
+                evaluate(c)), _least_recompute)
+            if best is None:
+                best = evaluate({})
         return _with_decisions(best[0], loops)
     budget_bytes = resolve_budget(budget, problem.peak(None), api=api)
     lowest = [None]  # the smallest infeasible peak found, and its choices

@@ -246,17 +246,15 @@ def speed(problem: Problem, *, budget=None, budget_fraction: float = SPEED_BUDGE
         plan = _plan(problem, "speed", chosen,
                      lambda t: f"output of {fg.ops[fg.tensors[t].producer].type}", note)
         return worth_it(problem, plan, min_saving_fraction=min_saving_fraction, who="'speed'")
-    if isinstance(budget_fraction, bool) or not isinstance(budget_fraction, (int, float)) \
-            or not 0.0 < budget_fraction <= 1.0:
-        raise OptionsError(f"{api}: budget_fraction must be in (0, 1], got {budget_fraction!r}")
+    target = speed_budget_bytes(problem, budget_fraction, api=api)
     hopeless = can_save(problem, min_saving_fraction=min_saving_fraction)
-    if hopeless:
+    if hopeless and not problem.loop_choices:
         return problem.plan("speed", (), {}, note=hopeless + _CHOOSE_YOURSELF.replace(
             "checkpoints='speed'", "checkpoints='memory'"))
-    base = problem.peak(None, model=problem.judge)
-    floor = problem.floor(model=problem.judge)
+    base = problem.base.peak(None, model=problem.judge)
+    floor = problem.base.floor(model=problem.judge)
     try:
-        plan = _budget.solve(problem, floor + int(budget_fraction * max(base - floor, 0)),
+        plan = _budget.solve(problem, target,
                              solver=solver, time_limit_s=time_limit_s, api=api,
                              model=problem.judge, strategy="speed",
                              max_simulations=_search_simulations(problem))
@@ -269,6 +267,22 @@ def speed(problem: Problem, *, budget=None, budget_fraction: float = SPEED_BUDGE
             "checkpoints='memory', or memory_budget="))
     plan = _relabel(problem, plan, "speed")
     return worth_it(problem, plan, min_saving_fraction=min_saving_fraction, who="'speed'")
+
+
+def speed_budget_bytes(problem: Problem, budget_fraction: float = SPEED_BUDGET_FRACTION, *,
+                       api: str = "memsave.gradients") -> int:
+    """``'speed'``'s budget: :meth:`Problem.floor` plus ``budget_fraction``
+    of plain ``tf.gradients``' forecast working memory above it (every byte
+    counted), on the loop-free problem (``problem.base``: with its loops as
+    while_v2 differentiates them), so that every choice of the loops'
+    gradients is judged against the same budget."""
+    if isinstance(budget_fraction, bool) or not isinstance(budget_fraction, (int, float)) \
+            or not 0.0 < budget_fraction <= 1.0:
+        raise OptionsError(f"{api}: budget_fraction must be in (0, 1], got {budget_fraction!r}")
+    plain = problem.base
+    base = plain.peak(None, model=plain.judge)
+    floor = plain.floor(model=plain.judge)
+    return floor + int(budget_fraction * max(base - floor, 0))
 
 
 def _search_simulations(problem: Problem) -> int:
