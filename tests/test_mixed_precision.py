@@ -129,11 +129,6 @@ def test_simulator_holds_a_float16_matmuls_float32_temporaries():
 
 @pytest.mark.slow
 def test_float16_conv_forecast_is_within_issue_8s_bound(fresh):
-    res = fresh.call(measure)
-    assert res["memory"]["checkpoints"] > 0, res  # the forecast of a real plan
-    for method, r in res.items():
-        err = (r["predicted_bytes"] - r["measured_bytes"]) / r["measured_bytes"]
-        assert abs(err) <= MAX_ERROR, (
-            f"float16 conv net {method}: forecast {r['predicted_bytes'] / MiB:.1f} MiB, measured "
-            f"{r['measured_bytes'] / MiB:.1f} MiB ({err:+.1%})"
-        )
+    from test_forecast_chain import assert_within_bound
+
+    assert_within_bound(fresh.call(measure), "float16 conv net", MAX_ERROR)

@@ -278,7 +278,7 @@ def test_dp_chain_model_equals_the_simulator_on_every_decision(case):
                 peak = max(peak, terms.resident + held + lmax)
                 held += h
                 ns += t
-            ev = p.evaluate(_Terms.decision(groups))
+            ev = p.evaluate(p.decision(groups))
             assert (peak, ns) == (ev.peak_bytes, ev.recompute_ns), groups
             checked += 1
     assert checked == 3 * 4 ** (n - 1)

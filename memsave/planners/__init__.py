@@ -114,10 +114,10 @@ def run(name: str | Planner, problem, *, budget=None, options: Mapping[str, Any]
     # again (see memsave.simulate.paused_gc).
     with paused_gc():
         if _loops.decides_loops(name, budget, options) and problem.loops:
-            within = None
-            if name == "speed" and budget is None:
-                within = speed_budget_bytes(problem, options.get("budget_fraction",
-                                                                 SPEED_BUDGET_FRACTION), api=api)
+            # A planner that judges loops by a budget of its own ('speed')
+            # says it with a ``loop_budget_bytes(problem, options, api)``.
+            own = getattr(planner, "loop_budget_bytes", None)
+            within = own(problem, options, api) if own is not None and budget is None else None
             return _loops.run(planner, problem, budget=budget, options=options, api=api,
                               within_bytes=within)
         return planner(problem, budget=budget, **options)
@@ -141,7 +141,6 @@ from memsave.planners import budget as _budget  # noqa: E402
 from memsave.planners import loops as _loops  # noqa: E402
 from memsave.planners.loops import decides_loops  # noqa: E402,F401
 from memsave.planners import strategies as _strategies  # noqa: E402,F401
-from memsave.planners.strategies import SPEED_BUDGET_FRACTION, speed_budget_bytes  # noqa: E402
 
 
 def _solver_planner(core_name: str) -> Planner:

@@ -68,11 +68,13 @@ from __future__ import annotations
 import time
 
 from memsave.simulate import _build
-from memsave.planners.segments import Decision, Outcome, Segments
+from memsave.planners.segments import Outcome, Segments
 
 __all__ = ["dp"]
 
-R, S, E = "R", "S", "E"
+#: Group modes, as Segments.groups names them (a stored group keeps the cut
+#: before it: "S+").
+R, S, E = "R", "S+", "E"
 _MODES = (R, S, E)
 
 
@@ -104,18 +106,6 @@ class _Terms:
         self.memo: dict[tuple, tuple[int, int]] = {}
         self.resident = None
 
-    @staticmethod
-    def decision(groups: list[tuple[int, int, str]]) -> Decision:
-        kept, stored, expensive = set(), set(), set()
-        for a, b, mode in groups:
-            if a > 0:
-                kept.add(a - 1)
-            if mode == S:
-                stored.update(range(a, b))
-            elif mode == E:
-                expensive.update(range(a, b))
-        return Decision.of(kept, stored, expensive)
-
     def get(self, prev: str | None, a: int, b: int, mode: str,
             nxt: str | None) -> tuple[int, int, int]:
         """``(held, Lmax, nanoseconds)`` of the group ``a .. b-1`` in ``mode``
@@ -137,7 +127,7 @@ class _Terms:
     def _probe(self, groups: list[tuple[int, int, str]]) -> None:
         p = self.p
         problem = p.problem
-        ev = p.evaluate(self.decision(groups))
+        ev = p.evaluate(p.decision(groups))
         trace = problem.timeline(ev.schedule, model=p.model)
         prog, _, backward_start = _build(p.fg, ev.schedule, p.costs, p.model,
                                          problem.forward(p.model))
@@ -256,7 +246,7 @@ def dp(space: Segments, budget_bytes: int, *, time_limit_s: float | None = None)
     else:
         finals = _run(space, terms, float("inf"))
         best = min(finals, key=lambda lab: (lab[1], lab[2], len(lab[3])))
-    ev = space.evaluate(_Terms.decision(list(best[3])))
+    ev = space.evaluate(space.decision(best[3]))
     exact = ev.peak_bytes == best[1] and (not ev.peak_bytes <= budget_bytes
                                           or ev.recompute_ns == best[2])
     return Outcome(ev, optimal=exact)

@@ -87,13 +87,14 @@ def run(planner: Callable, problem: Problem, *, budget=None, options: Mapping | 
             return (plan, variant.peak(plan.schedule, model=variant.judge), plan.recompute_cost,
                     _order(loops, choices))
 
+        def evaluate_within(choices):
+            result = evaluate(choices)
+            return result if result[1] <= within_bytes else None
+
         if within_bytes is None:
             best = _search(loops, evaluate, _lowest_peak)
         else:
-            best = _search(loops, lambda c: (lambda r: r if r[1] <= within_bytes else None)(
-                evaluate(c)), _least_recompute)
-            if best is None:
-                best = evaluate({})
+            best = _search(loops, evaluate_within, _least_recompute) or evaluate({})
         return _with_decisions(best[0], loops)
     budget_bytes = resolve_budget(budget, problem.peak(None), api=api)
     lowest = [None]  # the smallest infeasible peak found, and its choices

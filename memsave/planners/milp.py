@@ -4,7 +4,8 @@ Formulation
 -----------
 A decision is a partition of the segments into groups
 (:meth:`Segments.groups`): each group is recomputed (``R``, from the kept
-candidate before it), expensive-kept (``E``) or one stored segment (``S``);
+candidate before it), expensive-kept (``E``) or one stored segment (``S``;
+``S+`` with the candidate before it kept);
 so a partition is a path from position 0 to the last segment's end, one
 edge per group (``R`` and ``E`` edges never run through an empty segment,
 which is stored by convention; ``E`` only where the run has expensive
@@ -57,7 +58,7 @@ import itertools
 import time
 
 from memsave.planners.greedy import family, greedy
-from memsave.planners.segments import Decision, Evaluation, Outcome, Segments
+from memsave.planners.segments import Evaluation, Outcome, Segments
 
 __all__ = ["milp", "DEFAULT_TIME_LIMIT_S"]
 
@@ -90,6 +91,8 @@ class _Master:
         self.edges: list[list[tuple]] = [[] for _ in range(n)]
         for a in range(n):
             self.edges[a].append((a + 1, "S", 0, mask(bounds.seg_reads[a]), 0))
+            if a > 0:
+                self.edges[a].append((a + 1, "S+", 0, mask(bounds.seg_reads[a]), 0))
             if empty[a]:
                 continue
             start = 0
@@ -119,15 +122,20 @@ class _Master:
         # (key, tie, position, state (see _extend), groups)
         self.heap = [(0, next(self.tie), 0, (0, 0, 0, 0, 0), ())]
 
-    def _extend(self, a: int, state: tuple, edge: tuple) -> tuple:
+    def _extend(self, a: int, state: tuple, edge: tuple) -> tuple | None:
         """``state`` (nanoseconds, bytes, buffers, stored, charged) of a path
-        to position ``a``, extended by ``edge``."""
+        to position ``a``, extended by ``edge``; None when the edge adds
+        nothing to another (a cut kept before a stored segment that is
+        stored itself)."""
         ns, used, have, stored, charged = state
         b, mode, cost, add, start = edge
         ns += cost
-        if mode == "S":
+        if mode in ("S", "S+"):
+            before_stored = a > 0 and stored >> (a - 1) & 1
+            if mode == "S+" and before_stored:
+                return None
             stored |= 1 << a
-            heads = self.kept_by[a]
+            heads = [*self.kept_by[a], *([a - 1] if mode == "S+" else [])]
         else:
             if start and not stored >> (a - 1) & 1:
                 add |= start
@@ -167,25 +175,12 @@ class _Master:
                 return "partition", groups, key
             for edge in self.edges[a]:
                 new = self._extend(a, state, edge)
-                if new[1] > self.budget:
+                if new is None or new[1] > self.budget:
                     continue
                 heapq.heappush(heap, (new[0] if self.by_time else new[1], next(self.tie),
                                       edge[0], new, groups + ((a, edge[0], edge[1]),)))
         return "exhausted", None, float("inf")
 
-    @staticmethod
-    def decision(groups: tuple) -> Decision:
-        """The decision a partition is."""
-        kept, stored, expensive = set(), set(), set()
-        for a, b, mode in groups:
-            if mode == "S":
-                stored.add(a)
-                continue
-            if a > 0:
-                kept.add(a - 1)
-            if mode == "E":
-                expensive.update(range(a, b))
-        return Decision.of(kept, stored, expensive)
 
 
 def milp(space: Segments, budget_bytes: int, *, time_limit_s: float | None = None) -> Outcome:
@@ -210,7 +205,7 @@ def milp(space: Segments, budget_bytes: int, *, time_limit_s: float | None = Non
             break
         if status == "limit":
             break
-        ev = space.evaluate(master.decision(groups))
+        ev = space.evaluate(space.decision(groups))
         if ev.peak_bytes <= budget_bytes and (best is None or ev.recompute_ns < best.recompute_ns):
             best = ev
     if best is not None:
@@ -230,6 +225,6 @@ def _min_peak(space: Segments, deadline: float) -> tuple[Evaluation, bool]:
             return best, True
         if status == "limit":
             return best, False
-        ev = space.evaluate(master.decision(groups))
+        ev = space.evaluate(space.decision(groups))
         if ev.peak_bytes < best.peak_bytes:
             best = ev

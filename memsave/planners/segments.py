@@ -363,20 +363,38 @@ class Segments:
     def groups(self, d: Decision) -> list[tuple[int, int, str]]:
         """The canonical ``d`` as a partition of the segments into groups
         ``(a, b, mode)`` (segments ``a .. b-1``; mode ``"S"`` stored, one
-        segment per group; ``"E"`` expensive-kept; ``"R"`` recomputed): a new
-        recomputed or expensive-kept group starts where the mode changes or
-        at a kept candidate. What :mod:`memsave.planners.dp` and
-        :mod:`memsave.planners.milp` choose among."""
+        segment per group, ``"S+"`` the same with the candidate before it
+        kept; ``"E"`` expensive-kept; ``"R"`` recomputed): a new recomputed
+        or expensive-kept group starts where the mode changes or at a kept
+        candidate. :meth:`decision` is its inverse. What
+        :mod:`memsave.planners.milp` chooses among."""
         d = self.canonical(d)
         out: list[tuple[int, int, str]] = []
         for j in range(len(self.segments)):
-            mode = "S" if j in d.stored else "E" if j in d.expensive else "R"
-            if out and mode != "S" and out[-1][2] == mode and (j - 1) not in d.kept:
+            if j in d.stored:
+                out.append((j, j + 1, "S+" if j - 1 in d.kept else "S"))
+                continue
+            mode = "E" if j in d.expensive else "R"
+            if out and out[-1][2] == mode and (j - 1) not in d.kept:
                 a, _, _ = out.pop()
                 out.append((a, j + 1, mode))
             else:
                 out.append((j, j + 1, mode))
         return out
+
+    @staticmethod
+    def decision(groups: Iterable[tuple[int, int, str]]) -> Decision:
+        """The decision a partition into groups is (see :meth:`groups`): the
+        candidate before each group kept, but before a plain ``"S"`` one."""
+        kept, stored, expensive = set(), set(), set()
+        for a, b, mode in groups:
+            if a > 0 and mode != "S":
+                kept.add(a - 1)
+            if mode in ("S", "S+"):
+                stored.update(range(a, b))
+            elif mode == "E":
+                expensive.update(range(a, b))
+        return Decision.of(kept, stored, expensive)
 
     def group_lower_bound(self, a: int, b: int, expensive: bool = False) -> int:
         """A lower bound on the nanoseconds the copies of segments ``a .. b-1``
@@ -389,16 +407,14 @@ class Segments:
         outside the group read or a custom gradient captured (a stored or
         non-recomputable reader keeps it); each op is copied at most once, so
         the bounds of a decision's groups add up (:meth:`groups`). Less a
-        nanosecond per op for the rounding of each step's time. At least
-        :meth:`lower_bound`'s terms of the same segments, whose cuts are all
-        kept; ``milp``'s master minimises their sum, and tests/test_solvers.py
-        checks the sum against every decision of its cases.
+        nanosecond per op for the rounding of each step's time. ``milp``'s
+        master minimises their sum, and tests/test_solvers.py checks the sum
+        against every decision of its cases.
         """
         key = (a, b, expensive)
         found = self._group_cache.get(key)
         if found is not None:
             return found
-        fg, reads = self.fg, self.costs.gradient_reads
         ops = [o for k in range(a, b) for o in self.segments[k] if o not in self._stuck]
         interior = {self.candidates[k] for k in range(a, b - 1)}
         extra = {t for k in range(a, b) for t in self.expensive_outputs[k]} if expensive else set()
@@ -408,18 +424,7 @@ class Segments:
             return (t in extra or t in forced or last_reader.get(t, b) >= b
                     or (t in cands and t not in interior))
 
-        need: set[int] = set()
-        for i in ops:
-            read_ins, read_outs = reads[i]
-            need.update(t for t in read_ins if not kept(t))
-            need.update(read_outs)
-        run = []
-        runs_anyway = self.problem.copies_that_run
-        for i in reversed(ops):
-            op = fg.ops[i]
-            if any(t in need for t in op.outputs) or runs_anyway((i,)):
-                run.append(i)
-                need.update(t for t in op.inputs if not kept(t))
+        run = self._running_copies(ops, kept)
         found = self._group_cache[key] = max(
             0, math.floor(1e9 * self.problem.seconds.recompute_s(run)) - len(ops))
         return found
@@ -430,23 +435,31 @@ class Segments:
         return StepBounds(self)
 
     def _segment_seconds(self, k: int, expensive: bool) -> float:
-        fg, reads = self.fg, self.costs.gradient_reads
-        ops = self.segments[k]
         keep = set(self.candidates)
         if expensive:
             keep.update(self.expensive_outputs[k])
+        return self.problem.seconds.recompute_s(
+            self._running_copies(self.segments[k], keep.__contains__))
+
+    def _running_copies(self, ops: Sequence[int], kept) -> list[int]:
+        """The copies of ``ops`` that run when they are recomputed with the
+        tensors ``kept(t)`` read from the forward pass: those a gradient of
+        ``ops`` reads (a kept input is read from the original; an op's own
+        outputs, from its copy), what they are computed from, and those that
+        run whatever is read (:meth:`Problem.copies_that_run`)."""
+        fg, reads, runs_anyway = self.fg, self.costs.gradient_reads, self.problem.copies_that_run
         need: set[int] = set()
         for i in ops:
             read_ins, read_outs = reads[i]
-            need.update(t for t in read_ins if t not in keep)  # kept: read from the original
-            need.update(read_outs)  # the op's own outputs: its copy's
+            need.update(t for t in read_ins if not kept(t))
+            need.update(read_outs)
         run = []
         for i in reversed(ops):
             op = fg.ops[i]
-            if any(t in need for t in op.outputs) or self.problem.copies_that_run((i,)):
+            if any(t in need for t in op.outputs) or runs_anyway((i,)):
                 run.append(i)
-                need.update(t for t in op.inputs if t not in keep)
-        return self.problem.seconds.recompute_s(run)
+                need.update(t for t in op.inputs if not kept(t))
+        return run
 
 
 class StepBounds:

@@ -285,6 +285,15 @@ def speed_budget_bytes(problem: Problem, budget_fraction: float = SPEED_BUDGET_F
     return floor + int(budget_fraction * max(base - floor, 0))
 
 
+def _speed_loop_budget(problem: Problem, options, api: str) -> int:
+    """``'speed'``'s budget for choosing loop gradients (:func:`memsave.planners.loops.run`)."""
+    return speed_budget_bytes(problem, options.get("budget_fraction", SPEED_BUDGET_FRACTION),
+                              api=api)
+
+
+speed.loop_budget_bytes = _speed_loop_budget
+
+
 def _search_simulations(problem: Problem) -> int:
     """How many plans a preset's search for time may simulate (:data:`MEMORY_SEARCH_OPS`)."""
     return max(1, MEMORY_SEARCH_OPS // max(1, len(problem.fg.ops)))
