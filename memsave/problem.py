@@ -253,8 +253,10 @@ class Problem:
         key = None if schedule is None else schedule.steps
         found = self._step_times.get(key)
         if found is None:
-            found = self._step_times[key] = step_time(self.fg, self.costs, schedule,
-                                                      seconds=self.seconds)
+            found = step_time(self.fg, self.costs, schedule, seconds=self.seconds)
+            if self.loop_choices:
+                found = dataclasses.replace(found, loop_recompute_s=self.loop_recompute_seconds())
+            self._step_times[key] = found
         return found
 
     def step_nanoseconds(self, step) -> int:
@@ -317,11 +319,18 @@ class Problem:
 
     def loop_recompute_flops(self) -> int:
         """FLOPs of the loop trips the gradients of ``loop_choices`` run again."""
+        return round(self._loop_recompute(self.costs.op_flops))
+
+    def loop_recompute_seconds(self) -> float:
+        """Forecast seconds of the loop trips the gradients of ``loop_choices``
+        run again (one trip: the While op's forward seconds over its trips)."""
+        return self._loop_recompute(self.seconds.recompute)
+
+    def _loop_recompute(self, per_op) -> float:
         from memsave import loopmodel
 
         ops = self.fg.ops
-        return sum(loopmodel.recomputed_trips(ops[i].body, c)
-                   * self.costs.op_flops[i] // max(ops[i].body.trips, 1)
+        return sum(loopmodel.recomputed_trips(ops[i].body, c) * per_op[i] / max(ops[i].body.trips, 1)
                    for i, c in self.loop_choices.items())
 
     def _loop_figures(self, model: MemoryModel) -> dict:

@@ -153,8 +153,9 @@ class Plan:
         FLOPs of one forward pass, and of the copies the plan makes.
     recompute_seconds : float
         Forecast seconds the plan adds to plain backprop: the copies that
-        run and the rewrite's gates (:func:`memsave.timemodel.step_time`,
-        under the problem's device profile). What the planners minimise.
+        run, the loop trips its loop gradients run again, and the rewrite's
+        gates (:func:`memsave.timemodel.step_time`, under the problem's
+        device profile). What the planners minimise.
     step_seconds, baseline_step_seconds : float
         Forecast seconds of one step (forward and gradients) with the plan
         and with plain ``tf.gradients``.
@@ -208,7 +209,7 @@ class Plan:
     @property
     def recompute_seconds(self) -> float:
         st = self.problem.step_time(self.schedule)
-        return st.recompute_s + st.rewrite_s
+        return st.recompute_s + st.loop_recompute_s + st.rewrite_s
 
     @property
     def step_seconds(self) -> float:
@@ -216,11 +217,11 @@ class Plan:
 
     @property
     def baseline_step_seconds(self) -> float:
-        return self.problem.step_time(None).total_s
+        return self.problem.base.step_time(None).total_s
 
     @property
     def step_time_ratio(self) -> float:
-        return self.problem.step_time(self.schedule).ratio
+        return self.step_seconds / self.baseline_step_seconds
 
     @property
     def recomputed_ops(self) -> int:

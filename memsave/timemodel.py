@@ -599,6 +599,10 @@ class StepTime:
         each head's incoming gradient (:mod:`memsave.rewrite`).
     recomputed_ops : int
         Op copies that run (of those the schedule makes).
+    loop_recompute_s : float
+        The loop trips memsave's loop gradients run again
+        (:func:`memsave.loopmodel.recomputed_trips` times one trip's forward
+        seconds; 0 when every loop keeps while_v2's gradient).
     """
 
     forward_s: float
@@ -606,6 +610,7 @@ class StepTime:
     recompute_s: float = 0.0
     rewrite_s: float = 0.0
     recomputed_ops: int = 0
+    loop_recompute_s: float = 0.0
 
     @property
     def plain_s(self) -> float:
@@ -614,8 +619,8 @@ class StepTime:
 
     @property
     def total_s(self) -> float:
-        """The step: plain + recomputation + the rewrite's gates."""
-        return self.plain_s + self.recompute_s + self.rewrite_s
+        """The step: plain + recomputation (loops' included) + the rewrite's gates."""
+        return self.plain_s + self.recompute_s + self.loop_recompute_s + self.rewrite_s
 
     @property
     def ratio(self) -> float:

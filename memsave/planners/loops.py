@@ -19,16 +19,20 @@ what each loop gets; :func:`memsave.api.gradients` applies it with
 :func:`memsave.loops.prepare` before the rewrite.
 
 * ``'memory'``: the lowest forecast peak (every byte counted, as the
-  strategies compare plans); among the combinations within
-  :data:`SAME_PEAK_FRACTION` of it, the least recompute (loop trips run
-  again plus the graph's recomputation). Every choice recomputes at most two
-  forwards of its loop (:func:`memsave.loopmodel.recomputed_trips`): that is
-  the bound on extra compute.
+  strategies compare plans) among the choices that run each loop's trips
+  again at most once (:data:`MEMORY_LOOP_FORWARDS`: plain, per step,
+  chunks storing a chunk's trips), as ``'memory'`` recomputes each op of
+  the rest of the graph at most once; among the combinations within
+  :data:`SAME_PEAK_FRACTION` of it, the least forecast recompute time (loop
+  trips run again plus the graph's recomputation,
+  :attr:`memsave.record.Plan.recompute_seconds`). Chunks that recompute
+  each trip twice (:func:`memsave.loopmodel.recomputed_trips`) keep less
+  but take longer: budgets choose them when nothing else fits.
 * ``'speed'``: the least recompute among the combinations whose forecast
   peak fits its budget (0.75 of the loop-free problem's working memory,
   :func:`memsave.planners.strategies.speed_budget_bytes`); none fits: every
   loop plain, as ``'speed'`` plans without loops.
-* a budget: the least recompute whose forecast peak fits (the budget is
+* a budget: the least recompute time whose forecast peak fits (the budget is
   resolved against the plain forecast, every loop plain); ties go to the
   lower peak. None fits: :class:`~memsave.errors.MemoryBudgetError` with the
   smallest peak found.
@@ -41,16 +45,25 @@ import itertools
 from collections.abc import Callable, Mapping
 
 from memsave.errors import MemoryBudgetError
+from memsave import loopmodel
 from memsave.loopmodel import LoopChoice, LoopDecision
 from memsave.problem import Problem
 
-__all__ = ["run", "decides_loops", "SAME_PEAK_FRACTION", "MAX_COMBINATIONS"]
+__all__ = ["run", "decides_loops", "SAME_PEAK_FRACTION", "MEMORY_LOOP_FORWARDS",
+           "MAX_COMBINATIONS"]
 
 #: Forecast peaks within this fraction of the lowest count as the lowest
 #: (``'memory'`` then takes the least recompute among them): measured on a
 #: Keras LSTM at T=1024, chunk(k=32) and chunk(k=17, inner=store) peak
 #: within 0.2% of each other, the second at 0.84x the first's CPU time.
 SAME_PEAK_FRACTION = 0.02
+
+#: How many times ``'memory'`` may run a loop's trips again: once (per step,
+#: chunks storing their trips). Measured on a Keras LSTM(128) at T=1024,
+#: batch 1024 (experiments/bench_loops.py, CPU time over plain's):
+#: chunk(k=32), which runs each trip twice, 0.018x plain's peak above
+#: resident for 1.80x; chunk(k=17, inner=store) 0.033x for 1.56x.
+MEMORY_LOOP_FORWARDS = 1
 
 #: Combinations of loop choices tried exhaustively at most (four choices a
 #: loop: three loops); beyond, one loop at a time.
@@ -84,15 +97,18 @@ def run(planner: Callable, problem: Problem, *, budget=None, options: Mapping | 
         def evaluate(choices):
             variant = problem.with_loops(choices)
             plan = planner(variant, **options)
-            return (plan, variant.peak(plan.schedule, model=variant.judge), plan.recompute_cost,
-                    _order(loops, choices))
+            return (plan, variant.peak(plan.schedule, model=variant.judge),
+                    plan.recompute_seconds, _order(loops, choices))
 
         def evaluate_within(choices):
             result = evaluate(choices)
             return result if result[1] <= within_bytes else None
 
         if within_bytes is None:
-            best = _search(loops, evaluate, _lowest_peak)
+            bodies = {d.op: problem.fg.ops[d.op].body for d in loops}
+            best = _search(loops, evaluate, _lowest_peak, admit=lambda d, c: (
+                loopmodel.recomputed_trips(bodies[d.op], c)
+                <= MEMORY_LOOP_FORWARDS * bodies[d.op].trips))
         else:
             best = _search(loops, evaluate_within, _least_recompute) or evaluate({})
         return _with_decisions(best[0], loops)
@@ -108,7 +124,7 @@ def run(planner: Callable, problem: Problem, *, budget=None, options: Mapping | 
             if low is not None and (lowest[0] is None or low < lowest[0][0]):
                 lowest[0] = (low, choices)
             return None
-        return plan, variant.peak(plan.schedule), plan.recompute_cost, _order(loops, choices)
+        return plan, variant.peak(plan.schedule), plan.recompute_seconds, _order(loops, choices)
 
     best = _search(loops, evaluate_budgeted, _least_recompute)
     if best is None:
@@ -149,10 +165,12 @@ def _least_recompute(results):
     return min(results, key=lambda r: (r[2], r[3], r[1]))
 
 
-def _search(loops: tuple[LoopDecision, ...], evaluate, pick):
+def _search(loops: tuple[LoopDecision, ...], evaluate, pick, admit=None):
     """The result ``pick`` prefers among the combinations of loop choices
-    ``evaluate`` answers for (None: infeasible); None when none is feasible."""
-    per_loop = [[f.choice for f in d.forecasts] for d in loops]
+    (those ``admit(decision, choice)`` allows, all without it) ``evaluate``
+    answers for (None: infeasible); None when none is feasible."""
+    per_loop = [[f.choice for f in d.forecasts if admit is None or admit(d, f.choice)]
+                for d in loops]
     total = 1
     for c in per_loop:
         total *= len(c)
