@@ -280,7 +280,8 @@ def _read_body(op: tf.Operation, cache: dict, external: frozenset = frozenset()
     read = cache[key]
     if read is None:
         return None, None
-    fg, saved, stored, reads_inputs, reads_outputs, invariant, state, kept, input_ids = read
+    (fg, saved, stored, reads_inputs, reads_outputs, invariant, state, kept, input_ids,
+     stored_outputs, stored_state) = read
     loop = op.type in _tf_private.WHILE_OP_TYPES
     trips, known = (_while_trips(op) if loop else (1, True))
     no_gradient = tuple(sorted(input_ids[j] for j in invariant
@@ -289,7 +290,9 @@ def _read_body(op: tf.Operation, cache: dict, external: frozenset = frozenset()
                 invariant=invariant, state=state if loop else (), kept=kept if loop else (),
                 read_lists_bytes=_read_lists_bytes(op, [j for j in invariant if j not in external])
                 if loop else 0,
-                no_gradient=no_gradient)
+                no_gradient=no_gradient,
+                stored_outputs=stored_outputs if loop else (),
+                stored_state=stored_state if loop else ())
     gradient = GradientUse(
         reads_inputs=reads_inputs, reads_outputs=() if loop else reads_outputs,
         aliases=(None,) * len(op.inputs),
@@ -373,9 +376,13 @@ def _read_function(op: tf.Operation, cache: dict):
             # RNN without return_sequences writes each output at index 0.)
             r = root(node.inputs[j])
             if fg.tensors[r].kind == "internal":
-                stored[r] = r
+                stored[r] = out_root.get(root(node.outputs[0]), -1)
     saved_ids = tuple(sorted(dict.fromkeys(saved.values())))
     stored_ids = tuple(sorted(r for r in stored if r not in set(saved_ids)))
+    stored_outputs = tuple(stored[r] for r in stored_ids)
+    # An item that the body also outputs as loop state: the next trip's state.
+    stored_state = tuple(r for r in stored_ids if r in out_root and out_root[r] not in invariant
+                         and fg.tensors[r].dtype not in ("resource", "variant"))
     # The loop state (what a per-step gradient stores) and what must not be
     # computed twice (read by the gradient, made by a random draw).
     state = tuple(sorted(i for i, j in position.items()
@@ -384,7 +391,8 @@ def _read_function(op: tf.Operation, cache: dict):
     for i, j in position.items():
         input_ids[j] = i
     return (fg, saved_ids, stored_ids, tuple(sorted(reads_inputs)), tuple(sorted(reads_outputs)),
-            tuple(sorted(invariant)), state, tuple(sorted(kept)), tuple(input_ids))
+            tuple(sorted(invariant)), state, tuple(sorted(kept)), tuple(input_ids),
+            stored_outputs, stored_state)
 
 
 

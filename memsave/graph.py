@@ -215,6 +215,15 @@ class Body:
         (their outer tensors carry none): its per-trip sum is not computed
         (Grappler drops it from while_v2's gradient loop; memsave.loops
         does not build it).
+    stored_outputs : tuple of int
+        For each of ``stored``, the output position of the loop through
+        which the TensorList it is written into leaves the loop (-1 when
+        not found): what the list's items cost depends on whether the
+        enclosing graph reads that output (:mod:`memsave.loopmodel`).
+    stored_state : tuple of int
+        The ids of ``stored`` that are also the next trip's loop state (the
+        body outputs them at a state position, as a ``tf.scan`` its carried
+        value): a gradient that stores the state keeps the same buffers.
     """
 
     fg: "ForwardGraph"
@@ -228,6 +237,8 @@ class Body:
     kept: tuple[int, ...] = ()
     read_lists_bytes: int = 0
     no_gradient: tuple[int, ...] = ()
+    stored_outputs: tuple[int, ...] = ()
+    stored_state: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from memsave.graph import Body, ForwardGraph
     from memsave.memory_model import MemoryModel
 
-__all__ = ["LoopChoice", "TripBytes", "trip_bytes", "figures", "recomputing_costs",
+__all__ = ["LoopChoice", "TripBytes", "trip_bytes", "figures", "stored_bytes", "recomputing_costs",
            "recomputed_trips",
            "chunk_size", "candidates", "LoopForecast", "LoopDecision", "options"]
 
@@ -186,7 +186,8 @@ def recomputing_costs(fg: "ForwardGraph", costs: "Costs",
     return dataclasses.replace(costs, gradient=tuple(gradient), gradient_reads=tuple(reads))
 
 
-def figures(body: "Body", choice: LoopChoice, model: "MemoryModel") -> BodyFigures:
+def figures(body: "Body", choice: LoopChoice, model: "MemoryModel", *,
+            read_outputs: "frozenset[int] | None" = None) -> BodyFigures:
     """What ``body``'s op holds when its gradient is built as ``choice`` says.
 
     Parameters
@@ -195,6 +196,10 @@ def figures(body: "Body", choice: LoopChoice, model: "MemoryModel") -> BodyFigur
         A loop's body (``body.loop``); a call's body has one choice, plain.
     choice : LoopChoice
     model : MemoryModel
+    read_outputs : frozenset of int, optional
+        The loop's output positions the enclosing graph reads (None: all).
+        Under a gradient memsave builds, the TensorLists of the others are
+        freed when the loop ends (:func:`stored_bytes`).
 
     Returns
     -------
@@ -220,7 +225,8 @@ def figures(body: "Body", choice: LoopChoice, model: "MemoryModel") -> BodyFigur
     if choice.kind == "per_step" or per.kept_bytes:
         saved_bytes = trips * (per.state_bytes + per.kept_bytes) + per.read_lists_bytes
         return BodyFigures(
-            saved_bytes=saved_bytes, stored_bytes=plain.stored_bytes,
+            saved_bytes=saved_bytes,
+            stored_bytes=stored_bytes(body, model, stored_states=trips, read_outputs=read_outputs),
             forward_bytes=max(_start_bytes(per, saved_bytes), plain.forward_bytes + one_trip),
             backward_bytes=plain.backward_bytes + per.saved_bytes)
     chunks = -(-trips // choice.k)
@@ -242,9 +248,42 @@ def figures(body: "Body", choice: LoopChoice, model: "MemoryModel") -> BodyFigur
     # outer sum; and one more resident, the chunk's zeros): the simulator
     # adds them (``invariant_sums``), which knows what receives a gradient.
     saved_bytes = chunks * per.state_bytes + per.read_lists_bytes
-    return BodyFigures(saved_bytes=saved_bytes, stored_bytes=plain.stored_bytes,
+    return BodyFigures(saved_bytes=saved_bytes,
+                       stored_bytes=stored_bytes(body, model, stored_states=chunks,
+                                                 read_outputs=read_outputs),
                        forward_bytes=max(_start_bytes(per, saved_bytes), forward_bytes),
                        backward_bytes=backward_bytes, invariant_sums=2)
+
+
+def stored_bytes(body: "Body", model: "MemoryModel", *, stored_states: int,
+                 read_outputs: "frozenset[int] | None" = None) -> int:
+    """The items of a loop's TensorLists (``body.stored``, every trip) that
+    count beside what its gradient keeps, when memsave builds the gradient.
+
+    Two differences from while_v2's (``BodyFigures.stored_bytes`` of the
+    plain body). A list the enclosing graph does not read (its output
+    position not in ``read_outputs``) is freed when the loop ends: memsave's
+    gradient reads nothing of it (:mod:`memsave._tf_while`: the zeros of
+    its gradient are unset items, its length the one it came in with). And
+    an item that is also the next trip's state (``body.stored_state``: a
+    ``tf.scan``'s output is its carried value) is the buffer the gradient
+    stores as state, ``stored_states`` times (T per step, one per chunk):
+    counted once. Measured on a ``tf.scan`` of an LSTM cell over (h, c),
+    T=200, batch 1024, loss on the last h: the step held the stored states,
+    the h list and its stack, no c list.
+    """
+    size = body_costs(body).tensor_bytes
+    counted = model.allocator.counted
+    positions = body.stored_outputs or (-1,) * len(body.stored)
+    shared = set(body.stored_state)
+    items = state = 0
+    for t, k in zip(body.stored, positions):
+        if read_outputs is not None and k >= 0 and k not in read_outputs:
+            continue
+        items += counted(size[t])
+        if t in shared:
+            state += counted(size[t])
+    return max(0, body.trips * items - min(stored_states, body.trips) * state)
 
 
 #: Copies of a chunked loop's input sequence that its gradient holds at

@@ -340,7 +340,10 @@ class Problem:
         from memsave import loopmodel
 
         plain = loopmodel.LoopChoice.plain()
-        return {op.index: loopmodel.figures(op.body, self.loop_choices.get(op.index, plain), model)
+        readers = self.fg.consumers()
+        return {op.index: loopmodel.figures(
+                    op.body, self.loop_choices.get(op.index, plain), model,
+                    read_outputs=frozenset(k for k, t in enumerate(op.outputs) if readers[t]))
                 for op in self.fg.ops if op.body is not None and op.body.loop}
 
     @property
