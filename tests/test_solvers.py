@@ -333,20 +333,3 @@ def test_budget_planner_never_calls_a_budget_memory_meets_infeasible(seed):
             B.solve(problem, 1, api="test")
         assert e.value.min_peak_bytes <= ours
         assert B.solve(Problem(fg), ours, api="test").predicted_peak_bytes <= ours
-
-
-@pytest.mark.parametrize("case", ["residual block", "unet", "conv chain s1 b4", "dag s2 n10"])
-def test_a_capped_greedy_still_reaches_a_tight_budget(case):
-    # 'memory' caps greedy's simulations. At a budget only the costliest
-    # plans meet (the smallest peak greedy finds), cheapest-first spends
-    # the cap on plans that do not fit; greedy then bisects the rest of its
-    # cost order with a logarithm more simulations instead of giving up.
-    from memsave.planners.greedy import family, greedy
-
-    p = CASES[case][0]()
-    lo = solve(p, 0, solver="greedy").predicted_peak_bytes
-    plans = len(family(p, max_plans=1))
-    before = p.problem.simulations
-    out = greedy(p, lo, max_simulations=1)
-    assert out.evaluation.peak_bytes <= lo
-    assert p.problem.simulations - before <= 1 + plans.bit_length()

@@ -404,25 +404,6 @@ def _pick(evs: list[Evaluation], budget_bytes: int) -> tuple[Evaluation, bool]:
     return min(evs, key=lambda e: (e.peak_bytes, e.recompute_ns, _order(e.decision))), False
 
 
-def _bisect(space: Segments, plans: list[Decision], budget_bytes: int,
-            simulations: int) -> list[Evaluation]:
-    """Evaluations of at most ``simulations`` of ``plans`` (in increasing
-    cost), bisecting for the first that fits: peaks mostly fall as the
-    recomputation grows, so each probe that fits moves the search to the
-    cheaper half, each that does not to the costlier one."""
-    out = []
-    lo, hi = 0, len(plans) - 1
-    while lo <= hi and len(out) < simulations:
-        mid = (lo + hi) // 2
-        e = space.evaluate(plans[mid])
-        out.append(e)
-        if e.peak_bytes <= budget_bytes:
-            hi = mid - 1
-        else:
-            lo = mid + 1
-    return out
-
-
 def greedy(space: Segments, budget_bytes: int, *, time_limit_s: float | None = None,
            max_simulations: int | None = None) -> Outcome:
     """Fastest plan of :func:`family` whose forecast peak fits ``budget_bytes``.
@@ -442,12 +423,7 @@ def greedy(space: Segments, budget_bytes: int, *, time_limit_s: float | None = N
     that many plans simulated (the fastest that fits among them, else the
     smallest peak among them), for a caller that would rather keep a plan
     it has than search long (``'memory'``); the answer then depends on the
-    budget in more than its feasible set, and is not monotone. When none of
-    them fits, a bisection of the rest of the cost order (:func:`_bisect`,
-    a logarithm more simulations) looks for the cheapest plan that fits: a
-    budget near the lowest peak is met only by costly plans, which
-    cheapest-first does not reach (keras.applications ResNet50 64x64: the
-    simulated plans fit nothing, so 'memory' kept its candidate plan).
+    budget in more than its feasible set, and is not monotone.
     """
     plans = family(space, max_plans=max_simulations)
     bound = {d: space.turn_bound(d) for d in plans}
@@ -478,13 +454,8 @@ def greedy(space: Segments, budget_bytes: int, *, time_limit_s: float | None = N
             level_cost = value  # the rest of this cost level may tie it
         if max_simulations is not None and len(evs) >= max_simulations:
             if level_cost is None:
-                # The simulations spent on cheap plans that do not fit: a
-                # tight budget is met at the costly end of the order, so
-                # bisect the rest of it (a logarithm more simulations).
-                rest = [d for _, _, _, d in sorted(heap)]
-                evs += _bisect(space, rest, budget_bytes, len(rest).bit_length())
-                ev, _ = _pick(evs, budget_bytes)
-                return Outcome(ev, optimal=False)
+                return Outcome(min(evs, key=lambda e: (e.peak_bytes, e.recompute_ns,
+                                                       _order(e.decision))), optimal=False)
             break
     if level_cost is not None:
         ev, _ = _pick(evs, budget_bytes)
