@@ -772,7 +772,8 @@ def read_sequences_in_place(op: tf.Operation, positions) -> tuple[int, ...]:
     with op.graph.as_default(), util.clear_control_inputs():
         for j, x, axis, _, _ in found:
             # Unset items: read (by an op TensorFlow did not prune) as zeros.
-            shape = _item_shape(op.inputs[j])
+            item = _list_item(op.inputs[j])
+            shape = None if item is None else item[0]
             length = tf.shape(x, out_type=tf.int32)[axis]
             _tf_private.update_input(op, j, list_ops.tensor_list_reserve(
                 shape, length, element_dtype=x.dtype, name="unread_sequence"))
@@ -801,12 +802,6 @@ def _unstacked_source(t):
     rest = [d for d in range(len(p)) if d != axis]
     perm = [rest.index(d) for d in p[1:]]
     return src, axis, None if perm == sorted(perm) else perm
-
-
-def _item_shape(list_tensor):
-    """The item shape of a TensorList (None: not known), as ``TensorListReserve`` takes it."""
-    item = _list_item(list_tensor)
-    return None if item is None else item[0]
 
 
 def _replace_uses(old, new, graph) -> None:

@@ -44,8 +44,8 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Mapping
 
-from memsave.errors import MemoryBudgetError
 from memsave import loopmodel
+from memsave.errors import MemoryBudgetError
 from memsave.loopmodel import LoopChoice, LoopDecision
 from memsave.problem import Problem
 
