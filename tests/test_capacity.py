@@ -251,11 +251,16 @@ def test_memory_budget_is_passed_through(mlp, answers):
     with pytest.raises(NoBatchFitsError, match="memory_budget=0.6 is below"):
         # at batch 1 every tensor is under the allocator's threshold: nothing to save
         memsave.keras.max_batch_size(mlp, x, y, memory=MEMORY, memory_budget=0.6)
+    # A budget of 0.6 first fits from a batch of about 4096 (forecast 41.5
+    # MiB there, 66 MiB with the checkpointed margin): search in 96 MiB.
+    memory = 96 * MiB
     x, y = np.zeros((4096, 256), np.float32), np.zeros((4096,), np.int32)
-    b = memsave.keras.max_batch_size(mlp, x, y, memory=MEMORY, memory_budget=0.6)
+    b = memsave.keras.max_batch_size(mlp, x, y, memory=memory, memory_budget=0.6)
     budgeted = memsave.keras.plan(mlp, x, y, batch_size=b, memory_budget=0.6)
     assert budgeted.budget_bytes is not None
-    assert budgeted.predicted_peak_bytes * (1 + FORECAST_MARGIN_CHECKPOINTED) <= MEMORY
+    assert budgeted.predicted_peak_bytes * (1 + FORECAST_MARGIN_CHECKPOINTED) <= memory
+    over = memsave.keras.plan(mlp, x, y, batch_size=b + 1, memory_budget=0.6)
+    assert over.predicted_peak_bytes * (1 + FORECAST_MARGIN_CHECKPOINTED) > memory
 
 
 # -- errors ----------------------------------------------------------------------------------
