@@ -61,6 +61,15 @@ def op_creation_index(op: tf.Operation) -> int:
     return op._id  # pylint: disable=protected-access
 
 
+def next_op_creation_index(graph: tf.Graph) -> int:
+    """The creation index (:func:`op_creation_index`) the next op made in ``graph`` gets.
+
+    Ops are the C++ graph's nodes, numbered from 2 (after its source and
+    sink) and never renumbered; ``graph.version`` counts the ops so far.
+    """
+    return graph.version + 2
+
+
 @functools.lru_cache(maxsize=None)
 def _dtype_trainable(dtype: tf.DType) -> bool:
     return backprop_util.IsTrainable(dtype)
@@ -357,6 +366,11 @@ def _give_private_func_graphs(op: tf.Operation) -> None:
 def update_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
     """Make ``op`` read ``tensor`` as its input ``index``."""
     op._update_input(index, tensor)  # pylint: disable=protected-access
+
+
+def control_flow_context(op: tf.Operation):
+    """The TF1 control-flow context (while frame, cond branch) ``op`` is in; None outside."""
+    return op._get_control_flow_context()  # pylint: disable=protected-access
 
 
 def add_control_inputs(op: tf.Operation, control_ops: Sequence[tf.Operation]) -> None:

@@ -240,6 +240,18 @@ def test_keras_fit_under_a_budget_trains_like_plain_fit(monkeypatch):
         _fit(low, x, y)
 
 
+def _fit_peaks(model, w0, x, y, fits: int) -> list[int]:
+    """Measured peaks of ``fits`` fits from weights ``w0``, after one that traces."""
+    model.set_weights(w0)
+    _fit(model, x, y)  # traces
+    peaks = []
+    for _ in range(fits):
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        _fit(model, x, y)
+        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+    return peaks
+
+
 def measure_keras_budget(depth=48, fractions=(0.4, 0.6)) -> dict:
     """Measured fit peaks: plain, then checkpointed at ``fraction`` of plain's peak (bytes)."""
     import memsave.keras
@@ -249,19 +261,13 @@ def measure_keras_budget(depth=48, fractions=(0.4, 0.6)) -> dict:
     w0 = model.get_weights()
 
     def peak():
-        model.set_weights(w0)
-        _fit(model, x, y)  # traces
-        peaks = []
-        # The median of seven fits: a fit's peak now and then reads a few
-        # MiB more than the others in the same process (at budget 0.4,
-        # measured 21 MiB in most fits, 22-28 in one fit of six, from the
-        # executor running ready kernels side by side), and a median of
-        # three failed on two such fits.
-        for _ in range(7):
-            tf.config.experimental.reset_memory_stats("CPU:0")
-            _fit(model, x, y)
-            peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
-        return int(np.median(peaks))
+        # The median of seven fits. Plain fit's peak varies from fit to fit
+        # (51-59 MiB side by side with other processes): the executor leaves
+        # weight gradients queued while the gradient chain runs on.
+        # memsave's chain waits for them (memsave.rewrite._no_run_ahead);
+        # before it did, checkpointed fits varied too (at budget 0.6, 32-44
+        # MiB for a 31 MiB forecast, three processes side by side).
+        return int(np.median(_fit_peaks(model, w0, x, y, 7)))
 
     out = {"plain_bytes": peak()}
     for f in fractions:
@@ -269,6 +275,46 @@ def measure_keras_budget(depth=48, fractions=(0.4, 0.6)) -> dict:
         memsave.keras.checkpointed(model, memory_budget=budget)
         out[str(f)] = {"budget_bytes": budget, "peak_bytes": peak()}
     return out
+
+
+def measure_keras_budget_one_thread(depth=48, fractions=(0.4, 0.6)) -> dict:
+    """Measured fit peaks with one inter-op thread, budgets a fraction of plain's forecast."""
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import memsave.keras
+
+    x, y = _keras_data(2)
+    model = _keras_model(depth)
+    w0 = model.get_weights()
+    model.compile(optimizer="sgd", loss="mse")  # plan() needs it; _fit compiles SGD again
+    plain = memsave.keras.plan(model, x[:KERAS_BATCH], y[:KERAS_BATCH]).baseline_peak_bytes
+    res = {"plain_forecast_bytes": plain}
+    for f in fractions:
+        memsave.keras.checkpointed(model, memory_budget=f)
+        res[str(f)] = {"budget_bytes": int(f * plain), "peaks": _fit_peaks(model, w0, x, y, 5)}
+    return res
+
+
+@pytest.mark.slow
+def test_keras_fit_meets_the_budget_with_one_inter_op_thread(fresh):
+    # One inter-op thread starves TensorFlow's executor as a busy second core
+    # does: the ops it queues beside the one it runs inline (a layer's weight
+    # gradient beside the gradient chain) wait, holding their buffers, while
+    # the chain runs on. Plain fit then reads 60-94 MiB for a 51 MiB forecast
+    # (measured by hand, five fits). memsave's gradient chain waits for its
+    # weight gradients (memsave.rewrite._no_run_ahead), so every fit meets
+    # the budget; without those waits, fits at budget 0.6 (30.6 MiB) read
+    # 28-50 MiB. The budget is a fraction of plain's forecast
+    # (memory_budget=0.6), not of plain's measured peak, which the starved
+    # executor inflates; each fit must meet it, not only the median.
+    res = fresh.call(measure_keras_budget_one_thread, timeout_s=900)
+    for f, r in res.items():
+        if not f[0].isdigit():
+            continue
+        worst = max(r["peaks"])
+        assert worst <= (1 + BUDGET_TOLERANCE) * r["budget_bytes"], (
+            f"budget {f} of plain fit's {res['plain_forecast_bytes'] / MiB:.1f} MiB forecast, one "
+            f"inter-op thread: fits measured {[p / MiB for p in r['peaks']]} MiB, over "
+            f"{r['budget_bytes'] / MiB:.1f} MiB + 10%")
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@ tf.gradients; every one failed before its fix.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -220,3 +222,56 @@ def test_no_bias_grad_and_filter_grad_that_onednn_would_merge_into_a_cycle(graph
         if _source(b.inputs[0]) is _source(c.inputs[2]) and _depends_on(c, b)
     ]
     assert not merged_into_a_cycle
+
+
+def _dense_stack(rng, layers=6):
+    x = tf.constant(rng.randn(32, 8).astype(np.float32))
+    ws = [tf.Variable(0.5 * rng.randn(8, 8).astype(np.float32)) for _ in range(layers)]
+    bs = [tf.Variable(rng.randn(8).astype(np.float32)) for _ in range(layers)]
+    h, acts = x, []
+    for w, b in zip(ws, bs):
+        h = tf.tanh(tf.matmul(h, w) + b)
+        acts.append(h)
+    return tf.reduce_sum(tf.square(h)), ws, bs, acts
+
+
+@pytest.mark.parametrize("checkpoints", ["one", "two", "memory"])
+def test_the_gradient_chain_waits_for_each_layers_weight_gradient(graph, session, rng, checkpoints):
+    # memsave.rewrite._no_run_ahead: the op that takes a layer's input
+    # gradient further (TanhGrad of the layer below) waits for the layer's
+    # weight gradient (MatMul(x, g, transpose_a)), so an executor that runs
+    # the chain inline cannot leave the weight gradients queued, each holding
+    # its buffers. Within a step by a control edge, across steps by the
+    # step's gate. tf.gradients' own graph has no such order (checked too).
+    y, ws, bs, acts = _dense_stack(rng)
+    xs = ws + bs
+    ref = tf.gradients(y, xs)
+    n_before = len(graph.get_operations())
+    kept = {"one": [acts[2]], "two": [acts[1], acts[3]], "memory": "memory"}[checkpoints]
+    ours = memsave.gradients(y, xs, checkpoints=kept)
+    ops = graph.get_operations()
+
+    def layers(some_ops):
+        weight_grads = {_layer_index(o, r"MatMul(_\d+)?_grad/MatMul_1$"): o for o in some_ops
+                        if o.type == "MatMul" and o.get_attr("transpose_a")}
+        tanh_grads = {_layer_index(o, r"Tanh(_\d+)?_grad/TanhGrad$"): o for o in some_ops
+                      if o.type == "TanhGrad"}
+        assert sorted(weight_grads) == sorted(tanh_grads) == list(range(len(ws)))
+        return [(tanh_grads[i], weight_grads[i + 1]) for i in range(len(ws) - 1)]
+
+    assert not any(_depends_on(t, w) for t, w in layers(ops[:n_before]))
+    mine = ops[n_before:]
+    assert any("recompute_" in o.name for o in mine)  # the rewrite ran
+    assert all(_depends_on(t, w) for t, w in layers(
+        [o for o in mine if "recompute_" in o.name or "backprop_" in o.name]))
+    session.run(tf.compat.v1.global_variables_initializer())
+    for r, o in zip(session.run(ref), session.run(ours)):
+        assert np.abs(r).max() > 0.01
+        np.testing.assert_allclose(o, r, rtol=1e-5, atol=1e-5)
+
+
+def _layer_index(op, pattern):
+    """Which layer of _dense_stack an op of its gradient belongs to (``Tanh_3_grad`` -> 3)."""
+    m = re.search(pattern, op.name)
+    assert m is not None, op.name
+    return int(m.group(1)[1:]) if m.group(1) else 0
