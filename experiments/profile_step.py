@@ -35,7 +35,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import tensorflow as tf  # noqa: E402
 
 import models  # noqa: E402
-from study import _grad_methods  # noqa: E402
+import registry  # noqa: E402
 
 # "[mklcpu 1.0MB 1.0MB] name = OpType(inputs)"; the bracket (allocations) is optional
 LABEL_OP = re.compile(r"^(?:\[[^\]]*\]\s*)?\S+ = ([A-Za-z0-9_]+)\(")
@@ -50,8 +50,10 @@ def profile(model_name, size, batch, method, steps, inter_op=0, seed=0):
         params = {k: tf.Variable(v, name=k.replace("/", "_")) for k, v in init.items()}
         variables = list(params.values())
         x, y = tf.constant(x_np), tf.constant(y_np)
-        arch, grad_fn = _grad_methods()[method]
-        loss, grads = grad_fn(lambda: model.loss(size, params, x, y, arch), variables)
+        m = registry.METHODS[method]
+        arch = m.arch()
+        loss, grads = m.gradients(lambda: model.loss(size, params, x, y, arch), variables,
+                                  {"peak_bytes": {}})
         train = tf.group([v.assign_sub(0.0 * g) for v, g in zip(variables, grads)])
         init_op = tf.compat.v1.global_variables_initializer()
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=inter_op)
@@ -83,7 +85,7 @@ def main(argv=None):
     p.add_argument("--model", default="resnet", choices=list(models.MODELS))
     p.add_argument("--size", type=int, default=18)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--methods", nargs="+",
+    p.add_argument("--methods", nargs="+", choices=list(registry.METHODS),
                    default=["GradientTape", "memsave-memory", "recompute_grad", "memsave-speed"])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=14, help="op types to list")
