@@ -316,6 +316,7 @@ def gradients(
     strategy_options: Mapping[str, Any] | None = None,
     memory_budget: int | float | None = None,
     extra_resident_bytes: int = 0,
+    batch_size: int | None = None,
 ) -> list:
     """Symbolic derivatives of sum(ys) w.r.t. xs, recomputing between checkpoints.
 
@@ -348,6 +349,13 @@ def gradients(
         optimizer's slots, metric state): counted as resident in every
         forecast, so that a fractional ``memory_budget`` is a fraction of
         the whole step's peak.
+    batch_size : int, optional
+        The size to plan for where the graph's first dimensions are unknown
+        (a tf.function traced on a ``None`` batch, as Keras traces its step
+        on data whose size is not a multiple of the batch size). Without
+        it they count as 1, the weights then outweigh every activation, and
+        the plan saves little or nothing. The graph runs at any batch size
+        either way; only the choice of what to keep depends on it.
 
     Raises
     ------
@@ -374,7 +382,8 @@ def gradients(
         ) from None
     (ys, xs, grad_ys, stop_gradients, graph), ex, p = _prepare(
         ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options,
-        memory_budget=memory_budget, extra_resident_bytes=extra_resident_bytes)
+        memory_budget=memory_budget, batch_size=batch_size,
+        extra_resident_bytes=extra_resident_bytes)
     stock = dict(
         gate_gradients=gate_gradients,
         aggregation_method=aggregation_method,

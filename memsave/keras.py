@@ -12,8 +12,12 @@ Data flow::
       -> validate: a Keras 3 model on the TensorFlow backend whose train_step
          is Keras' own; a known strategy name, or layers of the model;
          not compiled with run_eagerly=True
-      -> model.train_step = <checkpointed step>;  model.train_function = None
+      -> model.train_step = <checkpointed step>;  model.fit = <fit that notes
+         the batch size it runs at>;  model.train_function = None
     model.fit(...)
+      -> the batch size: fit's batch_size=, Keras' 32 for arrays, a dataset's
+         static batch dimension (checkpointed's batch_size= overrides); a
+         change of it drops the trace
       -> make_train_function: tf.function(strategy.run(train_step)), with
          the model's jit_compile, per replica under tf.distribute
       -> checkpointed step (traced once per input signature):
@@ -21,12 +25,13 @@ Data flow::
            loss = model._compute_loss(...);  loss tracker updated
            loss = optimizer.scale_loss(loss)    (loss scaling, mixed_float16)
            grads = memsave.gradients(loss, model.trainable_weights, checkpoints=...,
+                                     batch_size=<for a batch of unknown size>,
                                      extra_resident_bytes=<slots, metrics, frozen weights,
                                                            the prefetched next batch>)
            optimizer.apply_gradients(zip(grads, weights))   (unscales, skips inf)
            return model.compute_metrics(...)
     restore(model)
-      -> delete the instance attribute;  model.train_function = None
+      -> delete the instance attributes;  model.train_function = None
 
 Everything else ``fit`` does (callbacks, metrics, validation,
 ``steps_per_execution``, ``jit_compile``, distribution strategies, the
@@ -71,9 +76,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Union
 
@@ -116,6 +123,7 @@ def checkpointed(
     aggregation_method=None,
     gate_gradients: bool = False,
     memory_budget: int | float | None = None,
+    batch_size: int | None = None,
 ) -> keras.Model:
     """Make ``model.fit`` compute the train step's gradients with memsave.
 
@@ -150,6 +158,15 @@ def checkpointed(
         least recomputation under it; a budget below every plan's forecast
         raises :class:`memsave.MemoryBudgetError` (with ``min_peak_bytes``)
         when ``fit`` traces the step.
+    batch_size : int, optional
+        The batch size to plan for when ``fit`` traces the step on batches
+        of unknown size, as it does whenever the data's size is not a
+        multiple of the batch size. By default, what ``fit``'s arguments
+        say: its ``batch_size=``, Keras' 32 for arrays, a dataset's static
+        batch dimension (none for ``dataset.batch(b)`` without
+        ``drop_remainder=True``: pass it then). Without any, memsave plans
+        for a batch of 1, where the weights outweigh every activation, and
+        saves little; it warns when that happens.
 
     Returns
     -------
@@ -201,9 +218,14 @@ def checkpointed(
     )
     if _private.compiled(model) and model.run_eagerly:
         raise EagerExecutionError(_EAGER_MESSAGE.format(name=model.name))
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                   or batch_size < 1):
+        raise ArgumentError(f"memsave.keras.checkpointed: batch_size={batch_size!r}; pass a "
+                            "positive int, or None to take it from fit's arguments")
     step = functools.partial(_checkpointed_train_step, model, config)
     step = tf.autograph.experimental.do_not_convert(step)
-    _private.set_train_step(model, _CheckpointedStep(step, config))
+    _private.set_train_step(model, _CheckpointedStep(step, config, batch_size))
+    _private.set_fit(model, _CheckpointedFit(model))
     _private.drop_train_function(model)
     logger.info("memsave.keras: model %r trains with memsave (checkpoints=%r)",
                 model.name, checkpoints)
@@ -217,6 +239,7 @@ def restore(model: keras.Model) -> keras.Model:
     """
     if is_checkpointed(model):
         _private.delete_train_step(model)
+        _private.delete_fit(model)
         _private.drop_train_function(model)
         logger.info("memsave.keras: model %r restored to Keras' train step", model.name)
     return model
@@ -384,14 +407,22 @@ def extra_resident_bytes(model: keras.Model, allocator: Allocator | None = None)
     return total
 
 
-def _next_batch_bytes(data, allocator: Allocator | None = None) -> int:
+def _batch_known(data) -> bool:
+    """Whether every leaf of a traced batch has a static first dimension."""
+    return all(getattr(leaf, "shape", None) is None or not leaf.shape.rank
+               or leaf.shape[0] is not None for leaf in tf.nest.flatten(data))
+
+
+def _next_batch_bytes(data, batch_size: int | None = None,
+                      allocator: Allocator | None = None) -> int:
     """Bytes of the batch ``fit``'s input pipeline holds ready while a step runs.
 
     Keras' data adapters end their ``tf.data`` pipelines in a prefetch: the
     next batch is made while the step runs, so fit's peak holds two batches
     (measured on a Dense stack with 1 MiB batches: plain fit's peak 1-3 MiB
     over its train_on_batch's). ``data`` is the step's batch (tensors or
-    TensorSpecs); a leaf of unknown shape counts nothing.
+    TensorSpecs); an unknown first dimension is ``batch_size``, and a leaf
+    of another unknown dimension counts nothing.
     """
     if allocator is None:
         allocator = device_model().allocator
@@ -399,7 +430,12 @@ def _next_batch_bytes(data, allocator: Allocator | None = None) -> int:
     for leaf in tf.nest.flatten(data):
         shape = getattr(leaf, "shape", None)
         dtype = getattr(leaf, "dtype", None)
-        if shape is None or dtype is None or not tf.TensorShape(shape).is_fully_defined():
+        if shape is None or dtype is None:
+            continue
+        shape = tf.TensorShape(shape)
+        if shape.rank and shape[0] is None and batch_size is not None:
+            shape = tf.TensorShape([batch_size]).concatenate(shape[1:])
+        if not shape.is_fully_defined():
             continue
         total += allocator.counted(tf.TensorShape(shape).num_elements() * tf.as_dtype(dtype).size)
     return total
@@ -452,22 +488,75 @@ class _Config:
 
 
 class _CheckpointedStep:
-    """The instance's ``train_step``: a callable that knows it is memsave's."""
+    """The instance's ``train_step``: a callable that knows it is memsave's.
 
-    def __init__(self, step, config: _Config):
+    ``batch_size`` is what the gradients plan for where the traced batch
+    has no static size: the user's, else the one :class:`_CheckpointedFit`
+    reads from ``fit``'s arguments.
+    """
+
+    def __init__(self, step, config: _Config, batch_size: int | None = None):
         self._step = step
         self.config = config
+        self.given_batch_size = batch_size
+        self.batch_size = batch_size
         self.__name__ = "train_step"
 
     def __call__(self, data):
-        return self._step(data)
+        return self._step(data, batch_size=self.batch_size)
 
     def __repr__(self) -> str:
         what = self.config.strategy or [layer.name for layer in self.config.layers]
         return f"<memsave.keras checkpointed train_step, checkpoints={what!r}>"
 
 
-def _checkpointed_train_step(model: keras.Model, config: _Config, data):
+class _CheckpointedFit:
+    """The instance's ``fit``: Keras' own, after noting the batch size it runs at.
+
+    Keras traces the step on its dataset's element spec, whose batch
+    dimension is unknown whenever the last batch is partial; the step then
+    plans for this batch size (:attr:`_CheckpointedStep.batch_size`). A
+    trace planned for another size is dropped.
+    """
+
+    def __init__(self, model: keras.Model):
+        self._model = weakref.ref(model)
+        self.__name__ = "fit"
+        self.__doc__ = type(model).fit.__doc__
+
+    def __call__(self, *args, **kwargs):
+        model = self._model()
+        fit = type(model).fit
+        step = _private.instance_train_step(model)
+        if isinstance(step, _CheckpointedStep) and step.given_batch_size is None:
+            try:
+                bound = inspect.signature(fit).bind(model, *args, **kwargs).arguments
+            except TypeError:
+                bound = {}  # Keras' fit reports the bad call itself
+            size = _fit_batch_size(bound.get("x"), bound.get("batch_size"))
+            if size != step.batch_size:
+                step.batch_size = size
+                _private.drop_train_function(model)
+        return fit(model, *args, **kwargs)
+
+
+def _fit_batch_size(x, batch_size) -> int | None:
+    """The batch size ``fit(x, batch_size=batch_size)`` runs at, as far as its arguments tell."""
+    if isinstance(x, tf.data.Dataset):
+        leaves = tf.nest.flatten(x.element_spec)
+        shape = getattr(leaves[0], "shape", None) if leaves else None
+        return shape[0] if shape is not None and shape.rank else None
+    leaves = tf.nest.flatten(x)
+    shapes = [getattr(v, "shape", None) for v in leaves]
+    if not leaves or any(s is None or not tf.TensorShape(s).rank for s in shapes):
+        return batch_size  # a generator, a PyDataset: they batch themselves
+    size = batch_size or 32  # Keras' default for arrays
+    rows = tf.TensorShape(shapes[0])[0]
+    return min(size, int(rows)) if rows is not None else size
+
+
+def _checkpointed_train_step(model: keras.Model, config: _Config, data,
+                             batch_size: int | None = None):
     """Keras' TensorFlowTrainer.train_step with memsave's gradients (see module doc).
 
     The module's ``_memsave_gradients`` is looked up when the step is traced.
@@ -476,9 +565,16 @@ def _checkpointed_train_step(model: keras.Model, config: _Config, data):
         model, config, data, with_outputs=True)
     if model.trainable_weights:
         trainable_weights = model.trainable_weights
+        if batch_size is None and not _batch_known(data):
+            logger.warning(
+                "memsave.keras: fit traces model %r's step on batches of unknown size (the "
+                "data's size is not a multiple of the batch size, or a dataset batched "
+                "without drop_remainder=True) and no batch size is known: memsave plans for "
+                "a batch of 1, where the weights outweigh every activation, and saves "
+                "little; pass batch_size= to memsave.keras.checkpointed", model.name)
         gradients = _memsave_gradients(
-            loss, trainable_weights, checkpoints=checkpoints,
-            extra_resident_bytes=extra_resident_bytes(model) + _next_batch_bytes(data),
+            loss, trainable_weights, checkpoints=checkpoints, batch_size=batch_size,
+            extra_resident_bytes=extra_resident_bytes(model) + _next_batch_bytes(data, batch_size),
             **config.gradient_options
         )
         model.optimizer.apply_gradients(zip(gradients, trainable_weights))
@@ -746,6 +842,15 @@ class _private:
     @staticmethod
     def delete_train_step(model) -> None:
         object.__delattr__(model, "train_step")
+
+    @staticmethod
+    def set_fit(model, fit) -> None:
+        object.__setattr__(model, "fit", fit)  # as set_train_step
+
+    @staticmethod
+    def delete_fit(model) -> None:
+        if "fit" in vars(model):
+            object.__delattr__(model, "fit")
 
     @staticmethod
     def drop_train_function(model) -> None:
