@@ -534,6 +534,9 @@ class _CheckpointedFit:
             except TypeError:
                 bound = {}  # Keras' fit reports the bad call itself
             size = _fit_batch_size(bound.get("x"), bound.get("batch_size"))
+            replicas = model.distribute_strategy.num_replicas_in_sync
+            if size is not None and replicas > 1:  # each replica's step takes its share
+                size = -(-size // replicas)
             if size != step.batch_size:
                 step.batch_size = size
                 _private.drop_train_function(model)

@@ -629,3 +629,38 @@ def test_multi_worker_memsave_cuts_each_workers_peak(multi_worker):
             f"worker {task}: memsave 'memory' peak {ours / MiB:.1f} MiB is {ours / ref:.2f} of "
             f"GradientTape's {ref / MiB:.1f} MiB (allowed {MEMORY_MAX_RATIO})"
         )
+
+
+def keras_fit_mirrored_batch_sizes() -> list:
+    """The batch sizes memsave.keras plans a MirroredStrategy fit's step for (two CPUs)."""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import keras
+
+    import memsave.keras
+
+    sizes = []
+    real = memsave.keras._memsave_gradients
+
+    def spy(loss, xs, **kw):
+        sizes.append(kw["batch_size"])
+        return real(loss, xs, **kw)
+
+    memsave.keras._memsave_gradients = spy
+    with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    memsave.keras.checkpointed(model)
+    rs = np.random.RandomState(0)
+    model.fit(rs.randn(300, 8).astype(np.float32), rs.randn(300, 1).astype(np.float32),
+              batch_size=128, verbose=0)  # the last batch is partial
+    return sizes
+
+
+def test_keras_fit_under_mirrored_plans_each_replicas_share_of_the_batch(fresh):
+    # Each replica's step takes half of fit's batch of 128.
+    sizes = fresh.call(keras_fit_mirrored_batch_sizes, timeout_s=SUBPROCESS_TIMEOUT_S)
+    assert sizes and set(sizes) == {64}, sizes
