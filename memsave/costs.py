@@ -234,7 +234,7 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None,
             f"batch_size={batch_size} (e.g. {guessed['batch'][0]!r})"
         )
     if guessed["other"]:
-        hint = "" if batch_size is not None else "; pass batch_size= to plan"
+        hint = "" if batch_size is not None else "; pass batch_size= to plan for a real batch"
         assumptions.append(
             f"{len(guessed['other'])} tensors have unknown dimensions, counted as 1 "
             f"(e.g. {guessed['other'][0]!r}){hint}"

@@ -33,7 +33,7 @@ _ORIGINAL_V1 = _tf_private.original_gradients
 _ORIGINAL_V2 = _tf_private.original_gradients_v2
 
 
-def _wrappers(checkpoints, strategy_options, memory_budget=None):
+def _wrappers(checkpoints, strategy_options, memory_budget=None, batch_size=None):
     @tf.autograph.experimental.do_not_convert
     @functools.wraps(_ORIGINAL_V1)
     def gradients_v1(ys, xs, grad_ys=None, name="gradients", colocate_gradients_with_ops=False,
@@ -45,6 +45,7 @@ def _wrappers(checkpoints, strategy_options, memory_budget=None):
             gate_gradients=gate_gradients, aggregation_method=aggregation_method,
             stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients,
             strategy_options=strategy_options, memory_budget=memory_budget,
+            batch_size=batch_size,
         )
 
     @tf.autograph.experimental.do_not_convert
@@ -80,9 +81,9 @@ class Patch:
     """An applied patch; a context manager that undoes itself on exit."""
 
     def __init__(self, checkpoints, strategy_options: Mapping[str, Any] | None = None,
-                 memory_budget: int | float | None = None):
+                 memory_budget: int | float | None = None, batch_size: int | None = None):
         self.checkpoints = checkpoints
-        v1, v2 = _wrappers(checkpoints, strategy_options, memory_budget)
+        v1, v2 = _wrappers(checkpoints, strategy_options, memory_budget, batch_size)
         with _lock:
             self._saved = []
             for module, attr, value in _aliases():
@@ -127,7 +128,7 @@ class Patch:
 
 
 def patch(checkpoints="memory", *, strategy_options: Mapping[str, Any] | None = None,
-          memory_budget: int | float | None = None) -> Patch:
+          memory_budget: int | float | None = None, batch_size: int | None = None) -> Patch:
     """Make tf.gradients (every alias) and tf.compat.v1 optimizers use memsave.
 
     Use as a context manager::
@@ -137,9 +138,12 @@ def patch(checkpoints="memory", *, strategy_options: Mapping[str, Any] | None = 
 
     or call it and later :func:`unpatch` (or ``p.undo()``). ``memory_budget``
     is passed to every :func:`memsave.gradients` call (bytes, or a fraction
-    of each call's forecast plain peak).
+    of each call's forecast plain peak), and so is ``batch_size``: the size
+    to plan for where the graph's batch dimension is unknown (a
+    ``placeholder`` of shape ``[None, ...]``), without which memsave plans
+    for a batch of 1 and saves little.
     """
-    return Patch(checkpoints, strategy_options, memory_budget)
+    return Patch(checkpoints, strategy_options, memory_budget, batch_size)
 
 
 def unpatch() -> None:

@@ -76,6 +76,26 @@ def test_nested_patches_undo_in_order():
     assert tf.gradients is original
 
 
+def test_patch_plans_a_placeholder_of_unknown_batch_for_batch_size(graph, session, caplog):
+    # A tf.compat.v1 placeholder [None, 256]: planned for a batch of 1, the
+    # weights outweigh every activation and 'memory' gives tf.gradients'
+    # own graph (and says why); planned for batch_size=1024, it rewrites.
+    x = tf.compat.v1.placeholder(tf.float32, [None, 256])
+    ws = [tf.Variable(0.05 * RNG.randn(256, 256).astype(np.float32)) for _ in range(16)]
+    loss = chain(x, ws)
+    want = tf.gradients(loss, ws)
+    with caplog.at_level("WARNING", logger="memsave.api"), memsave.patch(checkpoints="memory"):
+        tf.compat.v1.gradients(loss, ws)
+    assert not recompute_ops(graph)
+    assert "pass batch_size=" in caplog.text
+    with memsave.patch(checkpoints="memory", batch_size=1024):
+        got = tf.compat.v1.train.GradientDescentOptimizer(0.1).compute_gradients(loss, ws)
+    assert recompute_ops(graph)
+    session.run(tf.compat.v1.global_variables_initializer())
+    feed = {x: RNG.randn(1024, 256).astype(np.float32)}
+    assert_close(session.run([g for g, _ in got], feed), session.run(want, feed))
+
+
 def test_patched_tf_gradients_inside_tf_function():
     ws = [tf.Variable(w) for w in W_INIT]
 
