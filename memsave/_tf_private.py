@@ -368,6 +368,26 @@ def update_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
     op._update_input(index, tensor)  # pylint: disable=protected-access
 
 
+def dataset_batch_size(dataset) -> int | None:
+    """The batch size of the last ``batch()`` a tf.data pipeline applies, when a constant.
+
+    Walks ``_input_dataset`` back from the pipeline's end (prefetch, map,
+    ...) to a dataset with a ``_batch_size`` (``batch``, ``padded_batch``);
+    None when there is none, a dataset has several inputs, or the size is
+    not a constant.
+    """
+    d = dataset
+    for _ in range(100):
+        size = getattr(d, "_batch_size", None)
+        if size is not None:
+            value = tf.get_static_value(size)
+            return int(value) if value is not None and int(value) > 0 else None
+        d = getattr(d, "_input_dataset", None)
+        if d is None:
+            return None
+    return None
+
+
 def control_flow_context(op: tf.Operation):
     """The TF1 control-flow context (while frame, cond branch) ``op`` is in; None outside."""
     return op._get_control_flow_context()  # pylint: disable=protected-access

@@ -16,8 +16,8 @@ Data flow::
          the batch size it runs at>;  model.train_function = None
     model.fit(...)
       -> the batch size: fit's batch_size=, Keras' 32 for arrays, a dataset's
-         static batch dimension (checkpointed's batch_size= overrides); a
-         change of it drops the trace
+         batch size (checkpointed's batch_size= overrides); a change of it
+         drops the trace
       -> make_train_function: tf.function(strategy.run(train_step)), with
          the model's jit_compile, per replica under tf.distribute
       -> checkpointed step (traced once per input signature):
@@ -87,7 +87,7 @@ from typing import Any, Union
 import keras
 import tensorflow as tf
 
-from memsave import planners
+from memsave import _tf_private, planners
 from memsave.errors import (
     ArgumentError,
     CheckpointError,
@@ -162,11 +162,11 @@ def checkpointed(
         The batch size to plan for when ``fit`` traces the step on batches
         of unknown size, as it does whenever the data's size is not a
         multiple of the batch size. By default, what ``fit``'s arguments
-        say: its ``batch_size=``, Keras' 32 for arrays, a dataset's static
-        batch dimension (none for ``dataset.batch(b)`` without
-        ``drop_remainder=True``: pass it then). Without any, memsave plans
-        for a batch of 1, where the weights outweigh every activation, and
-        saves little; it warns when that happens.
+        say: its ``batch_size=``, Keras' 32 for arrays, a dataset's batch
+        size (its static batch dimension, or the size its last
+        ``batch(b)`` gives). Without any (a generator, a PyDataset),
+        memsave plans for a batch of 1, where the weights outweigh every
+        activation, and saves little; it warns when that happens.
 
     Returns
     -------
@@ -548,7 +548,9 @@ def _fit_batch_size(x, batch_size) -> int | None:
     if isinstance(x, tf.data.Dataset):
         leaves = tf.nest.flatten(x.element_spec)
         shape = getattr(leaves[0], "shape", None) if leaves else None
-        return shape[0] if shape is not None and shape.rank else None
+        static = shape[0] if shape is not None and shape.rank else None
+        # dataset.batch(b) without drop_remainder: a None batch, b read from the pipeline
+        return static if static is not None else _tf_private.dataset_batch_size(x)
     leaves = tf.nest.flatten(x)
     shapes = [getattr(v, "shape", None) for v in leaves]
     if not leaves or any(s is None or not tf.TensorShape(s).rank for s in shapes):
@@ -570,11 +572,11 @@ def _checkpointed_train_step(model: keras.Model, config: _Config, data,
         trainable_weights = model.trainable_weights
         if batch_size is None and not _batch_known(data):
             logger.warning(
-                "memsave.keras: fit traces model %r's step on batches of unknown size (the "
-                "data's size is not a multiple of the batch size, or a dataset batched "
-                "without drop_remainder=True) and no batch size is known: memsave plans for "
-                "a batch of 1, where the weights outweigh every activation, and saves "
-                "little; pass batch_size= to memsave.keras.checkpointed", model.name)
+                "memsave.keras: fit traces model %r's step on batches of unknown size and "
+                "its arguments give no batch size (a generator, a PyDataset, a dataset whose "
+                "batching memsave cannot read): memsave plans for a batch of 1, where the "
+                "weights outweigh every activation, and saves little; pass batch_size= to "
+                "memsave.keras.checkpointed", model.name)
         gradients = _memsave_gradients(
             loss, trainable_weights, checkpoints=checkpoints, batch_size=batch_size,
             extra_resident_bytes=extra_resident_bytes(model) + _next_batch_bytes(data, batch_size),
