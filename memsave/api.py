@@ -398,12 +398,11 @@ def gradients(
                     ys, xs, grad_ys, name=name, stop_gradients=stop_gradients,
                     unconnected_gradients=unconnected, **stock)
     if p.schedule is None:
-        unknown = [a for a in p.assumptions if "counted as 1" in a]
         logger.warning(
             "memsave.gradients(checkpoints=%r): nothing to checkpoint, so no memory is saved "
             "and the gradients are tf.gradients' own: %s%s",
             p.strategy, p.note or "no tensor between xs and ys",
-            f" (planned on unknown sizes: {'; '.join(unknown)})" if unknown else "",
+            f" (assumed: {'; '.join(p.assumptions)})" if p.assumptions else "",
         )
         with graph.as_default():
             return _tf_private.original_gradients(

@@ -218,10 +218,7 @@ def checkpointed(
     )
     if _private.compiled(model) and model.run_eagerly:
         raise EagerExecutionError(_EAGER_MESSAGE.format(name=model.name))
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
-                                   or batch_size < 1):
-        raise ArgumentError(f"memsave.keras.checkpointed: batch_size={batch_size!r}; pass a "
-                            "positive int, or None to take it from fit's arguments")
+    _check_batch_size(batch_size, "memsave.keras.checkpointed", "fit's arguments")
     step = functools.partial(_checkpointed_train_step, model, config)
     step = tf.autograph.experimental.do_not_convert(step)
     _private.set_train_step(model, _CheckpointedStep(step, config, batch_size))
@@ -339,10 +336,7 @@ def plan(
         )
     if model.run_eagerly:
         raise EagerExecutionError(_EAGER_MESSAGE.format(name=model.name))
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
-                                   or batch_size < 1):
-        raise ArgumentError(f"{api}: batch_size={batch_size!r}; pass a positive int, or None to "
-                         "take the batch size from x")
+    _check_batch_size(batch_size, api, "x")
     config = _Config(
         strategy=_check_checkpoints(checkpoints, api),
         layers=_resolve_layers(model, checkpoints, api),
@@ -407,6 +401,13 @@ def extra_resident_bytes(model: keras.Model, allocator: Allocator | None = None)
     return total
 
 
+def _check_batch_size(batch_size, api: str, default_from: str) -> None:
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                   or batch_size < 1):
+        raise ArgumentError(f"{api}: batch_size={batch_size!r}; pass a positive int, or None to "
+                            f"take the batch size from {default_from}")
+
+
 def _batch_known(data) -> bool:
     """Whether every leaf of a traced batch has a static first dimension."""
     return all(getattr(leaf, "shape", None) is None or not leaf.shape.rank
@@ -437,7 +438,7 @@ def _next_batch_bytes(data, batch_size: int | None = None,
             shape = tf.TensorShape([batch_size]).concatenate(shape[1:])
         if not shape.is_fully_defined():
             continue
-        total += allocator.counted(tf.TensorShape(shape).num_elements() * tf.as_dtype(dtype).size)
+        total += allocator.counted(shape.num_elements() * tf.as_dtype(dtype).size)
     return total
 
 

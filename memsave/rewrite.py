@@ -223,22 +223,20 @@ def rewrite(
 
     xla = ex.fg.xla
     previous: list = []
-    # Boundary tensors whose gradients later steps take further (their
-    # heads); the others' gradients are leaves (weights, inputs).
-    deeper: list[set] = [set()] * len(schedule.steps)
+    # Per step, the boundary tensors whose gradients later steps take
+    # further (their heads); the others' gradients are leaves (weights, inputs).
+    deeper: list[set] = []
     later: set = set()
-    for k in range(len(schedule.steps) - 1, -1, -1):
-        deeper[k] = later
-        step = schedule.steps[k]
-        if not (step.kind == "backprop" and all(
-                _tf_private.passes_gradient_through(ex.ops[o]) for o in step.ops)):
+    for step in reversed(schedule.steps):
+        deeper.append(later)
+        if not _passes_through(ex, step):
             later = later | set(step.heads)
+    deeper.reverse()
     for k, step in enumerate(schedule.steps):
         heads = [h for h in step.heads if received.get(h)]
         if not heads or not step.boundary:
             continue
-        if step.kind == "backprop" and all(
-                _tf_private.passes_gradient_through(ex.ops[o]) for o in step.ops):
+        if _passes_through(ex, step):
             # Variable reads: each handle receives its read's gradients as they
             # are (what tf.gradients would build, without a call per step).
             previous = _pass_through(fg, step, received)
@@ -261,6 +259,12 @@ def rewrite(
                 received[b].append(g)
                 previous.append((g.values if isinstance(g, tf.IndexedSlices) else g).op)
     return [received.get(x, []) for x in fg.xs]
+
+
+def _passes_through(ex: Extraction, step: Step) -> bool:
+    """Whether ``step`` only hands gradients back through variable reads."""
+    return step.kind == "backprop" and all(
+        _tf_private.passes_gradient_through(ex.ops[o]) for o in step.ops)
 
 
 def _differentiate(ys, xs, grad_ys, stock, deep: Sequence[bool], *, xla: bool,
