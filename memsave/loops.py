@@ -20,7 +20,10 @@ what its gradient keeps:
 Data flow: the planner (or a test) calls ``prepare(op, choice)`` on a While
 op *before* the stock gradient code differentiates it, whether that is the
 original op (a backprop step) or memsave's copy of it (a recompute step);
-``tf.gradients`` then builds the gradient ``prepare`` chose. The mechanism
+``tf.gradients`` then builds the gradient ``prepare`` chose. ``prepare``
+also orders the forward pass after the loop: the TensorLists the loop
+outputs and nothing uses are freed before its used outputs are read
+(:func:`release_unread_lists`), as the forecast assumes. The mechanism
 (a gradient function of memsave's own, selected per op) is described in
 :mod:`memsave._tf_while`; the memory each choice needs, without
 TensorFlow, in :mod:`memsave.loopmodel`.
@@ -45,7 +48,8 @@ from memsave import _tf_private, _tf_while
 from memsave.errors import LoopChoiceError
 from memsave.loopmodel import LoopChoice
 
-__all__ = ["LoopChoice", "Prepared", "prepare", "apply", "find_loops", "accumulators"]
+__all__ = ["LoopChoice", "Prepared", "prepare", "release_unread_lists", "apply", "find_loops",
+           "accumulators"]
 
 logger = logging.getLogger(__name__)
 
