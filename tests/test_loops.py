@@ -112,7 +112,34 @@ def _scan_last(x, W, U):
     return hs[-1]
 
 
-LOOPS = {"while": _while_rnn, "scan": _scan, "map_fn": _map_fn, "scan_last": _scan_last}
+def _rewrites_items(x, W, U):
+    """A TensorArray written twice at each index (trip i writes i // 2):
+    the gradient of the first write of an item is zero."""
+    def body(i, h, ta):
+        h = _cell(x[i], h, W, U)
+        return i + 1, h, ta.write(i // 2, h)
+
+    _, _, ta = tf.while_loop(lambda i, h, ta: i < T, body,
+                             [0, tf.zeros([B, H]), tf.TensorArray(tf.float32, size=(T + 1) // 2)],
+                             maximum_iterations=T)
+    return ta.stack()
+
+
+def _overwrites_a_sequence(x, W, U):
+    """A TensorArray unstacked from a value with a gradient, every item of
+    it written again: no gradient reaches that value."""
+    def body(i, h, ta):
+        h = _cell(x[i], h, W, U)
+        return i + 1, h, ta.write(i, h)
+
+    first = tf.TensorArray(tf.float32, size=T).unstack(tf.tanh(tf.einsum("tbf,fh->tbh", x, W)))
+    _, _, ta = tf.while_loop(lambda i, h, ta: i < T, body, [0, tf.zeros([B, H]), first],
+                             maximum_iterations=T)
+    return ta.stack()
+
+
+LOOPS = {"while": _while_rnn, "scan": _scan, "map_fn": _map_fn, "scan_last": _scan_last,
+         "rewrites_items": _rewrites_items, "overwrites_a_sequence": _overwrites_a_sequence}
 
 
 def _loss_and_grads(build, choice, x, W, U, prepared):
@@ -139,7 +166,7 @@ def _run(evaluate, mode, build, choice):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("choice", CHOICES, ids=str)
-@pytest.mark.parametrize("kind", ["while", "scan", "map_fn", "scan_last"])
+@pytest.mark.parametrize("kind", list(LOOPS))
 def test_gradients_equal_tf_gradients(evaluate, mode, choice, kind):
     ref, _ = _run(evaluate, mode, LOOPS[kind], None)
     got, prepared = _run(evaluate, mode, LOOPS[kind], choice)
@@ -354,6 +381,21 @@ def _list_readers_waited_for(build, choice):
                 position[w.inputs[0].op.inputs[0].op.inputs[0].ref()]
                 for r in readers for w in r.control_inputs if w.type == "CheckNumerics")
         return op, waits
+
+
+@pytest.mark.parametrize("kind,written_once", [("scan_last", 2), ("scan", 1), ("rewrites_items", 0),
+                                               ("overwrites_a_sequence", 0)])
+def test_lists_written_once_per_index_get_no_zeros_in_their_gradient(kind, written_once):
+    """The TensorListSetItem ops whose gradient passes the list's gradient on
+    without zeroing the item (_tf_while.once_written_setters): each output
+    sequence of a scan; not a TensorArray written twice at an index, nor one
+    unstacked from a value with a gradient. Gradients: the cases above."""
+    xv, Wv, Uv = _rnn_values()
+    with tf.Graph().as_default():
+        W, U = tf.Variable(Wv), tf.Variable(Uv)
+        (op,) = loops.find_loops([LOOPS[kind](tf.constant(xv), W, U)])
+        setters = _tf_while.once_written_setters(op, *_tf_while.function_graphs(op))
+    assert [s.type for s in setters] == ["TensorListSetItem"] * written_once
 
 
 @pytest.mark.parametrize("choice", CHOICES, ids=str)
