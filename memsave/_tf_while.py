@@ -49,11 +49,11 @@ would not). The registration happens when the first op is marked.
 One more change, to the gradient of the body's writes into the lists a
 ``tf.scan`` or a TensorArray collects its outputs in: TensorFlow's gradient
 of ``TensorListSetItem`` sets the item it read in the list's gradient to
-zeros, and that list is loop state, so the backward loop ends holding one
-zero item per trip. Where no trip writes an item twice and the list was
-made empty for the loop, nothing reads those zeros; the gradient is built
-without them (:func:`once_written_setters`, through the ops' Python-side
-``_gradient_function``, set on the body graph being differentiated).
+a new zero tensor, and that list is loop state, so the backward loop ends
+holding one zero buffer per trip. memsave's writes one zero tensor made
+outside the loop instead (:func:`list_setters`, through the ops'
+Python-side ``_gradient_function``, set on the body graph being
+differentiated).
 
 k-step chunks
 -------------
@@ -228,7 +228,7 @@ def recomputing_gradient(op: tf.Operation, grads, *, recompute: bool, steps: int
     ys, xs, non_none_grads = zip(*[(y, x, grad) for (y, x, grad) in zip(
         body_graph.outputs, body_graph.inputs, grads) if grad is not None])
 
-    for setter in once_written_setters(while_op, cond_graph, body_graph):
+    for setter in list_setters(body_graph):
         setter._gradient_function = _set_item_gradient
     list_bound = _list_bound(while_op, steps, bound)
     body_grad_graph, args = _create_grad_func(
@@ -694,97 +694,38 @@ def written_only(op: tf.Operation, position: int) -> bool:
     return True
 
 
-def once_written_setters(while_op: tf.Operation, cond_graph, body_graph) -> list:
-    """The ``TensorListSetItem`` ops of ``while_op``'s body (``body_graph``,
-    as its gradient reads it, with ``cond_graph``) that write an item
-    of a list that no trip of the step writes twice, and that nothing reads
-    but after the loop: their gradient need not zero the item it read.
+def list_setters(body_graph) -> list:
+    """The ``TensorListSetItem`` ops of a loop body whose gradient
+    :func:`_set_item_gradient` builds: those writing an item of a static
+    shape at an index inside the list.
 
     TensorFlow's gradient of ``TensorListSetItem`` reads the item's
     gradient from the list's, then sets that item of the list's gradient to
-    zeros (the value before the write did not reach the output). The list's
-    gradient is loop state: the zeros of every trip stay in it to the end
-    of the backward loop, one item-sized buffer per trip (measured on a
+    ``zeros_like(item)`` (the value before the write did not reach the
+    output). The list's gradient is loop state: those zeros, a new buffer
+    each trip, stay in it to the end of the backward loop (measured on a
     chunked ``tf.scan`` of an LSTM cell over (h, c), T=200, batch 1024: 390
-    zero items of 0.5 MiB, the whole peak of the step). The zeros matter
-    only when something reads the list's gradient at that index later in
-    the backward pass: an earlier write of the same index, or the list's
-    producer. Neither does when, for a list entering the loop at input j:
-
-    * the body writes it once per trip (one ``TensorListSetItem``, through
-      Identity ops only), at an index that is a loop variable the body
-      increases by a positive constant, and otherwise reads only its
-      length or item shape; the cond does not read it;
-    * the list was made empty for the loop (``TensorListReserve``,
-      ``EmptyTensorList``: a TensorArray's, a ``tf.scan``'s outputs),
-      through Identity ops and the chunks of :func:`nest_in_chunks`
-      (consecutive trips of one loop, their counter carried on, so indices
-      differ across chunks too).
+    zero items of 0.5 MiB, the whole peak of the step, 229 MiB). The same
+    zeros can be one buffer: a zero tensor made once, outside the backward
+    loop, that every trip's write refers to (the peak then is the forward
+    loop's end, 227 MiB, forecast 214.5).
     """
-    setters = []
-    for j, placeholder in enumerate(body_graph.inputs):
-        if placeholder.dtype != tf.variant or cond_graph.inputs[j].consumers():
-            continue
-        found, values, ok = [], [placeholder], True
-        while values and ok:
-            for reader in values.pop().consumers():
-                if reader.type in _LIST_METADATA_TYPES:
-                    continue
-                if reader.type == "Identity":
-                    values.append(reader.outputs[0])
-                elif reader.type == "TensorListSetItem" and reader.inputs[2] is not reader.inputs[0]:
-                    found.append(reader)
-                    values.append(reader.outputs[0])
-                else:
-                    ok = False
-        if (ok and len(found) == 1 and _counts_up(body_graph, found[0].inputs[1])
-                and _made_empty(while_op.inputs[j])
-                and not found[0].get_attr("resize_if_index_out_of_bounds")):
-            setters += found
-    return setters
-
-
-def _counts_up(body_graph, index) -> bool:
-    """Whether ``index`` is a loop variable of ``body_graph`` that each trip
-    increases by a positive constant."""
-    j = next((i for i, t in enumerate(body_graph.inputs) if t is index), None)
-    if j is None:
-        return False
-    step = body_graph.outputs[j].op
-    while step.type == "Identity":
-        step = step.inputs[0].op
-    if step.type not in ("AddV2", "Add") or index not in step.inputs:
-        return False
-    other = step.inputs[1] if step.inputs[0] is index else step.inputs[0]
-    value = _tf_private.static_value(other)
-    return value is not None and value.size == 1 and int(value) > 0
-
-
-def _made_empty(t) -> bool:
-    """Whether the TensorList ``t`` comes from an empty list made for it, through
-    Identity ops and the chunk loops of :func:`nest_in_chunks`."""
-    while True:
-        if t.op.type == "Identity":
-            t = t.op.inputs[0]
-        elif t.op.type == "Placeholder":
-            outer = getattr(t.graph, "_while", None)
-            mark_ = marked(outer) if outer is not None else None
-            if mark_ is None or mark_[1] < 2:
-                return False
-            t = outer.inputs[next(i for i, x in enumerate(t.graph.inputs) if x is t)]
-        else:
-            return t.op.type in ("TensorListReserve", "EmptyTensorList")
+    return [op for op in body_graph.get_operations()
+            if op.type == "TensorListSetItem" and op.inputs[2].shape.is_fully_defined()
+            and not op.get_attr("resize_if_index_out_of_bounds")]
 
 
 def _set_item_gradient(op, dlist):
-    """``TensorListSetItem``'s gradient for :func:`once_written_setters`:
-    TensorFlow's, without the zeros (the list's gradient passes on as it came)."""
+    """``TensorListSetItem``'s gradient for :func:`list_setters`: TensorFlow's,
+    with the item's zeros made once, outside the backward loop being built."""
     _, index, item = op.inputs
-    # The static shape where known: reading ``item`` would recompute it.
-    shape = item.shape.as_list() if item.shape.is_fully_defined() else tf.shape(item)
-    item_grad = list_ops.tensor_list_get_item(dlist, index, element_shape=shape,
+    body = ops.get_default_graph()
+    with body.outer_graph.as_default(), util.clear_control_inputs():
+        zeros = tf.zeros(item.shape, item.dtype, name="zero_item")
+    list_grad = list_ops.tensor_list_set_item(dlist, index, zeros)
+    item_grad = list_ops.tensor_list_get_item(dlist, index, element_shape=item.shape,
                                               element_dtype=item.dtype)
-    return dlist, None, item_grad
+    return list_grad, None, item_grad
 
 
 def _written_resources(body_graph) -> set:

@@ -201,18 +201,26 @@ def release_unread_lists(op: tf.Operation) -> int:
     the other outputs wait for that (control edges): the reader drops the
     last reference, and the list is freed first, every step.
 
-    Outside XLA only (a compiled cluster plans its own buffers), and for a
-    loop outside TF1 control flow (``tf.compat.v1.while_loop``, ``cond``),
-    where an op added beside it would need that context.
+    Only the lists the loop writes: one it passes through (its input
+    sequence) holds nothing the loop made. (Reading those too once made
+    Grappler's memory optimizer turn a sum in the backward loop of a
+    per-step ``tf.scan`` into a TemporaryVariable, which failed on the
+    step's second run with AlreadyExistsError; tests/test_loops.py runs
+    that step twice.) Outside XLA only (a compiled cluster plans its own
+    buffers), and for a loop outside TF1 control flow
+    (``tf.compat.v1.while_loop``, ``cond``), where an op added beside it
+    would need that context.
     """
     if _tf_private.in_xla_context(op.graph) or _tf_private.control_flow_context(op) is not None:
         return 0
     unread, readers = [], set()
+    passed_through = set(_tf_while.invariant_positions(op))
     for out in op.outputs:
         found, ends = _readers(out)
         if found:
             readers |= found
-        elif out.dtype == tf.variant and _tf_while.is_list(out):
+        elif (out.dtype == tf.variant and _tf_while.is_list(out)
+              and out.value_index not in passed_through):
             unread += ends
     readers = [r for r in readers if _tf_private.control_flow_context(r) is None]
     if not unread or not readers:

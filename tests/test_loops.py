@@ -383,41 +383,69 @@ def _list_readers_waited_for(build, choice):
         return op, waits
 
 
-@pytest.mark.parametrize("kind,written_once", [("scan_last", 2), ("scan", 1), ("rewrites_items", 0),
-                                               ("overwrites_a_sequence", 0)])
-def test_lists_written_once_per_index_get_no_zeros_in_their_gradient(kind, written_once):
-    """The TensorListSetItem ops whose gradient passes the list's gradient on
-    without zeroing the item (_tf_while.once_written_setters): each output
-    sequence of a scan; not a TensorArray written twice at an index, nor one
-    unstacked from a value with a gradient. Gradients: the cases above."""
+@pytest.mark.parametrize("choice", CHOICES, ids=str)
+def test_list_writes_share_one_zero_item_in_the_gradient(choice):
+    """The gradient of a body's TensorListSetItem (the scan's two output
+    sequences) writes one zero tensor made outside the backward loop into
+    the list's gradient, not a new ZerosLike each trip (see
+    _tf_while.list_setters). Gradients: test_gradients_equal_tf_gradients."""
     xv, Wv, Uv = _rnn_values()
     with tf.Graph().as_default():
         W, U = tf.Variable(Wv), tf.Variable(Uv)
-        (op,) = loops.find_loops([LOOPS[kind](tf.constant(xv), W, U)])
-        setters = _tf_while.once_written_setters(op, *_tf_while.function_graphs(op))
-    assert [s.type for s in setters] == ["TensorListSetItem"] * written_once
+        out = _scan_last(tf.constant(xv), W, U)
+        for op in loops.find_loops([out]):
+            loops.prepare(op, choice, xs=[W, U])
+        tf.gradients(tf.reduce_sum(out), [W, U])
+        graph_def = tf.compat.v1.get_default_graph().as_graph_def()
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    assert any(n.name.endswith("zero_item") for n in nodes)
+    per_trip = [n.name for n in nodes if n.op == "ZerosLike" and "TensorListSetItem_grad" in n.name]
+    assert per_trip == []
+
+
+@pytest.mark.slow
+def test_a_per_step_scan_in_a_function_runs_step_after_step():
+    """Regression: a per-step tf.scan of an LSTM cell (T=200, batch 1024)
+    in a tf.function failed on its second step (AlreadyExistsError from a
+    TemporaryVariable that Grappler's memory optimizer made of a sum in the
+    backward loop), when loops.release_unread_lists also read the loop's
+    input sequence."""
+    values = _scan_values()
+    x = tf.constant(np.concatenate([values[0]] * 5)[:200])
+    weights = [tf.Variable(v) for v in values[1:]]
+
+    @tf.function
+    def step(x):
+        loss = _lstm_scan_loss(x, *weights)
+        (op,) = loops.find_loops([loss])
+        assert loops.prepare(op, PER_STEP, xs=weights).applied == PER_STEP
+        return tf.gradients(loss, weights)
+
+    first = [g.numpy() for g in step(x)]
+    for _ in range(2):
+        assert_grads_equal([g.numpy() for g in step(x)], first)
 
 
 @pytest.mark.parametrize("choice", CHOICES, ids=str)
 def test_the_unused_scan_output_is_freed_before_the_used_one_is_read(choice):
-    """``_scan_last`` ignores the c sequence (output 6; 7 is the input
-    sequence): the stack of the h sequence (output 5) waits for a read of
-    each, which drops the last reference (see loops.release_unread_lists)."""
+    """``_scan_last`` ignores the c sequence (output 6): the stack of the h
+    sequence (output 5) waits for a read of it, which drops the last
+    reference (see loops.release_unread_lists). Output 7, the input
+    sequence the loop passes through, is not waited for."""
     op, waits = _list_readers_waited_for(_scan_last, choice)
     assert _tf_while.is_list(op.outputs[6])
-    assert waits == {5: [6, 7], 6: [], 7: []}
+    assert waits == {5: [6], 6: [], 7: []}
 
 
 def test_a_read_scan_output_is_not_waited_for():
-    """Both sequences read: the readers wait for the input sequence's list
-    only (output 7, which nothing reads after the loop)."""
+    """Both sequences read: nothing waits."""
     def both(x, W, U):
         hs, cs = tf.scan(lambda hc, x_t: (_cell(x_t, hc[0], W, U), hc[1] + x_t @ W), x,
                          initializer=(tf.zeros([B, H]), tf.zeros([B, H])))
         return hs[-1] + cs[-1]
 
     _, waits = _list_readers_waited_for(both, PER_STEP)
-    assert waits == {5: [7], 6: [7], 7: []}
+    assert waits == {5: [], 6: [], 7: []}
 
 
 @pytest.mark.parametrize("choice", CHOICES, ids=str)
