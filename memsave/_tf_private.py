@@ -393,14 +393,6 @@ def control_flow_context(op: tf.Operation):
     return op._get_control_flow_context()  # pylint: disable=protected-access
 
 
-def may_run(op: tf.Operation) -> bool:
-    """Whether ``op`` may survive pruning: something reads an output of it
-    or waits for it, or it is stateful (``op._control_outputs``, the ops
-    that wait for it, and ``op._is_stateful`` are private)."""
-    # pylint: disable=protected-access
-    return op._is_stateful or bool(op._control_outputs) or any(o.consumers() for o in op.outputs)
-
-
 def add_control_inputs(op: tf.Operation, control_ops: Sequence[tf.Operation]) -> None:
     """Make ``op`` wait for ``control_ops``."""
     op._add_control_inputs(list(control_ops))  # pylint: disable=protected-access

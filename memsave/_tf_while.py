@@ -73,7 +73,7 @@ from __future__ import annotations
 import itertools
 
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2, full_type_pb2
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import constant_op, func_graph as func_graph_module, ops
 from tensorflow.python.framework import tensor_spec
 from tensorflow.python.ops import control_flow_util_v2 as util
@@ -371,13 +371,6 @@ def _entry_length(while_op, i):
         length = list_ops.tensor_list_length(entry)
     known = _tf_private.static_value(length)
     return length if known is None else int(known)
-
-
-def is_list(t: tf.Tensor) -> bool:
-    """Whether ``t`` is a TensorList, by its handle data (which while_v2
-    copies onto a loop's outputs); False when TensorFlow did not record it."""
-    data = handle_data_util.get_resource_handle_data(t)
-    return data.is_set and any(s.type.type_id == full_type_pb2.TFT_ARRAY for s in data.shape_and_type)
 
 
 def _list_item(list_tensor):

@@ -20,10 +20,7 @@ what its gradient keeps:
 Data flow: the planner (or a test) calls ``prepare(op, choice)`` on a While
 op *before* the stock gradient code differentiates it, whether that is the
 original op (a backprop step) or memsave's copy of it (a recompute step);
-``tf.gradients`` then builds the gradient ``prepare`` chose. ``prepare``
-also orders the forward pass after the loop: the TensorLists the loop
-outputs and nothing uses are freed before its used outputs are read
-(:func:`release_unread_lists`), as the forecast assumes. The mechanism
+``tf.gradients`` then builds the gradient ``prepare`` chose. The mechanism
 (a gradient function of memsave's own, selected per op) is described in
 :mod:`memsave._tf_while`; the memory each choice needs, without
 TensorFlow, in :mod:`memsave.loopmodel`.
@@ -48,8 +45,7 @@ from memsave import _tf_private, _tf_while
 from memsave.errors import LoopChoiceError
 from memsave.loopmodel import LoopChoice
 
-__all__ = ["LoopChoice", "Prepared", "prepare", "release_unread_lists", "apply", "find_loops",
-           "accumulators"]
+__all__ = ["LoopChoice", "Prepared", "prepare", "apply", "find_loops", "accumulators"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +144,6 @@ def prepare(op: tf.Operation, choice: LoopChoice, *, xs: Sequence | None = None,
     else:
         skip = _without_gradient(op, invariant, xs)
     _tf_while.set_parallel_iterations(op, parallel_iterations)
-    release_unread_lists(op)
     skip += _tf_while.read_sequences_in_place(op, skip)
     if choice.kind == "per_step":
         _tf_while.mark(op, mode="per_step", skip=skip)
@@ -175,85 +170,6 @@ def prepare(op: tf.Operation, choice: LoopChoice, *, xs: Sequence | None = None,
         return Prepared(choice, choice, inner=inner.name)
     raise LoopChoiceError(
         f"memsave.loops.prepare: choice {choice} is not implemented; use plain, per_step or chunk")
-
-
-def release_unread_lists(op: tf.Operation) -> int:
-    """Free the TensorLists ``op`` outputs and nothing reads before what reads
-    its other outputs runs; return the number of reads added.
-
-    A ``tf.scan`` or ``tf.map_fn`` collects each output in a TensorList, one
-    item per trip, and the program may use only some of them (``hs, _ =
-    tf.scan(cell, x, (h0, c0))``: the c sequence's stack is pruned). An
-    unused list lives to the end of the loop and is freed when the executor
-    drops the loop's unused output, which it does after it has handed the
-    used outputs to their readers, on another thread. Measured on the LSTM
-    scan of tests/test_loops.py (T=48, 0.5 MiB an item, chunk(7), in a
-    tf.function): the 24 MiB stack of the h sequence was allocated before
-    the 24 MiB c sequence was freed in about one step out of two, peaks of
-    52 or 68-72 MiB above resident from one step to the next, the forecast
-    51.5.
-
-    The executor clears an op's inputs before it readies the ops after it.
-    So here the end of each unused list's Identity copies is read (its
-    length, checked to be finite: ``CheckNumerics``, which Grappler keeps
-    although nothing reads it, where it would turn a lone
-    ``TensorListLength`` into a NoOp that reads nothing) and the readers of
-    the other outputs wait for that (control edges): the reader drops the
-    last reference, and the list is freed first, every step.
-
-    Only the lists the loop writes: one it passes through (its input
-    sequence) holds nothing the loop made. (Reading those too once made
-    Grappler's memory optimizer turn a sum in the backward loop of a
-    per-step ``tf.scan`` into a TemporaryVariable, which failed on the
-    step's second run with AlreadyExistsError; tests/test_loops.py runs
-    that step twice.) Outside XLA only (a compiled cluster plans its own
-    buffers), and for a loop outside TF1 control flow
-    (``tf.compat.v1.while_loop``, ``cond``), where an op added beside it
-    would need that context.
-    """
-    if _tf_private.in_xla_context(op.graph) or _tf_private.control_flow_context(op) is not None:
-        return 0
-    unread, readers = [], set()
-    passed_through = set(_tf_while.invariant_positions(op))
-    for out in op.outputs:
-        found, ends = _readers(out)
-        if found:
-            readers |= found
-        elif (out.dtype == tf.variant and _tf_while.is_list(out)
-              and out.value_index not in passed_through):
-            unread += ends
-    readers = [r for r in readers if _tf_private.control_flow_context(r) is None]
-    if not unread or not readers:
-        return 0
-    with op.graph.as_default(), tf.control_dependencies(None), tf.name_scope("release_unread"):
-        sinks = [tf.debugging.check_numerics(tf.cast(tf.raw_ops.TensorListLength(input_handle=t),
-                                                     tf.float32), "length").op
-                 for t in unread]
-    for reader in readers:
-        _tf_private.add_control_inputs(reader, sinks)
-    return len(sinks)
-
-
-def _readers(t: tf.Tensor) -> tuple[set, list]:
-    """The ops that read ``t`` and will run, through any Identity ops (while_v2
-    wraps each output of a loop in one), and the tensors of ``t`` or its
-    Identity copies that nothing such reads. An op whose outputs nothing
-    reads, that is stateless and that nothing waits for (the stack of a
-    scan output the program ignores) is pruned before the graph runs."""
-    found, ends, stack = set(), [], [t]
-    while stack:
-        v = stack.pop()
-        read = False
-        for c in v.consumers():
-            if c.type == "Identity":
-                stack.append(c.outputs[0])
-                read = True
-            elif _tf_private.may_run(c):
-                found.add(c)
-                read = True
-        if not read:
-            ends.append(v)
-    return found, ends
 
 
 def _refusal(op: tf.Operation) -> str:
