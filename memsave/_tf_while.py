@@ -689,8 +689,8 @@ def written_only(op: tf.Operation, position: int) -> bool:
 
 def list_setters(body_graph) -> list:
     """The ``TensorListSetItem`` ops of a loop body whose gradient
-    :func:`_set_item_gradient` builds: those writing an item of a static
-    shape at an index inside the list.
+    :func:`_set_item_gradient` builds: those writing a numeric item of a
+    static shape at an index inside the list.
 
     TensorFlow's gradient of ``TensorListSetItem`` reads the item's
     gradient from the list's, then sets that item of the list's gradient to
@@ -705,6 +705,8 @@ def list_setters(body_graph) -> list:
     """
     return [op for op in body_graph.get_operations()
             if op.type == "TensorListSetItem" and op.inputs[2].shape.is_fully_defined()
+            and (op.inputs[2].dtype.is_floating or op.inputs[2].dtype.is_integer
+                 or op.inputs[2].dtype.is_complex or op.inputs[2].dtype == tf.bool)
             and not op.get_attr("resize_if_index_out_of_bounds")]
 
 
