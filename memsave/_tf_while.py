@@ -229,7 +229,7 @@ def recomputing_gradient(op: tf.Operation, grads, *, recompute: bool, steps: int
         body_graph.outputs, body_graph.inputs, grads) if grad is not None])
 
     for setter in list_setters(body_graph):
-        setter._gradient_function = _set_item_gradient
+        setter._gradient_function = _set_item_gradient  # pylint: disable=protected-access
     list_bound = _list_bound(while_op, steps, bound)
     body_grad_graph, args = _create_grad_func(
         ys, xs, non_none_grads, cond_graph, body_graph, util.unique_grad_fn_name(body_graph.name),
@@ -705,8 +705,7 @@ def list_setters(body_graph) -> list:
     """
     return [op for op in body_graph.get_operations()
             if op.type == "TensorListSetItem" and op.inputs[2].shape.is_fully_defined()
-            and (op.inputs[2].dtype.is_floating or op.inputs[2].dtype.is_integer
-                 or op.inputs[2].dtype.is_complex or op.inputs[2].dtype == tf.bool)
+            and op.inputs[2].dtype not in (tf.variant, tf.resource, tf.string)
             and not op.get_attr("resize_if_index_out_of_bounds")]
 
 

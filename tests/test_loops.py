@@ -367,7 +367,7 @@ def test_list_writes_share_one_zero_item_in_the_gradient(choice):
         W, U = tf.Variable(Wv), tf.Variable(Uv)
         out = _scan_last(tf.constant(xv), W, U)
         for op in loops.find_loops([out]):
-            loops.prepare(op, choice, xs=[W, U])
+            assert loops.prepare(op, choice, xs=[W, U]).applied == choice
         tf.gradients(tf.reduce_sum(out), [W, U])
         graph_def = tf.compat.v1.get_default_graph().as_graph_def()
     nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
