@@ -17,12 +17,8 @@ entry: a chunked loop sums the trips' weight gradients in another order
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -630,7 +626,7 @@ CHUNK_MAX_RATIO = 0.1
 
 
 def measure_keras(method: str) -> dict:
-    """Run as a script: the peak above resident of one Keras LSTM step."""
+    """The peak above resident of one Keras LSTM step (in a fresh process)."""
     tf.raw_ops.Empty(shape=[(2 << 30) // 4], dtype=tf.float32, init=False)  # one pool region
     keras.utils.set_random_seed(0)
     rng = np.random.RandomState(0)
@@ -657,21 +653,13 @@ def measure_keras(method: str) -> dict:
             "grad_sums": [float(np.sum(g * g)) for g in grads]}
 
 
-@functools.lru_cache(maxsize=None)
-def _measured(method: str) -> dict:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, __file__, method], capture_output=True, text=True,
-                          env=env, timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"measuring {method} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("method,max_ratio", [("per_step", PER_STEP_MAX_RATIO),
                                               ("chunk", CHUNK_MAX_RATIO)])
-def test_keras_lstm_peak_goes_down(method, max_ratio):
-    plain, got = _measured("plain"), _measured(method)
+def test_keras_lstm_peak_goes_down(fresh, method, max_ratio):
+    # A process per method (each counts on a fresh pool); plain's is shared
+    # by both tests, whichever worker runs them (tests/fresh.py).
+    plain, got = (fresh.call(measure_keras, m, timeout_s=900) for m in ("plain", method))
     assert got["applied"] == [{"per_step": "per-step", "chunk": "chunk(k=11)"}[method]]
     np.testing.assert_allclose(got["grad_sums"], plain["grad_sums"], rtol=1e-4)
     assert got["peak_above_bytes"] <= max_ratio * plain["peak_above_bytes"], (got, plain)
@@ -789,6 +777,3 @@ def test_scan_peak_and_forecast(fresh, mode):
         error = r["forecast_above_bytes"] / r["peak_above_bytes"] - 1
         assert abs(error) <= SCAN_FORECAST_ERROR, (method, f"{100 * error:+.1f}%", r)
 
-
-if __name__ == "__main__":
-    print(json.dumps(measure_keras(sys.argv[1])))
