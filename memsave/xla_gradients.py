@@ -56,35 +56,54 @@ def depthwise_conv2d_gradient(op: tf.Operation, grad: tf.Tensor) -> list:
     kh, kw, channels, multiplier = w.shape.as_list()
     sh, sw = strides[1], strides[2]
     dh, dw = dilations[1], dilations[2]
-    x_shape = tf.shape(x)
-    g_shape = tf.shape(grad)
+    # Python ints where the shapes are known (always, under jit_compile), so
+    # that the offsets below are constants rather than scalar ops per tap.
+    x_shape = _shape(x)
+    g_shape = _shape(grad)
     out_h, out_w = g_shape[1], g_shape[2]
     if padding == "VALID":
         top = left = 0
     elif padding == "EXPLICIT":
         top, left = explicit[2], explicit[4]
     else:  # SAME
-        pad_h = tf.maximum((out_h - 1) * sh + (kh - 1) * dh + 1 - x_shape[1], 0)
-        pad_w = tf.maximum((out_w - 1) * sw + (kw - 1) * dw + 1 - x_shape[2], 0)
+        pad_h = _max0((out_h - 1) * sh + (kh - 1) * dh + 1 - x_shape[1])
+        pad_w = _max0((out_w - 1) * sw + (kw - 1) * dw + 1 - x_shape[2])
         top, left = pad_h // 2, pad_w // 2
     # Pad enough on every side for every offset's window to stay inside.
     bottom = (out_h - 1) * sh + (kh - 1) * dh + 1 - x_shape[1] - top
     right = (out_w - 1) * sw + (kw - 1) * dw + 1 - x_shape[2] - left
-    x_pad = tf.pad(x, [[0, 0], [top, tf.maximum(bottom, 0)], [left, tf.maximum(right, 0)], [0, 0]])
-    grad = tf.reshape(grad, tf.concat([g_shape[:3], [channels, multiplier]], 0))
+    x_pad = tf.pad(x, [[0, 0], [top, _max0(bottom)], [left, _max0(right)], [0, 0]])
+    grad = tf.reshape(grad, [*g_shape[:3], channels, multiplier])
     if x.dtype in (tf.float16, tf.bfloat16):  # accumulate in float32, as the kernels do
         x_pad, grad = tf.cast(x_pad, tf.float32), tf.cast(grad, tf.float32)
     rows = []
     for i in range(kh):
         cols = []
         for j in range(kw):
-            window = tf.strided_slice(
-                x_pad, tf.stack([0, i * dh, j * dw, 0]),
-                tf.stack([0, i * dh + (out_h - 1) * sh + 1, j * dw + (out_w - 1) * sw + 1, 0]),
-                [1, sh, sw, 1], begin_mask=0b1001, end_mask=0b1001)
+            window = x_pad[:, i * dh:i * dh + (out_h - 1) * sh + 1:sh,
+                           j * dw:j * dw + (out_w - 1) * sw + 1:sw, :]
             cols.append(tf.reduce_sum(window[..., None] * grad, axis=[0, 1, 2]))
         rows.append(tf.stack(cols))
     return [dx, tf.cast(tf.stack(rows), w.dtype)]
+
+
+def _shape(t: tf.Tensor) -> list:
+    """``t``'s shape: each known dimension an int, the others scalar tensors."""
+    if t.shape.rank is None:
+        return tf.unstack(tf.shape(t), num=4)
+    dynamic = None
+    dims = []
+    for i, d in enumerate(t.shape.as_list()):
+        if d is None:
+            dynamic = tf.shape(t) if dynamic is None else dynamic
+            d = dynamic[i]
+        dims.append(d)
+    return dims
+
+
+def _max0(v):
+    """``max(v, 0)`` of an int or a scalar tensor."""
+    return max(v, 0) if isinstance(v, int) else tf.maximum(v, 0)
 
 
 def xla_gradient_for(op: tf.Operation):

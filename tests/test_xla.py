@@ -193,8 +193,11 @@ def test_gradients_say_when_auto_clustering_is_on(monkeypatch, caplog):
 # -- TF: the depthwise gradient memsave gives its copies ----------------------------------
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
-def test_depthwise_gradient_equals_the_stock_one(jit):
+@pytest.mark.parametrize("jit, static", [(False, True), (True, True), (False, False)],
+                         ids=["graph", "xla", "unknown-shape"])
+def test_depthwise_gradient_equals_the_stock_one(jit, static):
+    # unknown-shape: traced for inputs of unknown batch and spatial size, so
+    # that the offsets and paddings are computed at run time.
     rs = np.random.RandomState(0)
     worst = 0.0
     for stride, padding, multiplier, size in [(1, "SAME", 1, 7), (2, "SAME", 1, 8), (2, "VALID", 2, 7),
@@ -202,7 +205,10 @@ def test_depthwise_gradient_equals_the_stock_one(jit):
         x = tf.constant(rs.randn(2, size, size, 3).astype(np.float32))
         w = tf.constant(rs.randn(3, 3, 3, multiplier).astype(np.float32))
 
-        @tf.function(jit_compile=jit)
+        signature = None if static else [tf.TensorSpec([None, None, None, 3], tf.float32),
+                                         tf.TensorSpec(w.shape, tf.float32)]
+
+        @tf.function(jit_compile=jit, input_signature=signature)
         def both(x, w):
             y = tf.raw_ops.DepthwiseConv2dNative(input=x, filter=w, strides=[1, stride, stride, 1],
                                                  padding=padding)
