@@ -776,4 +776,3 @@ def test_scan_peak_and_forecast(fresh, mode):
     for method, r in got.items():
         error = r["forecast_above_bytes"] / r["peak_above_bytes"] - 1
         assert abs(error) <= SCAN_FORECAST_ERROR, (method, f"{100 * error:+.1f}%", r)
-
