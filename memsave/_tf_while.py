@@ -229,7 +229,7 @@ def recomputing_gradient(op: tf.Operation, grads, *, recompute: bool, steps: int
         body_graph.outputs, body_graph.inputs, grads) if grad is not None])
 
     for setter in list_setters(body_graph):
-        setter._gradient_function = _set_item_gradient  # pylint: disable=protected-access
+        _tf_private.set_gradient_function(setter, _set_item_gradient)
     list_bound = _list_bound(while_op, steps, bound)
     body_grad_graph, args = _create_grad_func(
         ys, xs, non_none_grads, cond_graph, body_graph, util.unique_grad_fn_name(body_graph.name),

@@ -88,16 +88,11 @@ def depthwise_conv2d_gradient(op: tf.Operation, grad: tf.Tensor) -> list:
 
 
 def _shape(t: tf.Tensor) -> list:
-    """``t``'s shape: each known dimension an int, the others scalar tensors."""
-    if t.shape.rank is None:
-        return tf.unstack(tf.shape(t), num=4)
-    dynamic = None
-    dims = []
-    for i, d in enumerate(t.shape.as_list()):
-        if d is None:
-            dynamic = tf.shape(t) if dynamic is None else dynamic
-            d = dynamic[i]
-        dims.append(d)
+    """The shape of the 4-d ``t``: each known dimension an int, the others scalar tensors."""
+    dims = t.shape.with_rank(4).as_list()
+    if None in dims:
+        dynamic = tf.shape(t)
+        dims = [dynamic[i] if d is None else d for i, d in enumerate(dims)]
     return dims
 
 
