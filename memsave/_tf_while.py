@@ -66,6 +66,14 @@ loop's own gradient stores the k states of that chunk (``inner``:
 ``"per_step"``, recomputing each trip again, or ``"store"``, keeping every
 intermediate of the chunk like while_v2). The counter still counts the
 original trips, so the op's outputs are unchanged.
+
+Size
+----
+Longer than most modules (some 950 lines) on purpose, for the same reason
+as :mod:`memsave._tf_private`: every private while_v2 API memsave relies on
+(the gradient's graph class, its accumulators, the list and TensorArray
+gradients, the loop's FunctionDefs) is here and nowhere else, so this file
+is the whole list a TensorFlow upgrade has to check.
 """
 
 from __future__ import annotations

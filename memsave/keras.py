@@ -37,7 +37,7 @@ Everything else ``fit`` does (callbacks, metrics, validation,
 ``steps_per_execution``, ``jit_compile``, distribution strategies, the
 optimizer's loss scaling) is Keras' own code, which calls the step.
 
-One module (some 750 lines) because it is one integration: the train step,
+One module (some 900 lines) because it is one integration: the train step,
 its forecast and their validation share the step's code, and every private
 Keras API this module uses is in the section "Private Keras API" at the
 end, checked against Keras 3.15, in one place for a Keras upgrade to check; the step mirrors

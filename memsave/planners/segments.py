@@ -46,6 +46,12 @@ that sums over steps are exact. The FLOPs of the copies made
 (:meth:`memsave.costs.Costs.recompute_flops`) are reported too, but they
 call a memory-bound batch norm free and do not see that a copy of a kept
 convolution never runs, so the solvers do not minimise them.
+
+The lower bounds the solvers prune with (:class:`TurnBound` on the peak,
+:class:`StepBounds` on the gates' seconds) are here too, which makes the
+module some 600 lines: they read the space's private tables (which ops
+are never copied, which segment holds an op) and are exact only as long
+as those tables are, so they change with the space, not apart from it.
 """
 
 from __future__ import annotations
