@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection
-from typing import Literal, Union
+from typing import Literal
 
 from memsave import xla
 from memsave.graph import ForwardGraph
@@ -126,109 +126,98 @@ def build_schedule(
     A chain x -> a -> b -> y with b kept recomputes y's segment first, then
     b's: the ys step, then one step per layer of heads.
     """
-    tensors = fg.tensors
+    tables = _tables(fg)
+    producer, internal, receives = tables.producer, tables.internal, tables.receives
+    ops = fg.ops
     # Under XLA some ops are differentiated in place whatever the plan
     # (memsave.xla.in_place_ops: a recomputed max-pool costs more there).
     stored = frozenset(in_place) | xla.in_place_ops(fg)
-    copyable = [op.recomputable for op in fg.ops]  # by op index; stored ops are not
+    copyable = list(tables.recomputable)  # by op index; stored ops are not
+    kept: set[int] = set(tables.kept)
+    kept.update(checkpoints)
     for i in stored:
         copyable[i] = False
-    recomputable = copyable.__getitem__
-
-    kept: set[int] = set(checkpoints)
-    for x in fg.xs:
-        kept.add(x)
-    for op in fg.ops:
-        if not copyable[op.index]:
-            kept.update(op.outputs)
-            kept.update(t for t in op.inputs if tensors[t].kind != "external")
-    # A tf.custom_gradient's function reads the forward pass's own arguments,
-    # whichever copy it differentiates: alive until its gradient anyway, they
-    # are kept, not recomputed.
-    kept.update(fg.captured())
+        kept.update(ops[i].outputs)
+        kept.update(t for t in ops[i].inputs if fg.tensors[t].kind != "external")
 
     _keep_shared_frontier(fg, kept, copyable)
 
     def differentiable(t: int) -> bool:
-        return t in kept and fg.receives_gradient(t)
+        return t in kept and receives[t]
 
     def segment(*heads: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Ops recomputing ``heads`` back to kept tensors, and that boundary."""
-        seen = {tensors[h].producer for h in heads}
+        seen = {producer[h] for h in heads}
         stack = sorted(seen)
         boundary: set[int] = set()
         while stack:
-            op = fg.ops[stack.pop()]
-            for t in op.inputs:
-                node = tensors[t]
+            for t in ops[stack.pop()].inputs:
                 if t in kept:
-                    if differentiable(t):
+                    if receives[t]:
                         boundary.add(t)
-                elif node.kind == "internal" and node.producer not in seen:
-                    seen.add(node.producer)
-                    stack.append(node.producer)
+                elif internal[t]:
+                    p = producer[t]
+                    if p not in seen:
+                        seen.add(p)
+                        stack.append(p)
         return tuple(sorted(seen)), tuple(sorted(boundary))
 
-    # Units of work: a _Head recomputes a kept tensor; an _InPlace backprops
-    # a non-recomputable op, or a run of stored ops (see _stored_runs), in
-    # place, as one step.
+    # Units of work, as ints: a head ``t >= 0`` recomputes the kept tensor
+    # t; an in-place unit ``~first_op < 0`` backprops a non-recomputable op,
+    # or a run of stored ops (see _stored_runs) from its first op, in place,
+    # as one step.
     run_of = _stored_runs(fg, stored)
 
-    def unit_of(t: int) -> _Unit:
-        producer = tensors[t].producer
-        assert producer is not None, "this is a bug in memsave: unit of a non-internal tensor"
-        if recomputable(producer):
-            return _Head(t)
-        return _InPlace(run_of.get(producer, producer))
+    def unit_of(t: int) -> int:  # t is internal
+        p = producer[t]
+        return t if copyable[p] else ~run_of.get(p, p)
 
     runs: dict[int, list[int]] = {}
     for o, first in run_of.items():
         runs.setdefault(first, []).append(o)
 
-    def unit_ops(u: _InPlace) -> list[int]:
-        return runs.get(u.first_op, [u.first_op])
+    def unit_ops(u: int) -> list[int]:
+        return runs.get(~u, [~u])
 
     gradient_inputs = _gradient_inputs(fg)
-    deps: dict[_Unit, set[_Unit]] = {}
+    deps: dict[int, set[int]] = {}
     segments: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for t in sorted(kept):
-        if tensors[t].kind != "internal":
+        if not internal[t]:
             continue
         unit = unit_of(t)
-        if isinstance(unit, _Head):
+        if unit >= 0:
             segments[t] = segment(t)
             boundary = segments[t][1]
         elif unit in deps:
             continue  # an in-place unit's boundary is its ops', whichever output
-        elif unit.first_op in run_of:
+        elif ~unit in run_of:
             boundary = _outer_inputs(fg, unit_ops(unit), differentiable)
         else:  # one op that is not recomputable: its inputs are all kept
-            boundary = gradient_inputs[unit.first_op]
-        deps.setdefault(unit, set()).update(
-            u for u in (unit_of(b) for b in boundary if tensors[b].kind == "internal")
-            if u != unit
-        )
+            boundary = gradient_inputs[~unit]
+        found = deps.setdefault(unit, set())
+        for b in boundary:
+            if internal[b]:
+                u = unit_of(b)
+                if u != unit:
+                    found.add(u)
 
     steps: list[Step] = []
-    y_heads = tuple(
-        dict.fromkeys(
-            y for y in fg.ys if y not in kept and tensors[y].kind == "internal"
-        )
-    )
+    y_heads = tuple(dict.fromkeys(y for y in fg.ys if y not in kept and internal[y]))
     if y_heads:
         # One walk from all of them: the ys share their step (and often their ops).
         steps.append(_recompute_step(fg, y_heads, [segment(*y_heads)]))
 
-    def position(u: _Unit) -> int:
-        return unit_ops(u)[-1] if isinstance(u, _InPlace) else tensors[u.tensor].producer
+    def position(u: int) -> int:
+        return unit_ops(u)[-1] if u < 0 else producer[u]
 
     for layer in reversed(_layers(deps, position)):
-        heads = sorted(u.tensor for u in layer if isinstance(u, _Head))
+        heads = sorted(u for u in layer if u >= 0)
         if heads:
             steps.append(_recompute_step(fg, tuple(heads), [segments[h] for h in heads]))
-        forced = sorted(o for u in layer if isinstance(u, _InPlace) for o in unit_ops(u))
+        forced = sorted(o for u in layer if u < 0 for o in unit_ops(u))
         if forced:
-            outs = tuple(t for o in forced for t in fg.ops[o].outputs if tensors[t].trainable)
+            outs = tuple(t for o in forced for t in ops[o].outputs if fg.tensors[t].trainable)
             bnd = _outer_inputs(fg, forced, differentiable)
             steps.append(Step("backprop", outs, tuple(forced), bnd,
                               ordered=xla.ordered_boundary(fg, bnd, forced)))
@@ -240,21 +229,40 @@ def build_schedule(
     )
 
 
-@dataclasses.dataclass(frozen=True, order=True)
-class _Head:
-    """A unit of backward work: recompute the segment of a kept tensor."""
+@dataclasses.dataclass(frozen=True)
+class _Tables:
+    """What :func:`build_schedule` reads of a graph whatever the plan (cached on it)."""
 
-    tensor: int
+    producer: tuple[int, ...]  # by tensor id; -1 for tensors no op produces
+    internal: tuple[bool, ...]  # by tensor id: produced by an op of the graph
+    receives: tuple[bool, ...]  # by tensor id: ForwardGraph.receives_gradient
+    recomputable: tuple[bool, ...]  # by op index
+    # Kept by every plan: the xs, the outputs and (non-external) inputs of ops
+    # that are not recomputable, and the arguments a tf.custom_gradient's
+    # function reads as the forward pass made them (alive until its gradient
+    # anyway, they are kept, not recomputed).
+    kept: frozenset[int]
 
 
-@dataclasses.dataclass(frozen=True, order=True)
-class _InPlace:
-    """A unit of backward work: differentiate ops in place, from the first of its run."""
-
-    first_op: int
-
-
-_Unit = Union[_Head, _InPlace]
+def _tables(fg: ForwardGraph) -> _Tables:
+    found = fg.__dict__.get("_schedule_tables")
+    if found is None:
+        tensors = fg.tensors
+        kept = set(fg.xs)
+        for op in fg.ops:
+            if not op.recomputable:
+                kept.update(op.outputs)
+                kept.update(t for t in op.inputs if tensors[t].kind != "external")
+        kept.update(fg.captured())
+        found = _Tables(
+            producer=tuple(-1 if t.producer is None else t.producer for t in tensors),
+            internal=tuple(t.kind == "internal" for t in tensors),
+            receives=tuple(fg.receives_gradient(t.id) for t in tensors),
+            recomputable=tuple(op.recomputable for op in fg.ops),
+            kept=frozenset(kept),
+        )
+        object.__setattr__(fg, "_schedule_tables", found)  # a cache, not a field
+    return found
 
 
 def _stored_runs(fg: ForwardGraph, stored: frozenset[int]) -> dict[int, int]:
@@ -302,9 +310,10 @@ def _gradient_inputs(fg: ForwardGraph) -> tuple[tuple[int, ...], ...]:
 def _outer_inputs(fg: ForwardGraph, ops, differentiable) -> tuple[int, ...]:
     """Differentiable inputs of ``ops`` that none of them produces, sorted."""
     inside = set(ops)
+    producer = _tables(fg).producer
     return tuple(sorted({
         t for o in ops for t in fg.ops[o].inputs
-        if differentiable(t) and fg.tensors[t].producer not in inside
+        if producer[t] not in inside and differentiable(t)
     }))
 
 
@@ -369,8 +378,8 @@ _NO_HEAD = -2
 _SHARED = -3
 
 
-def _layers(deps: dict, position) -> list[set]:
-    """``toposort.toposort(deps)`` as a list, in linear time.
+def _layers(deps: dict[int, set[int]], position) -> list[set[int]]:
+    """``toposort.toposort(deps)`` of the units (ints, see build_schedule) as a list, in linear time.
 
     A unit's layer is the longest dependency path below it (what toposort's
     repeated removal of ready units computes, in time quadratic in the
@@ -381,10 +390,11 @@ def _layers(deps: dict, position) -> list[set]:
     units = set(deps)
     for ds in deps.values():
         units.update(ds)
-    level: dict = {}
-    for u in sorted(units, key=lambda u: (position(u), isinstance(u, _InPlace), u)):
-        level[u] = 1 + max((level[d] for d in deps.get(u, ())), default=-1)
-    out: list[set] = [set() for _ in range(1 + max(level.values(), default=-1))]
+    level: dict[int, int] = {}
+    for u in sorted(units, key=lambda u: (position(u), u)):
+        ds = deps.get(u)
+        level[u] = 1 + max(level[d] for d in ds) if ds else 0
+    out: list[set[int]] = [set() for _ in range(1 + max(level.values(), default=-1))]
     for u, lv in level.items():
         out[lv].add(u)
     return out
