@@ -179,7 +179,7 @@ def build_schedule(
     def unit_ops(u: int) -> list[int]:
         return runs.get(~u, [~u])
 
-    gradient_inputs = _gradient_inputs(fg)
+    gradient_inputs = tables.gradient_inputs
     deps: dict[int, set[int]] = {}
     segments: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for t in sorted(kept):
@@ -237,6 +237,10 @@ class _Tables:
     internal: tuple[bool, ...]  # by tensor id: produced by an op of the graph
     receives: tuple[bool, ...]  # by tensor id: ForwardGraph.receives_gradient
     recomputable: tuple[bool, ...]  # by op index
+    # By op index: its inputs that receive a gradient (sorted, once), the
+    # boundary of a non-recomputable op differentiated in place, whose inputs
+    # are all kept whatever the checkpoints.
+    gradient_inputs: tuple[tuple[int, ...], ...]
     # Kept by every plan: the xs, the outputs and (non-external) inputs of ops
     # that are not recomputable, and the arguments a tf.custom_gradient's
     # function reads as the forward pass made them (alive until its gradient
@@ -259,6 +263,8 @@ def _tables(fg: ForwardGraph) -> _Tables:
             internal=tuple(t.kind == "internal" for t in tensors),
             receives=tuple(fg.receives_gradient(t.id) for t in tensors),
             recomputable=tuple(op.recomputable for op in fg.ops),
+            gradient_inputs=tuple(tuple(sorted({t for t in op.inputs if fg.receives_gradient(t)}))
+                                  for op in fg.ops),
             kept=frozenset(kept),
         )
         object.__setattr__(fg, "_schedule_tables", found)  # a cache, not a field
@@ -293,18 +299,6 @@ def _stored_runs(fg: ForwardGraph, stored: frozenset[int]) -> dict[int, int]:
             first = -1
             produced = set()
     return run_of
-
-
-def _gradient_inputs(fg: ForwardGraph) -> tuple[tuple[int, ...], ...]:
-    """Per op, its inputs that receive a gradient (sorted, once): the
-    boundary of a non-recomputable op differentiated in place, whose
-    inputs are all kept whatever the checkpoints (cached on the graph)."""
-    found = fg.__dict__.get("_gradient_inputs")
-    if found is None:
-        found = tuple(tuple(sorted({t for t in op.inputs if fg.receives_gradient(t)}))
-                      for op in fg.ops)
-        object.__setattr__(fg, "_gradient_inputs", found)  # a cache, not a field
-    return found
 
 
 def _outer_inputs(fg: ForwardGraph, ops, differentiable) -> tuple[int, ...]:
@@ -379,7 +373,7 @@ _SHARED = -3
 
 
 def _layers(deps: dict[int, set[int]], position) -> list[set[int]]:
-    """``toposort.toposort(deps)`` of the units (ints, see build_schedule) as a list, in linear time.
+    """``toposort.toposort(deps)`` of build_schedule's units as a list, in linear time.
 
     A unit's layer is the longest dependency path below it (what toposort's
     repeated removal of ready units computes, in time quadratic in the
