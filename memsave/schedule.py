@@ -338,10 +338,10 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int], recomputable: list[b
             for t in op.outputs:
                 if t in kept:
                     heads = (i,)
-                elif t in y_set:
-                    heads = (_YS, *(reach[c] for c in consumers[t] if recomputable[c]))
+                elif t in y_set:  # (an op not recomputable reaches _NO_HEAD)
+                    heads = (_YS, *[reach[c] for c in consumers[t]])
                 else:
-                    heads = [reach[c] for c in consumers[t] if recomputable[c]]
+                    heads = [reach[c] for c in consumers[t]]
                 for h in heads:
                     if h == _NO_HEAD or h == head:
                         continue
@@ -359,7 +359,7 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int], recomputable: list[b
             for op in shared
             for t in op.outputs
             if t not in kept
-            and any(recomputable[c] and reach[c] >= _YS for c in consumers[t])
+            and any(reach[c] >= _YS for c in consumers[t])
         }
         if not frontier:
             frontier = {t for op in shared for t in op.outputs}
