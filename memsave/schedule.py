@@ -137,8 +137,7 @@ def build_schedule(
     kept.update(checkpoints)
     for i in stored:
         copyable[i] = False
-        kept.update(ops[i].outputs)
-        kept.update(t for t in ops[i].inputs if fg.tensors[t].kind != "external")
+        kept.update(_held_in_place(fg, ops[i]))
 
     _keep_shared_frontier(fg, kept, copyable)
 
@@ -255,20 +254,26 @@ def _tables(fg: ForwardGraph) -> _Tables:
         kept = set(fg.xs)
         for op in fg.ops:
             if not op.recomputable:
-                kept.update(op.outputs)
-                kept.update(t for t in op.inputs if tensors[t].kind != "external")
+                kept.update(_held_in_place(fg, op))
         kept.update(fg.captured())
+        receives = tuple(fg.receives_gradient(t.id) for t in tensors)
         found = _Tables(
             producer=tuple(-1 if t.producer is None else t.producer for t in tensors),
             internal=tuple(t.kind == "internal" for t in tensors),
-            receives=tuple(fg.receives_gradient(t.id) for t in tensors),
+            receives=receives,
             recomputable=tuple(op.recomputable for op in fg.ops),
-            gradient_inputs=tuple(tuple(sorted({t for t in op.inputs if fg.receives_gradient(t)}))
+            gradient_inputs=tuple(tuple(sorted({t for t in op.inputs if receives[t]}))
                                   for op in fg.ops),
             kept=frozenset(kept),
         )
         object.__setattr__(fg, "_schedule_tables", found)  # a cache, not a field
     return found
+
+
+def _held_in_place(fg: ForwardGraph, op) -> list[int]:
+    """What an op differentiated in place keeps from the forward pass: its
+    outputs and its inputs (but external ones, fed to every step anyway)."""
+    return [*op.outputs, *(t for t in op.inputs if fg.tensors[t].kind != "external")]
 
 
 def _stored_runs(fg: ForwardGraph, stored: frozenset[int]) -> dict[int, int]:
