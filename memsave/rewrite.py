@@ -108,13 +108,33 @@ def aggregate(grads: Sequence, *, dense: bool):
     return dense_grads[0] if len(dense_grads) == 1 else tf.math.add_n(dense_grads)
 
 
-def _gate(grads: Sequence) -> tf.Tensor | None:
+def _gate(grads: Sequence, *, once: bool = False) -> tf.Tensor | None:
     """A float32 zero that cannot be computed before ``grads`` are.
 
     ``where(b == b, 0, nan)`` with ``b`` the sum of each gradient's first
     element, NaN replaced by 0 (a NaN in a gradient must not spread to every
     tensor the gate touches): always 0.0, but no compiler can prove it
     without the gradients' values. Built from raw ops (``_tf_private.raw_op``).
+
+    ``once`` (a recompute step's gate under XLA): the zero goes through
+    ``sqrt`` (``sqrt(0) = 0``, ``sqrt(nan) = nan``), an op XLA counts as
+    expensive and so computes once. Otherwise XLA duplicates the whole
+    elementwise chain into every reader of the gate (each gated proxy of the
+    step), and each of those fusions reads the heads' gradients, and what
+    they are fused from, until it runs. Measured on keras.applications
+    MobileNetV2 (64x64, batch 32, 'memory', SGD in the step): a 12 MiB
+    gradient of the first block and the forward tensor it is computed from
+    were held through the recomputation of the segment before it, with
+    every earlier step's gate chained into the same fusions; with ``sqrt``,
+    XLA's temporaries took 59.8 MiB instead of 66.5 MiB. (XLA's optimization
+    barrier does not do it: XLA:CPU removes it before fusion.) The weights'
+    ordered gates (:func:`_ordered_after_step`) stay fused: computed apart,
+    the gate is one more level of XLA's breadth-first schedule, and on
+    ResNet50 (SGD) the weight updates ran later, each holding its old kernel
+    and its gradient longer: the step's peak 259.2 MB instead of 242.4 (on
+    MobileNetV2 under ``mixed_float16``, whose updates wait for the loss
+    scale's finite check anyway, it went the other way, 73.3 MB instead of
+    91.4).
     """
     op = _tf_private.raw_op
     bits = []
@@ -148,8 +168,11 @@ def _gate(grads: Sequence) -> tf.Tensor | None:
             "AddN", bits, [tf.float32], {"N": len(bits), "T": tf.float32}, "bits").outputs[0]
         same = op("Equal", [b, b], [tf.bool], {"T": tf.float32,
                                                 "incompatible_shape_error": True}, "same").outputs[0]
-        return op("SelectV2", [same, c(tf.float32, 0.0), c(tf.float32, float("nan"))],
+        gate = op("SelectV2", [same, c(tf.float32, 0.0), c(tf.float32, float("nan"))],
                   [tf.float32], {"T": tf.float32}, "gate").outputs[0]
+        if once:
+            gate = op("Sqrt", [gate], [tf.float32], {"T": tf.float32}, "gate_once").outputs[0]
+        return gate
 
 
 def _constants(graph: tf.Graph, device: str):
@@ -438,7 +461,7 @@ def _after_forward(gy, y_ops: Sequence, y_gate: tf.Tensor | None = None):
 def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, deep, *,
                xla: bool) -> list:
     fg = ex.fg
-    gate = _gate(head_grads)
+    gate = _gate(head_grads, once=xla)
     # Which boundary tensors are read through ``t + gate`` is the schedule's
     # decision (memsave.schedule.gated_boundary), which the simulator counts.
     gated = set(step.gated) if gate is not None else set()

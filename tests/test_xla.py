@@ -20,6 +20,7 @@ What these check (see memsave/xla.py for the XLA behaviour behind each):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 
@@ -326,6 +327,19 @@ def test_recomputed_depthwise_has_no_dense_kernel_gradient():
     assert re.search(dense, plain), "XLA no longer expands the depthwise kernel gradient"
     # Only the depthwise convolutions memsave differentiates in place (none here) keep it.
     assert not re.search(dense, ours)
+
+
+def test_recompute_gates_are_computed_once_under_xla():
+    """Each recompute step's gate is one value XLA computes once, not an
+    elementwise chain fused into every gated proxy (and, through the gated
+    gradients, into the next steps' fusions), each of which would hold the
+    heads' gradients until it runs (memsave.rewrite._gate)."""
+    build, ws, x = _depthwise_net()
+    ours = _optimized_hlo(_sgd_step(build, "memory", ws), x)
+    per_step = collections.Counter(re.findall(r'op_name="[^"]*/(recompute_[0-9]+)/gate"', ours))
+    assert len(per_step) >= 2, "the plan no longer has recompute steps to check"
+    # The gate's select, and at most a bitcast of it carrying its name.
+    assert max(per_step.values()) <= 2, per_step
 
 
 def _model_with_pool_and_depthwise(seed=0):
