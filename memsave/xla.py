@@ -215,10 +215,13 @@ class XlaModel:
     MiB of them placed in the buffers of parameters already copied, so
     about 40 MiB more at the peak), the breadth-first order itself beyond
     these buffers, and fusions other than :func:`fused_sources`. On
-    MobileNetV2 (64x64, batch 32, 'memory') XLA's peak holds, beside the
-    block it differentiates, the recomputation of the segment before it
-    (about 25 MiB, float32 or mixed_float16 alike), which the forecast does
-    not: 22-30% under in float32, 37-43% under in mixed_float16.
+    MobileNetV2 (64x64, batch 32, 'memory', SGD in the step) XLA's peak is
+    at the first blocks' gradients: the strided depthwise gradient's padded
+    input and dilated gradient (13.4 MB each) beside a kept 12.6 MB
+    convolution output and its ReLU6 gradient; the forecast is 17% under
+    (custom loop; 23% in ``fit``), 37% under in mixed_float16, whose
+    updates wait for the loss scale's check (see ``memsave.rewrite._gate``
+    on the weights' ordered gates).
     """
 
     def __init__(self, fg: ForwardGraph, costs) -> None:
