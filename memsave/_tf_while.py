@@ -243,6 +243,7 @@ def recomputing_gradient(op: tf.Operation, grads, *, recompute: bool, steps: int
         ys, xs, non_none_grads, cond_graph, body_graph, util.unique_grad_fn_name(body_graph.name),
         while_op, maximum_iterations, while_op.outputs[0], list_bound, recompute)
 
+    unpushed = recompute and _unpush_recomputed_loops(body_grad_graph.recomputed)
     if body_grad_graph.while_op_needs_rewrite:
         # The forward op outputs the accumulators its gradient pops.
         suffix = f"_memsave{next(_uid)}"
@@ -252,6 +253,9 @@ def recomputing_gradient(op: tf.Operation, grads, *, recompute: bool, steps: int
         new_outputs = body_graph.outputs[orig_num_params:]
         while_op._set_func_attr("cond", util.create_new_tf_function(cond_graph))
         while_op._set_func_attr("body", util.create_new_tf_function(body_graph))
+        # Where its pushed lists start, for an enclosing recomputing
+        # gradient (:func:`_unpush_recomputed_loops`).
+        while_op._memsave_pushes_from = orig_num_params
         if len(body_graph.output_types) != len(while_op.inputs) + len(new_inputs):
             raise AssertionError(
                 "this is a bug in memsave: the rewritten loop "
@@ -262,6 +266,9 @@ def recomputing_gradient(op: tf.Operation, grads, *, recompute: bool, steps: int
         while_op._add_while_inputs(new_inputs)
         while_op._add_outputs([t.dtype for t in new_outputs], [t.shape for t in new_outputs])
         while_v2._copy_handle_data(new_outputs, while_op.outputs[orig_num_params:])
+    elif unpushed:
+        body_graph.name += f"_memsave{next(_uid)}"
+        while_op._set_func_attr("body", util.create_new_tf_function(body_graph))
     while_op._set_attr("_num_original_outputs", attr_value_pb2.AttrValue(i=len(while_op.outputs)))
 
     # The trip count reads the forward op's outputs: only now that the op has
@@ -288,6 +295,50 @@ def recomputing_gradient(op: tf.Operation, grads, *, recompute: bool, steps: int
         num_original_outputs=len(body_grad_graph.outputs))
     outputs = [tf.identity(t) for t in outputs]
     return while_v2._get_structured_grad_output(outputs, grads, body_grad_graph)
+
+
+def _unpush_recomputed_loops(recomputed) -> bool:
+    """Stop the forward ops of nested loops from filling their gradients'
+    accumulators; True if any was changed.
+
+    A loop nested in a recomputed body is differentiated where it stands,
+    in the forward body: its gradient makes the forward op push each trip's
+    state (with a chunk's ``inner="store"``, every intermediate the
+    gradient reads) onto TensorLists, and the backward body reads them from
+    its recomputed copy of the op. The forward op's own lists are read by
+    nobody, yet it filled them: a chunk's pushed values were held until the
+    chunk ended (experiments/bench_loops.py, ``tf.scan`` at T=1000,
+    chunk(k=16, inner=store): 1065.5 -> 1032.0 MiB above resident at the
+    forward pass's end). Such an op gets a body that passes the lists
+    through unfilled; its copy in the backward body keeps the filling one.
+    """
+    changed = False
+    for op in recomputed:
+        start = getattr(op, "_memsave_pushes_from", None)
+        if start is None or any(t.consumers() for t in op.outputs[start:]):
+            continue
+        body = function_graphs(op)[1]
+        name = f"{body.name}_unpushed"
+
+        def unpushed(*args, body=body, start=start):
+            while_v2._copy_handle_data(body.inputs, args)  # pylint: disable=protected-access
+            outs = inline(body, args, roots=body.outputs[:start] + list(body.control_outputs))
+            return outs[:start] + list(args[start:])
+
+        new = func_graph_module.func_graph_from_py_func(
+            name, unpushed, [], {},
+            signature=[tensor_spec.TensorSpec(t.shape, t.dtype) for t in body.inputs],
+            func_graph=util.WhileBodyFuncGraph(name),
+            add_control_dependencies=op.graph._add_control_dependencies)  # pylint: disable=protected-access
+        # Pass-throughs stay the same tensor, as in while_v2's bodies (its
+        # gradient recognises loop invariants that way).
+        new.outputs = [i if j >= start or body.outputs[j] is body.inputs[j] else o
+                       for j, (i, o) in enumerate(zip(new.inputs, new.outputs))]
+        op._set_func_attr("body", util.create_new_tf_function(new))  # pylint: disable=protected-access
+        op._body_graph = new  # pylint: disable=protected-access
+        del op._memsave_pushes_from  # pylint: disable=protected-access
+        changed = True
+    return changed
 
 
 def _lazy_zeros(grad, while_op, i):
@@ -897,6 +948,7 @@ def nest_in_chunks(op: tf.Operation, steps: int, *, inner_mode: str,
         inner_body = util.get_func_graph(op, shapes, op.get_attr("body").name)
         inner_body.name = f"{body_graph.name}_chunk{uid}"
         while_v2._copy_handle_data(op.inputs, inner_body.inputs)
+        _copy_static_shapes(body_graph, inner_body)
         inner_cond = _chunk_cond(cond_graph, shapes, dtypes, f"{cond_graph.name}_chunk{uid}")
         inner_body.outer_graph = graph
         inner_cond.outer_graph = graph
@@ -931,6 +983,30 @@ def nest_in_chunks(op: tf.Operation, steps: int, *, inner_mode: str,
     return inner_ops[0]
 
 
+def _copy_static_shapes(source, rebuilt) -> None:
+    """Give the tensors of ``rebuilt`` (a FuncGraph imported from
+    ``source``'s FunctionDef) the static shapes of ``source``'s tensors of
+    the same name. An import infers shapes without the handle data of the
+    resources it captures: a read of a captured variable (an LSTM's bias)
+    has no shape, nor has what is computed from it (the items a
+    ``tf.scan`` writes). Without them :func:`list_setters` skips the body's
+    writes, and TensorFlow's gradient
+    of each keeps a new zero buffer per trip in the list's gradient
+    (measured on a chunked ``tf.scan`` over an LSTM's (h, c), T=1000, k=16,
+    chunks storing their trips: 593 zero items, 296 MiB, held at the end of
+    the backward loop)."""
+    for op in rebuilt.get_operations():
+        try:
+            twin = source.get_operation_by_name(op.name)
+        except (KeyError, ValueError):
+            continue
+        if twin.type != op.type or len(twin.outputs) != len(op.outputs):
+            continue
+        for t, known in zip(op.outputs, twin.outputs):
+            if t.shape.is_compatible_with(known.shape):
+                t.set_shape(known.shape)
+
+
 def _chunk_cond(cond_graph, shapes, dtypes, name):
     """A cond: the original one and ``counter < limit`` (the chunk's end;
     the original cond checks it too when the loop has a maximum_iterations)."""
@@ -945,14 +1021,16 @@ def _chunk_cond(cond_graph, shapes, dtypes, name):
         func_graph=util.WhileCondFuncGraph(name))
 
 
-def inline(func_graph, inputs) -> list:
+def inline(func_graph, inputs, roots=None) -> list:
     """Copy the ops of ``func_graph`` into the default graph, its inputs
-    replaced by ``inputs``; return what its outputs became."""
+    replaced by ``inputs``; return what its outputs became. With ``roots``
+    (tensors and ops of ``func_graph``), only the ops they need are copied,
+    and only the outputs among them are returned (the others: None)."""
     graph = ops.get_default_graph()
     mapping = {ops.tensor_id(p): t for p, t in zip(func_graph.inputs, inputs)}
     copied = {}
     placeholders = {p.op for p in func_graph.inputs}
-    for op in func_graph.get_operations():
+    for op in _inputs_first(func_graph.get_operations() if roots is None else roots):
         if op in placeholders:
             continue
         _import_functions(op, graph)
@@ -964,4 +1042,24 @@ def inline(func_graph, inputs) -> list:
         copied[op] = new
         for src, dst in zip(op.outputs, new.outputs):
             mapping[ops.tensor_id(src)] = dst
-    return [mapping[ops.tensor_id(t)] for t in func_graph.outputs]
+    return [mapping.get(ops.tensor_id(t)) for t in func_graph.outputs]
+
+
+def _inputs_first(roots) -> list:
+    """The ops ``roots`` (tensors or ops) read, through data and control
+    edges, themselves included, each after those it reads. (Not creation
+    order: while_v2 adds inputs to a loop made earlier than them.)"""
+    order, done = [], set()
+    stack = [(r if isinstance(r, tf.Operation) else r.op, False) for r in reversed(list(roots))]
+    while stack:
+        op, expanded = stack.pop()
+        if op in done:
+            continue
+        if expanded:
+            done.add(op)
+            order.append(op)
+            continue
+        stack.append((op, True))
+        stack.extend((i, False) for i in op.control_inputs if i not in done)
+        stack.extend((t.op, False) for t in op.inputs if t.op not in done)
+    return order
