@@ -763,20 +763,40 @@ def list_setters(body_graph) -> list:
     loop's end, 227 MiB, forecast 214.5).
     """
     return [op for op in body_graph.get_operations()
-            if op.type == "TensorListSetItem" and op.inputs[2].shape.is_fully_defined()
+            if op.type == "TensorListSetItem" and _item_shape(op) is not None
             and op.inputs[2].dtype not in (tf.variant, tf.resource, tf.string)
             and not op.get_attr("resize_if_index_out_of_bounds")]
+
+
+def _item_shape(setter: tf.Operation) -> tf.TensorShape | None:
+    """The static shape of the item ``setter`` writes, else of the list's
+    items (its handle data), else None. A body imported from its
+    FunctionDef (a chunk's inner loop) can lack the first: the import infers
+    shapes without the handle data of the variables it captures, so after
+    a read of one (an LSTM's bias) the items have none; the lists' handle
+    data are copied from the loop's inputs. Without a shape, TensorFlow's
+    gradient of each write keeps a new zero item per trip (measured on
+    ``bench_loops.py``'s ``tf.scan`` at T=1000, chunk(k=16, inner=store):
+    593 zero items, 296 MiB, held at the end of the backward loop)."""
+    shape = setter.inputs[2].shape
+    if shape.is_fully_defined():
+        return shape
+    item = _list_item(setter.inputs[0])
+    if item is None or item[1] != setter.inputs[2].dtype or not item[0].is_fully_defined():
+        return None
+    return shape.merge_with(item[0]) if shape.is_compatible_with(item[0]) else None
 
 
 def _set_item_gradient(op, dlist):
     """``TensorListSetItem``'s gradient for :func:`list_setters`: TensorFlow's,
     with the item's zeros made once, outside the backward loop being built."""
     _, index, item = op.inputs
+    shape = _item_shape(op)
     body = ops.get_default_graph()
     with body.outer_graph.as_default(), util.clear_control_inputs():
-        zeros = tf.zeros(item.shape, item.dtype, name="zero_item")
+        zeros = tf.zeros(shape, item.dtype, name="zero_item")
     list_grad = list_ops.tensor_list_set_item(dlist, index, zeros)
-    item_grad = list_ops.tensor_list_get_item(dlist, index, element_shape=item.shape,
+    item_grad = list_ops.tensor_list_get_item(dlist, index, element_shape=shape,
                                               element_dtype=item.dtype)
     return list_grad, None, item_grad
 
@@ -948,7 +968,6 @@ def nest_in_chunks(op: tf.Operation, steps: int, *, inner_mode: str,
         inner_body = util.get_func_graph(op, shapes, op.get_attr("body").name)
         inner_body.name = f"{body_graph.name}_chunk{uid}"
         while_v2._copy_handle_data(op.inputs, inner_body.inputs)
-        _copy_static_shapes(body_graph, inner_body)
         inner_cond = _chunk_cond(cond_graph, shapes, dtypes, f"{cond_graph.name}_chunk{uid}")
         inner_body.outer_graph = graph
         inner_cond.outer_graph = graph
@@ -981,30 +1000,6 @@ def nest_in_chunks(op: tf.Operation, steps: int, *, inner_mode: str,
     op._body_graph = chunked
     mark(op, mode="per_step", steps=steps, bound=0, skip=skip)
     return inner_ops[0]
-
-
-def _copy_static_shapes(source, rebuilt) -> None:
-    """Give the tensors of ``rebuilt`` (a FuncGraph imported from
-    ``source``'s FunctionDef) the static shapes of ``source``'s tensors of
-    the same name. An import infers shapes without the handle data of the
-    resources it captures: a read of a captured variable (an LSTM's bias)
-    has no shape, nor has what is computed from it (the items a
-    ``tf.scan`` writes). Without them :func:`list_setters` skips the body's
-    writes, and TensorFlow's gradient
-    of each keeps a new zero buffer per trip in the list's gradient
-    (measured on a chunked ``tf.scan`` over an LSTM's (h, c), T=1000, k=16,
-    chunks storing their trips: 593 zero items, 296 MiB, held at the end of
-    the backward loop)."""
-    for op in rebuilt.get_operations():
-        try:
-            twin = source.get_operation_by_name(op.name)
-        except (KeyError, ValueError):
-            continue
-        if twin.type != op.type or len(twin.outputs) != len(op.outputs):
-            continue
-        for t, known in zip(op.outputs, twin.outputs):
-            if t.shape.is_compatible_with(known.shape):
-                t.set_shape(known.shape)
 
 
 def _chunk_cond(cond_graph, shapes, dtypes, name):

@@ -387,18 +387,20 @@ def test_a_chunks_forward_loop_fills_no_accumulator(choice):
     assert [o.name for o in inner_body.get_operations() if o.type == "TensorListPushBack"] == []
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("choice", CHOICES[1:], ids=str)
-def test_a_chunk_keeps_the_static_shapes_of_the_body(choice):
+def test_a_chunks_list_writes_share_one_zero_item_after_a_variable_read(mode, choice):
     """A chunk's inner loop is imported from the body's FunctionDef, and the
     import infers shapes without the handle data of a captured variable (a
-    bias read in the body): the items the scan writes had no shape, so
-    list_setters skipped them and TensorFlow's gradient kept a zero item
-    per trip (bench_loops' scan at T=1000, inner=store: 593 items, 296 MiB
-    at the end of the backward loop). The shapes are copied over."""
+    bias read in the body): the items the scan writes have no static
+    shape. The zero item is then shaped from the list's handle data;
+    before, list_setters skipped those writes and TensorFlow's gradient
+    kept a zero item per trip (bench_loops' scan at T=1000, inner=store:
+    593 items, 296 MiB at the end of the backward loop)."""
     xv, Wv, Uv = _rnn_values()
-    W, U, b = tf.Variable(Wv), tf.Variable(Uv), tf.Variable(np.full(H, 0.1, np.float32))
+    bv = np.full(H, 0.1, np.float32)
 
-    def step(x, choice):
+    def step(x, W, U, b, choice):
         def cell(hc, x_t):
             h, c = hc
             c = tf.sigmoid(tf.matmul(h, U) + b) * c + tf.tanh(tf.matmul(x_t, W))
@@ -410,12 +412,23 @@ def test_a_chunk_keeps_the_static_shapes_of_the_body(choice):
             assert loops.prepare(op, choice, xs=[W, U, b]).applied == choice
         return tf.gradients(tf.reduce_sum(tf.square(hs[-1])), [W, U, b])
 
-    x = tf.constant(xv)
-    got = tf.function(functools.partial(step, choice=choice)).get_concrete_function(x)
-    nodes = [n for f in got.graph.as_graph_def().library.function for n in f.node_def]
+    if mode == "function":
+        W, U, b = tf.Variable(Wv), tf.Variable(Uv), tf.Variable(bv)
+        x = tf.constant(xv)
+        got = tf.function(lambda x: step(x, W, U, b, choice)).get_concrete_function(x)
+        graph_def = got.graph.as_graph_def()
+        assert_grads_equal(got(x), tf.function(lambda x: step(x, W, U, b, None))(x))
+    else:
+        with tf.Graph().as_default() as graph:
+            x, W, U, b = tf.constant(xv), tf.Variable(Wv), tf.Variable(Uv), tf.Variable(bv)
+            got, ref = step(x, W, U, b, choice), step(x, W, U, b, None)
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                assert_grads_equal(*sess.run((got, ref)))
+        graph_def = graph.as_graph_def()
+    nodes = [n for f in graph_def.library.function for n in f.node_def]
     assert any(n.name.endswith("zero_item") for n in nodes)
     assert [n.name for n in nodes if n.op == "ZerosLike" and "TensorListSetItem_grad" in n.name] == []
-    assert_grads_equal(got(x), tf.function(functools.partial(step, choice=None))(x))
 
 
 @pytest.mark.parametrize("choice", CHOICES, ids=str)
