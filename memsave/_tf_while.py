@@ -784,7 +784,7 @@ def _item_shape(setter: tf.Operation) -> tf.TensorShape | None:
     item = _list_item(setter.inputs[0])
     if item is None or item[1] != setter.inputs[2].dtype or not item[0].is_fully_defined():
         return None
-    return shape.merge_with(item[0]) if shape.is_compatible_with(item[0]) else None
+    return item[0] if shape.is_compatible_with(item[0]) else None
 
 
 def _set_item_gradient(op, dlist):
