@@ -512,18 +512,21 @@ def _copy_and_differentiate(ex: Extraction, step: Step, heads, head_grads, stock
                     inputs.append(copies[t])
                 else:
                     inputs.append(ex.tensors[t])
-            new = _tf_private.copy_op(op, inputs, name=op.name)
-            if fg.xla:
-                xla_gradient = xla_gradient_for(op)
-                if xla_gradient is not None:
-                    _tf_private.set_gradient_function(new, xla_gradient)
             # Wait for what the original waited for: copies of ops copied
             # in this step, the originals otherwise (already run).
             controls = [
                 copied_ops.get(ex.op_index.get(c), c) for c in op.control_inputs
             ]
-            if controls:
-                _tf_private.add_control_inputs(new, controls)
+            if op.type in _WHILE_TYPES:
+                new = _copy_loop(op, inputs, waits + controls)
+            else:
+                new = _tf_private.copy_op(op, inputs, name=op.name)
+                if controls:
+                    _tf_private.add_control_inputs(new, controls)
+            if fg.xla:
+                xla_gradient = xla_gradient_for(op)
+                if xla_gradient is not None:
+                    _tf_private.set_gradient_function(new, xla_gradient)
             copied_ops[o] = new
             for t, out in zip(node.outputs, new.outputs):
                 copies[t] = out
@@ -531,3 +534,27 @@ def _copy_and_differentiate(ex: Extraction, step: Step, heads, head_grads, stock
     return _differentiate([copies[h] for h in heads], [proxies[b] for b in step.boundary],
                           head_grads, stock, deep, xla=fg.xla)
 
+
+
+#: Op types whose stock gradient appends inputs to the forward op (while_v2's
+#: accumulators, ``Operation._add_while_inputs``).
+_WHILE_TYPES = frozenset({"While", "StatelessWhile"})
+
+
+def _copy_loop(op: tf.Operation, inputs: list, waits: Sequence[tf.Operation]) -> tf.Operation:
+    """A copy of the While ``op`` reading ``inputs`` that runs after ``waits``,
+    with no control input of its own.
+
+    while_v2's gradient appends its accumulators to the forward op's inputs
+    (``AddWhileInputHack``), after any control input in its NodeDef; a
+    Session refuses that node ("Control dependencies must come after
+    regular dependencies"; a tf.function's conversion to a FunctionDef sorts
+    the inputs). The copy reads its first input through an Identity that
+    waits instead: the loop cannot start before it.
+    """
+    graph = op.graph
+    with graph.control_dependencies(None):
+        if waits:
+            with graph.control_dependencies(waits):
+                inputs = [_tf_private.identity(inputs[0], name="wait"), *inputs[1:]]
+        return _tf_private.copy_op(op, inputs, name=op.name)

@@ -275,3 +275,33 @@ def _layer_index(op, pattern):
     m = re.search(pattern, op.name)
     assert m is not None, op.name
     return int(m.group(1)[1:]) if m.group(1) else 0
+
+
+def test_a_loop_recomputed_in_a_step_runs_in_a_session(graph, session, rng):
+    """A recompute step copies a While op (a loop the plan leaves to
+    while_v2's gradient) to run after the step's gate. while_v2's gradient
+    then appends its accumulators to the copy's inputs, after any control
+    input in the NodeDef, which a Session refused ("Control dependencies
+    must come after regular dependencies"): the copy now waits through an
+    input instead."""
+    T, B, H = 6, 4, 8
+    x = tf.constant(rng.randn(T, B, H).astype(np.float32))
+    w = tf.Variable(rng.randn(H, H).astype(np.float32) * 0.3)
+    ta = tf.TensorArray(tf.float32, size=T)
+
+    def body(t, h, ta):
+        h = tf.tanh(x[t] + tf.matmul(h, w))
+        return t + 1, h, ta.write(t, h * h)
+
+    _, h, ta = tf.while_loop(lambda t, h, ta: t < T, body, [0, tf.zeros([B, H]), ta])
+    kept = tf.tanh(h + tf.reduce_sum(ta.stack(), axis=0))
+    y = tf.reduce_sum(tf.tanh(kept) ** 2)
+    ref = tf.gradients(y, [w])
+    ours = memsave.gradients(y, [w], checkpoints=[kept])
+    copies = [op for op in graph.get_operations()
+              if op.type == "While" and "recompute_" in op.name and "_grad" not in op.name]
+    assert len(copies) == 1, "the loop was not recomputed"
+    assert copies[0].control_inputs == []
+    assert copies[0].inputs[0].op.control_inputs, "the copy does not wait for the step's gate"
+    ref_v, ours_v = _run(session, [ref, ours])
+    np.testing.assert_allclose(ours_v[0], ref_v[0], rtol=1e-5, atol=1e-6)
