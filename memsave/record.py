@@ -378,7 +378,10 @@ class Plan:
         :meth:`to_dict` does).
         """
         mib = 1 << 20
-        change = self.predicted_peak_bytes / max(self.baseline_peak_bytes, 1) - 1.0
+        # A plain peak of 0 bytes: every buffer under what the allocator counts.
+        change = (self.predicted_peak_bytes / self.baseline_peak_bytes - 1.0
+                  if self.baseline_peak_bytes else 0.0 if not self.predicted_peak_bytes
+                  else float("inf"))
         overhead = self.recompute_cost / max(self.forward_cost, 1)
         lines = [
             f"memsave plan ({self.strategy}): {len(self.checkpoint_ids)} checkpoints, "

@@ -22,6 +22,7 @@ import memsave
 from memsave import _tf_while, loopmodel, loops, planners
 from memsave.errors import MemoryBudgetError
 from memsave.loopmodel import LoopChoice
+from memsave.memory_model import CPU_ONEDNN
 
 keras = pytest.importorskip("keras")
 
@@ -265,6 +266,28 @@ def test_budget_below_every_choice_says_the_smallest_peak(graph):
     assert e.value.min_peak_bytes is not None and e.value.min_peak_bytes > 1000
     assert memsave.plan(loss, [Wv, Uv], memory_budget=e.value.min_peak_bytes).feasible
 
+
+
+def test_a_fraction_of_a_plain_peak_of_0_bytes_keeps_every_loop_plain(graph):
+    """Every buffer of a small loop is under what the CPU allocator counts:
+    the plain forecast peak is 0 bytes, and so is ``memory_budget=0.5`` of
+    it. tf.gradients' own forecast fits that budget, as in a graph without
+    loops, so nothing is recomputed (it raised MemoryBudgetError: each loop
+    choice's planner refused "0 bytes")."""
+    rng = np.random.RandomState(0)
+    x = tf.constant(rng.randn(6, 4, 8).astype(np.float32))
+    W, U = (tf.Variable(rng.randn(8, 8).astype(np.float32) * 0.3) for _ in range(2))
+    _, h = tf.while_loop(lambda t, h: t < 6, lambda t, h: (t + 1, tf.tanh(x[t] @ W + h @ U)),
+                         [0, tf.zeros([4, 8])], maximum_iterations=6)
+    loss = tf.reduce_sum(h * h)
+    plan = memsave.plan(loss, [W, U], memory_budget=0.5, allocator=CPU_ONEDNN)
+    assert plan.baseline_peak_bytes == 0 and plan.feasible
+    assert [d.choice for d in plan.loops] == [LoopChoice.plain()]
+    assert plan.checkpoint_ids == () and "budget fits" in plan.note
+    assert "+0.0% vs tf.gradients" in plan.summary()
+    # The user's bytes are still checked.
+    with pytest.raises(MemoryBudgetError, match="must be > 0"):
+        memsave.plan(loss, [W, U], memory_budget=0, allocator=CPU_ONEDNN)
 
 def _nested(x, W, U):
     """A loop whose body runs a loop of 2 trips."""

@@ -112,7 +112,15 @@ def run(planner: Callable, problem: Problem, *, budget=None, options: Mapping | 
         else:
             best = _search(loops, evaluate_within, _least_recompute) or evaluate({})
         return _with_decisions(best[0], loops)
-    budget_bytes = resolve_budget(budget, problem.peak(None), api=api)
+    baseline = problem.peak(None)
+    budget_bytes = resolve_budget(budget, baseline, api=api)
+    if baseline <= budget_bytes:
+        # tf.gradients' own forecast fits: the least recompute is none, every
+        # loop plain. (The planner resolves the budget as given: a fraction
+        # of a plain peak of 0 bytes, a graph whose every buffer is too small
+        # for the CPU allocator to count, is 0 bytes, which it accepts as a
+        # fraction but not as bytes.)
+        return _with_decisions(planner(problem, budget=budget, **options), loops)
     lowest = [None]  # the smallest infeasible peak found, and its choices
 
     def evaluate_budgeted(choices):
@@ -128,7 +136,6 @@ def run(planner: Callable, problem: Problem, *, budget=None, options: Mapping | 
 
     best = _search(loops, evaluate_budgeted, _least_recompute)
     if best is None:
-        baseline = problem.peak(None)
         low, choices = lowest[0] if lowest[0] is not None else (None, {})
         said = ", ".join(f"{d.name} {choices.get(d.op, LoopChoice.plain())}" for d in loops)
         raise MemoryBudgetError(
