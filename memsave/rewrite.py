@@ -517,7 +517,7 @@ def _copy_and_differentiate(ex: Extraction, step: Step, heads, head_grads, stock
             controls = [
                 copied_ops.get(ex.op_index.get(c), c) for c in op.control_inputs
             ]
-            if op.type in _WHILE_TYPES:
+            if op.type in _tf_private.WHILE_OP_TYPES:
                 new = _copy_loop(op, inputs, waits + controls)
             else:
                 new = _tf_private.copy_op(op, inputs, name=op.name)
@@ -533,12 +533,6 @@ def _copy_and_differentiate(ex: Extraction, step: Step, heads, head_grads, stock
     logger.debug("memsave: recomputing %d ops for heads %s", len(step.ops), fg.describe(heads))
     return _differentiate([copies[h] for h in heads], [proxies[b] for b in step.boundary],
                           head_grads, stock, deep, xla=fg.xla)
-
-
-
-#: Op types whose stock gradient appends inputs to the forward op (while_v2's
-#: accumulators, ``Operation._add_while_inputs``).
-_WHILE_TYPES = frozenset({"While", "StatelessWhile"})
 
 
 def _copy_loop(op: tf.Operation, inputs: list, waits: Sequence[tf.Operation]) -> tf.Operation:
