@@ -1112,13 +1112,31 @@ def paused_gc():
 def _simulate(fg, schedule, costs, model, timeline, forward, gradients_kept,
               extra_resident_bytes) -> MemoryTrace:
     forward = _forward_of(fg, costs, model, forward)
+    return _traced(forward, schedule, timeline, gradients_kept, extra_resident_bytes)[2]
+
+
+def program_and_timeline(forward: ForwardProgram, schedule: Schedule | None, *,
+                         extra_resident_bytes: int = 0) -> tuple[_Program, int, MemoryTrace]:
+    """``(program, backward_start, trace)`` of ``schedule``: the program the
+    simulator replays (the index of its first backward instruction) and the
+    trace :func:`simulate` gives with ``timeline=True``, from one build, for
+    a planner that reads both (:mod:`memsave.planners.dp`)."""
+    with paused_gc():
+        return _traced(forward, schedule, True, True, extra_resident_bytes)
+
+
+def _traced(forward: ForwardProgram, schedule, timeline, gradients_kept, extra_resident_bytes):
     p, _, backward_start = _build_program(forward, schedule)
-    if fg.xla:
+    if forward.fg.xla:
         # With the update in the compiled step, each gradient is consumed by
         # its update (MemoryModel.xla_update_in_step): as gradients_kept=False.
-        return _replay_xla(forward, p, backward_start, timeline,
-                           gradients_kept and not model.xla_update_in_step, extra_resident_bytes)
-    return _replay(forward, p, backward_start, timeline, gradients_kept, extra_resident_bytes)
+        trace = _replay_xla(forward, p, backward_start, timeline,
+                            gradients_kept and not forward.model.xla_update_in_step,
+                            extra_resident_bytes)
+    else:
+        trace = _replay(forward, p, backward_start, timeline, gradients_kept,
+                        extra_resident_bytes)
+    return p, backward_start, trace
 
 
 def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline: bool,

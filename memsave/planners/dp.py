@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import time
 
-from memsave.simulate import _build
+from memsave.simulate import program_and_timeline
 from memsave.planners.segments import Outcome, Segments
 
 __all__ = ["dp"]
@@ -128,9 +128,9 @@ class _Terms:
         p = self.p
         problem = p.problem
         ev = p.evaluate(p.decision(groups))
-        trace = problem.timeline(ev.schedule, model=p.model)
-        prog, _, backward_start = _build(p.fg, ev.schedule, p.costs, p.model,
-                                         problem.forward(p.model))
+        prog, backward_start, trace = program_and_timeline(
+            problem.forward(p.model), ev.schedule,
+            extra_resident_bytes=problem.extra_resident_bytes)
         self.resident = trace.resident_bytes
         n_instr = len(prog.reads)
         seg_group = [0] * self.n_seg
@@ -168,8 +168,9 @@ class _Terms:
                 created[v] = k
         held = [0] * len(groups)
         counted = p.allocator.counted
+        resident = prog.resident  # (a list built per access)
         for v in range(n_val):
-            if prog.resident[v] or root[v] != v or not 0 <= created[v] < backward_start:
+            if resident[v] or root[v] != v or not 0 <= created[v] < backward_start:
                 continue
             k = eff_last[v]
             if k >= backward_start:
