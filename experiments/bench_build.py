@@ -12,6 +12,11 @@ Graphs, each built fresh in a tf.compat.v1 Graph for every call:
   to tf.gradients (the planning is then all it adds). At B = 64 it
   rewrites: about one forward pass recomputed.
 * ``resnet-110``: experiments/models.py's CIFAR ResNet (n = 18), batch 32.
+* ``rnn 3 loops``: three LSTM cells, each a ``tf.scan`` over T = 64 steps
+  (batch 256, 128 units) followed by a ReLU projection of every step's
+  output, loss on all steps: 'memory' weighs each loop's gradient with the
+  rest of the plan (``memsave.planners.loops``), one planning per
+  combination of choices.
 
 Times are CPU seconds of the gradients call alone (``time.process_time``:
 the machine is shared, and CPU time moves far less than wall time under
@@ -71,6 +76,36 @@ def resnet_graph(n: int = 18, batch: int = 32):
     return graph, loss, list(v.values())
 
 
+def rnn_graph(loops: int = 3, steps: int = 64, batch: int = 256, units: int = 128):
+    import numpy as np
+    import tensorflow as tf
+
+    graph = tf.Graph()
+    with graph.as_default():
+        rs = np.random.RandomState(0)
+        h = tf.constant(rs.randn(steps, batch, units).astype(np.float32))
+        ws = []
+        for _ in range(loops):
+            W = tf.Variable(rs.randn(units, 4 * units).astype(np.float32) * 0.1)
+            U = tf.Variable(rs.randn(units, 4 * units).astype(np.float32) * 0.1)
+            ws += [W, U]
+
+            def cell(hc, x_t, W=W, U=U):
+                i, f, o, g = tf.split(tf.matmul(x_t, W) + tf.matmul(hc[0], U), 4, axis=1)
+                c = tf.sigmoid(f) * hc[1] + tf.sigmoid(i) * tf.tanh(g)
+                return tf.sigmoid(o) * tf.tanh(c), c
+
+            zeros = tf.zeros([batch, units])
+            h, _ = tf.scan(cell, h, initializer=(zeros, zeros))
+            # A projection of every step's output between loops (what a
+            # TimeDistributed Dense does): activations a plan may keep.
+            V = tf.Variable(rs.randn(units, units).astype(np.float32) * 0.1)
+            ws.append(V)
+            h = tf.nn.relu(tf.einsum("tbu,uv->tbv", h, V))
+        loss = tf.reduce_mean(tf.square(h))
+    return graph, loss, ws
+
+
 def one_call(make, method: str) -> tuple[float, int, int]:
     """(CPU seconds, ops added, ops recomputed) of one gradients call on a fresh graph."""
     import tensorflow as tf
@@ -110,6 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[8, 64])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-resnet", action="store_true")
+    p.add_argument("--no-rnn", action="store_true")
     args = p.parse_args(argv)
     import logging
 
@@ -119,6 +155,8 @@ def main(argv=None) -> int:
              for b in args.batches for n in args.layers]
     if not args.no_resnet:
         cases.append(("resnet-110 (batch 32)", resnet_graph, None, None))
+    if not args.no_rnn:
+        cases.append(("rnn 3 loops (T 64, batch 256)", rnn_graph, None, "rnn"))
     print(f"CPU seconds of the gradients call, median of {args.repeats}, load average "
           f"{os.getloadavg()[0]:.1f}\n")
     print("| graph | tf.gradients s | memsave s | memsave / tf | tf ops | memsave ops | copies |")

@@ -120,6 +120,11 @@ class Problem:
         # gradient is not while_v2's, and the problem with every loop plain.
         self.loop_choices: dict[int, object] = {}
         self.base: Problem = self
+        # The share of a preset's bounded search for time
+        # (memsave.planners.strategies) that planning this problem may take:
+        # all of it, but where many combinations of loop choices are weighed
+        # (memsave.planners.loops), each of which gets a share.
+        self.search_share = 1.0
 
     # -- candidates (memsave.candidates, each computed once) -------------------
 

@@ -231,6 +231,28 @@ def test_a_loop_gathering_from_a_sequence_that_needs_a_gradient(graph):
     assert d.choice.kind != "chunk", plan.summary()
 
 
+
+@pytest.mark.parametrize("name", ["memory", "speed"])
+def test_each_combination_of_loop_choices_takes_a_share_of_the_search(graph, name):
+    """A preset plans every combination of loop choices (here 2 loops):
+    each with a share of its bounded search for time, the chosen one again
+    with all of it, so that the call costs about two plannings, not one per
+    combination; the Plan is what planning the chosen choices alone gives."""
+    x = tf.constant(_values()[0])
+    weights = [tf.Variable(v) for v in (*_values()[1:], *_values()[1:])]
+    loss = _loss(_while_lstm, x, *weights[:2]) + _loss(_while_lstm, x * 2.0, *weights[2:])
+    plan = memsave.plan(loss, weights, checkpoints=name)
+    assert len(plan.loops) == 2
+    chosen = plan.problem
+    assert chosen.search_share == 1.0
+    base = chosen.base
+    per_step = base.with_loops({d.op: LoopChoice.per_step() for d in plan.loops})
+    others = [v for v in (base, per_step) if v is not chosen]  # planned by every preset
+    assert others and all(0.0 < v.search_share < 1.0 for v in others)
+    alone = planners.get(name)(chosen)
+    assert alone.checkpoint_ids == plan.checkpoint_ids
+    assert alone.recompute_seconds == plan.recompute_seconds
+
 def test_budget_takes_the_least_recompute_that_fits(graph):
     x, W, U = (tf.constant(v) for v in _values())
     Wv, Uv = tf.Variable(W), tf.Variable(U)
