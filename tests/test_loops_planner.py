@@ -231,7 +231,6 @@ def test_a_loop_gathering_from_a_sequence_that_needs_a_gradient(graph):
     assert d.choice.kind != "chunk", plan.summary()
 
 
-
 @pytest.mark.parametrize("name", ["memory", "speed"])
 def test_each_combination_of_loop_choices_takes_a_share_of_the_search(graph, name):
     """A preset plans every combination of loop choices (here 2 loops):
@@ -252,6 +251,7 @@ def test_each_combination_of_loop_choices_takes_a_share_of_the_search(graph, nam
     alone = planners.get(name)(chosen)
     assert alone.checkpoint_ids == plan.checkpoint_ids
     assert alone.recompute_seconds == plan.recompute_seconds
+
 
 def test_budget_takes_the_least_recompute_that_fits(graph):
     x, W, U = (tf.constant(v) for v in _values())
@@ -289,7 +289,6 @@ def test_budget_below_every_choice_says_the_smallest_peak(graph):
     assert memsave.plan(loss, [Wv, Uv], memory_budget=e.value.min_peak_bytes).feasible
 
 
-
 def test_a_fraction_of_a_plain_peak_of_0_bytes_keeps_every_loop_plain(graph):
     """Every buffer of a small loop is under what the CPU allocator counts:
     the plain forecast peak is 0 bytes, and so is ``memory_budget=0.5`` of
@@ -310,6 +309,7 @@ def test_a_fraction_of_a_plain_peak_of_0_bytes_keeps_every_loop_plain(graph):
     # The user's bytes are still checked.
     with pytest.raises(MemoryBudgetError, match="must be > 0"):
         memsave.plan(loss, [W, U], memory_budget=0, allocator=CPU_ONEDNN)
+
 
 def _nested(x, W, U):
     """A loop whose body runs a loop of 2 trips."""

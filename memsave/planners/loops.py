@@ -96,7 +96,8 @@ def run(planner: Callable, problem: Problem, *, budget=None, options: Mapping | 
     if budget is None:
         bodies = {d.op: problem.fg.ops[d.op].body for d in loops}
         admit = None if within_bytes is not None else (lambda d, c: (
-            loopmodel.recomputed_trips(bodies[d.op], c) <= MEMORY_LOOP_FORWARDS * bodies[d.op].trips))
+            loopmodel.recomputed_trips(bodies[d.op], c)
+            <= MEMORY_LOOP_FORWARDS * bodies[d.op].trips))
         # Each combination's plan takes a share of the preset's search for
         # time; the chosen one is planned again with all of it (measured on a
         # Keras LSTM-GRU-LSTM stack, T=64: eight combinations, each planned

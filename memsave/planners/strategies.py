@@ -254,8 +254,8 @@ def speed(problem: Problem, *, budget=None, budget_fraction: float = SPEED_BUDGE
     base = problem.base.peak(None, model=problem.judge)
     floor = problem.base.floor(model=problem.judge)
     try:
-        plan = _budget.solve(problem, target,
-                             solver=_search_solver(problem, solver), time_limit_s=time_limit_s, api=api,
+        plan = _budget.solve(problem, target, solver=_search_solver(problem, solver),
+                             time_limit_s=time_limit_s, api=api,
                              model=problem.judge, strategy="speed",
                              max_simulations=_search_simulations(problem))
     except MemoryBudgetError as e:
@@ -306,7 +306,8 @@ def _search_solver(problem: Problem, solver: str) -> str:
     combinations of loop choices, :mod:`memsave.planners.loops`) ``'auto'``
     is the bounded ``greedy``: ``dp`` simulates about 4 m^2 plans of m cuts
     whatever the bound (measured: 311 a plan on three LSTM scans with a
-    projection between them, 0.35 s of CPU each of the eight combinations).
+    projection between them, 0.35 s of profiled CPU for each of the eight
+    combinations).
     The chosen combination is planned again with the whole search."""
     return "greedy" if solver == "auto" and problem.search_share < 1.0 else solver
 
