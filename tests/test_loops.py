@@ -280,23 +280,15 @@ def test_maximum_iterations_unknown_at_trace_time(choice):
         assert_grads_equal(got, ref)
 
 
-#: Differentiating a chunked loop's gradient fails today: the second-order
-#: pass captures the inner loop's accumulator bound (``trip_bound``, made in
-#: the chunked body's graph) into a graph that cannot reach it (ValueError
-#: "must be from the same graph" in a Session, InaccessibleTensorError in a
-#: tf.function). Loud at build time, never a wrong value; docs/limits.md.
-_CHUNK_SECOND_ORDER = pytest.mark.xfail(
-    strict=True, raises=ValueError,  # InaccessibleTensorError is one
-    reason="second-order gradients through a chunked loop (docs/limits.md)")
-
-
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("choice", [PER_STEP, pytest.param(LoopChoice.chunk(3),
-                                                           marks=_CHUNK_SECOND_ORDER)], ids=str)
+@pytest.mark.parametrize("choice", CHOICES, ids=str)
 def test_second_order_gradients_through_a_prepared_loop(evaluate, mode, choice):
     """A gradient penalty (the weights' gradient of the squared gradients,
     as WGAN-GP and input-gradient regularizers take it): tf.gradients
-    differentiates the prepared loop's gradient loop in turn."""
+    differentiates the prepared loop's gradient loop in turn. Chunks failed
+    to build it: the inner loop's body, given a pass-through of its lists,
+    named the default graph as its outer graph, where the second gradient
+    then made its accumulators ("must be from the same graph")."""
     xv, Wv, Uv = _rnn_values()
 
     def body(s, choice):
