@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.eager import backprop_util
+from tensorflow.python.eager import backprop_util, record
 from tensorflow.python.framework import indexed_slices, op_def_registry
 from tensorflow.python.ops import control_flow_util, control_flow_util_v2, gradients_impl, gradients_util
 from tensorflow.python.ops import handle_data_util
@@ -68,6 +68,28 @@ def next_op_creation_index(graph: tf.Graph) -> int:
     sink) and never renumbered; ``graph.version`` counts the ops so far.
     """
     return graph.version + 2
+
+
+def tape_watches(tensors: Sequence) -> bool:
+    """Whether a ``tf.GradientTape`` recording now watches any of ``tensors``
+    (``record.should_record_backprop``; inside a tf.function a tape records
+    the graph's ops as they are made)."""
+    tensors = [t for t in tensors if isinstance(t, tf.Tensor)]
+    return bool(tensors) and not record.pywrap_tfe.TFE_Py_TapeSetIsEmpty() and bool(
+        record.should_record_backprop(tensors))
+
+
+def stop_tape_recording():
+    """A context in which no tape records the ops made (``record.stop_recording``)."""
+    return record.stop_recording()
+
+
+def record_on_tapes(op_type: str, outputs: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor],
+                    backward) -> None:
+    """Record ``outputs = f(inputs)`` as one op on every tape, differentiated by
+    ``backward(*output_gradients) -> input gradients`` (``record.record_operation``,
+    what ``tf.custom_gradient`` does in a graph)."""
+    record.record_operation(op_type, list(outputs), list(inputs), backward)
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,10 +18,15 @@ Data flow (one direction)::
 When the plan keeps nothing (no tagged tensor, no articulation point, a
 plan that would save too little) a warning says what to do and the stock
 tf.gradients answers.
+
+Under a ``tf.GradientTape`` that watches the ys, all of it is built
+unrecorded and the tape records the result as one op (:func:`_seen_by_tapes`),
+so that the tape can differentiate the gradients further.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
@@ -380,6 +385,60 @@ def gradients(
             f"memsave.gradients: unconnected_gradients={unconnected_gradients!r}; use one of "
             f"{[u.value for u in tf.UnconnectedGradients]}"
         ) from None
+    build = functools.partial(
+        _build_gradients, ys, xs, grad_ys, checkpoints, name=name,
+        colocate_gradients_with_ops=colocate_gradients_with_ops, gate_gradients=gate_gradients,
+        aggregation_method=aggregation_method, stop_gradients=stop_gradients,
+        unconnected=unconnected, strategy_options=strategy_options, memory_budget=memory_budget,
+        extra_resident_bytes=extra_resident_bytes, batch_size=batch_size)
+    watched = [y for y in tf.nest.flatten(ys) if isinstance(y, tf.Tensor)]
+    if not _tf_private.tape_watches(watched):
+        return build()
+    return _seen_by_tapes(build, watched[0].graph)
+
+
+def _seen_by_tapes(build, graph: tf.Graph) -> list:
+    """``build()``'s gradients, recorded on the tapes that watch the ys as one op.
+
+    A ``tf.GradientTape`` inside a tf.function records each op as it is made
+    through TensorFlow's op wrappers, and differentiates it by its type. The
+    ops memsave copies are made from NodeDefs, which no tape sees, so a tape
+    that differentiated the gradients further (a gradient penalty taken with
+    the tape) missed every path through a recomputed segment and gave a
+    wrong second-order gradient. Here nothing memsave makes is recorded;
+    instead the tapes record one op from the forward tensors the gradient
+    graph reads to the gradients, whose gradient is the stock tf.gradients of
+    that graph, which differentiates the copies like any op.
+    """
+    start = _tf_private.next_op_creation_index(graph)
+    with _tf_private.stop_tape_recording():
+        out = build()
+    outputs = [g.values if isinstance(g, tf.IndexedSlices) else g for g in out if g is not None]
+    reads: dict = {}
+    for op in graph.get_operations():
+        if _tf_private.op_creation_index(op) >= start:
+            for t in op.inputs:
+                if _tf_private.op_creation_index(t.op) < start:
+                    reads.setdefault(t.ref(), t)
+    inputs = list(reads.values())
+
+    def backward(*output_grads):
+        output_grads = [tf.zeros_like(o) if g is None else g
+                        for o, g in zip(outputs, output_grads)]
+        # Partial derivatives: the tapes take each input's further back
+        # through the forward ops they recorded.
+        return _tf_private.original_gradients(outputs, inputs, grad_ys=output_grads,
+                                              stop_gradients=inputs)
+
+    if outputs and inputs:
+        _tf_private.record_on_tapes("MemsaveGradients", outputs, inputs, backward)
+    return out
+
+
+def _build_gradients(ys, xs, grad_ys, checkpoints, *, name, colocate_gradients_with_ops,
+                     gate_gradients, aggregation_method, stop_gradients, unconnected,
+                     strategy_options, memory_budget, extra_resident_bytes, batch_size) -> list:
+    """The body of :func:`gradients`, its arguments checked."""
     (ys, xs, grad_ys, stop_gradients, graph), ex, p = _prepare(
         ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options,
         memory_budget=memory_budget, batch_size=batch_size,

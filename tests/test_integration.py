@@ -450,6 +450,51 @@ def test_graph_tensors_can_be_differentiated_outside_their_graph_context(checkpo
         assert_close(sess.run(got, feed), sess.run(want, feed))
 
 
+
+# -- a GradientTape over memsave's gradients -----------------------------------
+
+
+@pytest.mark.parametrize("checkpoints", ["memory", "list"])
+def test_a_tape_differentiates_memsave_gradients_further(checkpoints):
+    """A gradient penalty taken by the tape that watched the forward pass
+    (``tape.gradient`` of a function of memsave's gradients, in the same
+    tf.function). A tape records the ops made through TensorFlow's op
+    wrappers; memsave's copies are made from NodeDefs, so before they were
+    recorded as one op the tape missed every path through a recomputed
+    segment: None or wrong second-order gradients. Reference: the same with
+    tf.gradients."""
+    rs = np.random.RandomState(0)
+    inits = [rs.randn(16, 16).astype(np.float32) * 0.3 for _ in range(8)]
+    x = tf.constant(rs.randn(4, 16).astype(np.float32))
+    copies = []
+
+    def penalty_gradients(method):
+        ws = [tf.Variable(w) for w in inits]
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                hs = [x]
+                for w in ws:
+                    hs.append(tf.tanh(tf.matmul(hs[-1], w)))
+                loss = tf.reduce_sum(hs[-1] * hs[-1])
+                if method == "tf.gradients":
+                    grads = tf.gradients(loss, ws)
+                else:
+                    grads = memsave.gradients(
+                        loss, ws, checkpoints=[hs[3], hs[6]] if method == "list" else method,
+                        strategy_options=None if method == "list" else {"min_saving_fraction": 0})
+                penalty = tf.add_n([tf.reduce_sum(g * g) for g in grads])
+            copies.append(sum("recompute_" in op.name for op in loss.graph.get_operations()))
+            return tape.gradient(penalty, ws)
+
+        return [g.numpy() for g in step(x)]
+
+    want = penalty_gradients("tf.gradients")
+    got = penalty_gradients(checkpoints)
+    assert copies[0] == 0 and copies[1] > 0, "the rewrite did not run"
+    assert_close(got, want)
+
 # -- loss scaling --------------------------------------------------------------
 #
 # Mixed precision with loss scaling calls tf.gradients on the *scaled* loss
