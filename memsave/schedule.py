@@ -287,15 +287,22 @@ def _stored_runs(fg: ForwardGraph, stored: frozenset[int]) -> dict[int, int]:
     reads from it ends the run, so every later op of the run is reached only
     through the run itself. One step per run keeps the schedule (and the
     tf.gradients calls of the rewrite) to one per run instead of one per op.
+    A stored op that reads an x the run produced (a gradient asked for an
+    intermediate tensor) starts a new run: a step sends gradients to its
+    boundary only, so the x must be one, and the run below receives its
+    gradient as a head.
     """
     run_of: dict[int, int] = {}
     if not stored:
         return run_of
+    xs = frozenset(fg.xs)
     first = -1
     produced: set[int] = set()
     for op in fg.ops:
         i = op.index
         if i in stored:
+            if first >= 0 and any(t in produced and t in xs for t in op.inputs):
+                first, produced = -1, set()
             if first < 0:
                 first = i
             run_of[i] = first

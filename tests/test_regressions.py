@@ -305,3 +305,28 @@ def test_a_loop_recomputed_in_a_step_runs_in_a_session(graph, session, rng):
     assert copies[0].inputs[0].op.control_inputs, "the copy does not wait for the step's gate"
     ref_v, ours_v = _run(session, [ref, ours])
     np.testing.assert_allclose(ours_v[0], ref_v[0], rtol=1e-5, atol=1e-6)
+
+
+def test_an_x_inside_a_segment_differentiated_in_place_gets_its_gradient(graph, session, rng):
+    """A gradient asked for an intermediate tensor (``mid``) that lies inside
+    a run of ops the plan differentiates in place (stored, not recomputed):
+    the run's step sent gradients to its boundary only, which did not hold
+    the x, and memsave returned None where tf.gradients returns dL/dmid.
+    Runs now end at such an x."""
+    w = tf.Variable(rng.randn(8, 8).astype(np.float32))
+    w2 = tf.Variable(rng.randn(8, 8).astype(np.float32))
+    h1 = tf.tanh(tf.constant(rng.randn(4, 8).astype(np.float32)) @ w)
+    mid = tf.nn.relu(h1) * 2.0
+    h2 = tf.tanh(mid @ w2)
+    loss = tf.reduce_sum(tf.tanh(h2 @ w2) ** 2)
+    options = {"min_saving_fraction": 0.0}
+    plan = memsave.plan(loss, [mid, w], checkpoints="memory", strategy_options=options)
+    assert any(s.kind == "backprop" and mid.name in s.boundary for s in plan.steps), \
+        plan.summary()
+    assert plan.recomputed_ops > 0, plan.summary()
+    ours = memsave.gradients(loss, [mid, w], checkpoints="memory", strategy_options=options)
+    ref = tf.gradients(loss, [mid, w])
+    assert all(g is not None for g in ours)
+    ours_v, ref_v = _run(session, [ours, ref])
+    for g, r in zip(ours_v, ref_v):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
