@@ -329,12 +329,12 @@ def _unpush_recomputed_loops(recomputed) -> bool:
         # graph when it is made, and a later gradient of ``op`` (a second
         # order: the gradient of a gradient that reads this loop) creates
         # its accumulators there.
+        auto_deps = op.graph._add_control_dependencies  # pylint: disable=protected-access
         with op.graph.as_default():
             new = func_graph_module.func_graph_from_py_func(
                 name, unpushed, [], {},
                 signature=[tensor_spec.TensorSpec(t.shape, t.dtype) for t in body.inputs],
-                func_graph=util.WhileBodyFuncGraph(name),
-                add_control_dependencies=op.graph._add_control_dependencies)  # pylint: disable=protected-access
+                func_graph=util.WhileBodyFuncGraph(name), add_control_dependencies=auto_deps)
         # Pass-throughs stay the same tensor, as in while_v2's bodies (its
         # gradient recognises loop invariants that way).
         new.outputs = [i if j >= start or body.outputs[j] is body.inputs[j] else o

@@ -500,7 +500,7 @@ def _build_gradients(ys, xs, grad_ys, checkpoints, *, name, colocate_gradients_w
             tf.ones_like(y) if g is None else tf.convert_to_tensor(g, dtype=y.dtype)
             for y, g in zip(ys, grad_ys)
         ]
-        received = rewrite(ex, p.schedule, grad_ys, **stock)
+        received = rewrite(ex, p.schedule, grad_ys, stop_gradients=stop_gradients, **stock)
         out = []
         for x, grads in zip(xs, received):
             g = aggregate(grads, dense=False)

@@ -221,6 +221,7 @@ def rewrite(
     schedule: Schedule,
     grad_ys: Sequence,
     *,
+    stop_gradients: Sequence = (),
     gate_gradients: bool = False,
     aggregation_method=None,
     colocate_gradients_with_ops: bool = False,
@@ -229,7 +230,9 @@ def rewrite(
 
     ``grad_ys`` is aligned with ``ex.fg.ys`` and fully specified (no None).
     The returned list is aligned with ``ex.fg.xs``; an entry is None when
-    nothing reached that x.
+    nothing reached that x. ``stop_gradients`` are the caller's: the forward
+    graph leaves out the ops that produce them, but a backprop step runs the
+    stock tf.gradients on original ops, whose walk would go through them.
     """
     fg = ex.fg
     received: dict[int, list] = collections.defaultdict(list)
@@ -273,7 +276,7 @@ def rewrite(
                 grads = _differentiate(
                     [ex.tensors[h] for h in heads], [ex.tensors[b] for b in step.boundary],
                     head_grads, stock, deep, xla=xla,
-                    stop_gradients=[ex.tensors[b] for b in step.boundary])
+                    stop_gradients=[ex.tensors[b] for b in step.boundary] + list(stop_gradients))
         if step.ordered:
             grads = _ordered_after_step(step, grads)
         previous = []
