@@ -75,7 +75,7 @@ def tape_watches(tensors: Sequence) -> bool:
     (``record.should_record_backprop``; inside a tf.function a tape records
     the graph's ops as they are made)."""
     tensors = [t for t in tensors if isinstance(t, tf.Tensor)]
-    return bool(tensors) and not record.pywrap_tfe.TFE_Py_TapeSetIsEmpty() and bool(
+    return bool(tensors) and record.could_possibly_record() and bool(
         record.should_record_backprop(tensors))
 
 

@@ -479,12 +479,15 @@ def _build_gradients(ys, xs, grad_ys, checkpoints, *, name, colocate_gradients_w
         predicted = problem.peak(p.schedule, model=problem.judge)
         baseline = problem.base.peak(None, model=problem.judge)
         if predicted >= baseline:
+            advice = ("try checkpoints='memory' or fewer checkpoints"
+                      if p.strategy in ("list", "collection") else
+                      "at this size the activations do not outweigh what every plan holds; "
+                      "a larger batch is where checkpointing pays")
             logger.warning(
                 "memsave.gradients(checkpoints=%r): this plan is not expected to save memory "
                 "(forecast peak %s bytes, tf.gradients' %s): the kept tensors hold as "
-                "much as backprop would. See memsave.plan(...).summary(); try "
-                "checkpoints='memory' or fewer checkpoints",
-                p.strategy, f"{predicted:,}", f"{baseline:,}",
+                "much as backprop would. See memsave.plan(...).summary(); %s",
+                p.strategy, f"{predicted:,}", f"{baseline:,}", advice,
             )
         else:
             note = xla.saving_warning(problem, p.schedule)

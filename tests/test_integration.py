@@ -232,6 +232,26 @@ def test_empty_collection_warns_and_returns_exact_gradients(caplog):
     assert_close(got, want)
 
 
+
+@pytest.mark.parametrize("checkpoints", ["memory", "list"])
+def test_a_plan_that_saves_nothing_says_what_to_change(caplog, checkpoints):
+    """A kept plan forecast to save nothing (a tiny chain: every buffer is
+    under what the CPU allocator counts) warns; the advice fits the
+    strategy: a list is told to try 'memory', 'memory' is not."""
+    g = tf.Graph()
+    with g.as_default():
+        ws = [tf.compat.v1.Variable(w) for w in W_INIT]
+        h = tf.tanh(tf.constant(DATA[:4]) @ ws[0])
+        mid = tf.tanh(h @ ws[1])
+        loss = tf.reduce_sum(tf.tanh(mid @ ws[2]) ** 2)
+        kwargs = ({"checkpoints": [mid]} if checkpoints == "list" else
+                  {"checkpoints": "memory", "strategy_options": {"min_saving_fraction": 0.0}})
+        with caplog.at_level(logging.WARNING, logger="memsave"):
+            memsave.gradients(loss, ws[:3], **kwargs)
+        assert recompute_ops(g), "the rewrite did not run"
+    assert "not expected to save memory" in caplog.text
+    assert ("try checkpoints='memory'" in caplog.text) == (checkpoints == "list"), caplog.text
+
 def test_plan_lists_checkpoints_and_reasons():
     g = tf.Graph()
     with g.as_default():
