@@ -70,11 +70,10 @@ def next_op_creation_index(graph: tf.Graph) -> int:
     return graph.version + 2
 
 
-def tape_watches(tensors: Sequence) -> bool:
+def tape_watches(tensors: Sequence[tf.Tensor]) -> bool:
     """Whether a ``tf.GradientTape`` recording now watches any of ``tensors``
     (``record.should_record_backprop``; inside a tf.function a tape records
     the graph's ops as they are made)."""
-    tensors = [t for t in tensors if isinstance(t, tf.Tensor)]
     return bool(tensors) and record.could_possibly_record() and bool(
         record.should_record_backprop(tensors))
 

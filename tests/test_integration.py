@@ -232,7 +232,6 @@ def test_empty_collection_warns_and_returns_exact_gradients(caplog):
     assert_close(got, want)
 
 
-
 @pytest.mark.parametrize("checkpoints", ["memory", "list"])
 def test_a_plan_that_saves_nothing_says_what_to_change(caplog, checkpoints):
     """A kept plan forecast to save nothing (a tiny chain: every buffer is
@@ -251,6 +250,7 @@ def test_a_plan_that_saves_nothing_says_what_to_change(caplog, checkpoints):
         assert recompute_ops(g), "the rewrite did not run"
     assert "not expected to save memory" in caplog.text
     assert ("try checkpoints='memory'" in caplog.text) == (checkpoints == "list"), caplog.text
+
 
 def test_plan_lists_checkpoints_and_reasons():
     g = tf.Graph()
@@ -470,7 +470,6 @@ def test_graph_tensors_can_be_differentiated_outside_their_graph_context(checkpo
         assert_close(sess.run(got, feed), sess.run(want, feed))
 
 
-
 # -- a GradientTape over memsave's gradients -----------------------------------
 
 
@@ -514,6 +513,7 @@ def test_a_tape_differentiates_memsave_gradients_further(checkpoints):
     got = penalty_gradients(checkpoints)
     assert copies[0] == 0 and copies[1] > 0, "the rewrite did not run"
     assert_close(got, want)
+
 
 # -- loss scaling --------------------------------------------------------------
 #
