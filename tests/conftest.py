@@ -14,15 +14,16 @@ should follow the same rules):
   in the full suite, ``./run_all_tests.sh``, which CI runs. Mark the test,
   not the module, so that each module keeps a fast check. Wall times on a
   shared machine say little: ``--cpu-durations=N`` lists the N tests that
-  used the most CPU time (the test process's threads and the processes it
-  waited for, setup and teardown included; 0 lists all) and their sum.
+  used the most CPU time (the test process's threads, the processes it
+  waited for and fresh's forked children; setup and teardown included; 0
+  lists all) and their sum.
 * Fresh processes. A test that must run something in a fresh process (an
   allocator peak, process-wide TensorFlow state, a command) uses the
   session fixture ``fresh`` (:class:`fresh.Fresh`, see tests/fresh.py):
   ``fresh.call(function, *args)`` runs a module-level function in a child
-  once per session, shares its JSON result with every test that asks for
-  it (also across parallel workers), caches failures too, and has a
-  timeout; ``fresh.run(argv)`` runs a command with a timeout. A child may
+  (forked from a server that has imported TensorFlow) once per session,
+  shares its JSON result with every test that asks for it (also across
+  parallel workers), caches failures too, and has a timeout; ``fresh.run(argv)`` runs a command with a timeout. A child may
   make several measurements one after the other
   (``fresh.one_after_another``), which checks that none leaves tensors for
   the next to count.
@@ -204,7 +205,7 @@ def pytest_addoption(parser):
 
 def _cpu_seconds() -> float:
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time() + children.ru_utime + children.ru_stime
+    return time.process_time() + children.ru_utime + children.ru_stime + Fresh.forked_cpu_s
 
 
 def _timed_phase(item):

@@ -33,6 +33,20 @@ under test is the command line or an installed package.
     themselves (several at once, e.g. the workers of one cluster); they
     must wait with a deadline of their own.
 
+Start-up. A child of ``call`` is forked from a server process that has
+imported TensorFlow once (``python tests/fresh.py --server``, one per test
+process, started on its first call): importing TensorFlow costs 5 s of
+CPU, and about 40 children run in a session. A fork of a process that has
+only imported TensorFlow is still fresh in every way the tests read: its
+allocator has counted nothing, its runtime (devices, thread pools, eager
+context, v1/v2 behaviour) has not started, and it has imported neither
+memsave nor memsave's Keras support. The server has this process's
+environment, so a call with ``env`` (which may set what TensorFlow reads
+when it is imported) starts a new interpreter instead, as every call does
+with ``MEMSAVE_FRESH_START=spawn``. A forked child is not a child of the
+test process: it reports its CPU time, which :attr:`Fresh.forked_cpu_s`
+sums for ``--cpu-durations``.
+
 Several measurements in one process: a child function may measure several
 things one after the other (each method of a model, each mode), which saves
 a TensorFlow start-up (5-10 s on 2 cores) per measurement. It must not let
@@ -61,9 +75,15 @@ import importlib.util
 import inspect
 import json
 import os
+import resource
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -84,6 +104,12 @@ DEFAULT_TIMEOUT_S = 600
 #: (whatever else it prints, TensorFlow's notices included, is ignored).
 RESULT_MARKER = "@@fresh-result@@ "
 
+#: How a call's child starts: "fork" (from the server that has imported
+#: TensorFlow, where os.fork exists) or "spawn" (a new interpreter).
+START = os.environ.get("MEMSAVE_FRESH_START") or ("fork" if hasattr(os, "fork") else "spawn")
+if START not in ("fork", "spawn"):
+    raise ValueError(f"MEMSAVE_FRESH_START must be 'fork' or 'spawn', not {START!r}")
+
 #: Output kept in a failure report.
 TAIL_CHARS = 4000
 
@@ -98,6 +124,11 @@ def _tail(text: str | bytes | None, n: int = TAIL_CHARS) -> str:
 
 class Fresh:
     """Calls and commands in fresh processes, with a cache shared by the session's workers."""
+
+    #: CPU seconds of the forked children this process has waited for (see
+    #: the module docstring's "Start-up"; resource's RUSAGE_CHILDREN does not
+    #: count them).
+    forked_cpu_s: float = 0.0
 
     def __init__(self, cache_dir: Path):
         self.cache_dir = Path(cache_dir)
@@ -140,7 +171,8 @@ class Fresh:
                     record = json.loads(path.read_text())
                     record["cached"] = True
                 else:
-                    record = self._launch(argv, what, timeout_s, self.env(**extra))
+                    launch = self._fork if START == "fork" and not extra else self._launch
+                    record = launch(argv, what, timeout_s, self.env(**extra))
                     tmp = path.with_suffix(".tmp")
                     tmp.write_text(json.dumps(record))
                     os.replace(tmp, path)
@@ -171,15 +203,33 @@ class Fresh:
         except subprocess.TimeoutExpired as e:
             return {"error": f"timed out after {timeout_s} s\n--- stdout:\n{_tail(e.stdout, 1000)}"
                              f"\n--- stderr:\n{_tail(e.stderr)}"}
-        seconds = round(time.monotonic() - start, 1)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARKER)]
-        if proc.returncode != 0 or not lines:
-            return {"error": f"exit status {proc.returncode} after {seconds} s"
+        return self._record(proc.returncode, proc.stdout, proc.stderr,
+                            round(time.monotonic() - start, 1), what)
+
+    @staticmethod
+    def _record(returncode: int, stdout: str, stderr: str, seconds: float, what: str) -> dict:
+        lines = [line for line in stdout.splitlines() if line.startswith(RESULT_MARKER)]
+        if returncode != 0 or not lines:
+            return {"error": f"exit status {returncode} after {seconds} s"
                              f"{'' if lines else ', no result printed'}\n"
-                             f"--- stdout:\n{_tail(proc.stdout, 1000)}\n"
-                             f"--- stderr:\n{_tail(proc.stderr)}"}
+                             f"--- stdout:\n{_tail(stdout, 1000)}\n"
+                             f"--- stderr:\n{_tail(stderr)}"}
         return {"result": json.loads(lines[-1][len(RESULT_MARKER):]), "seconds": seconds,
                 "what": what}
+
+    def _fork(self, argv: list[str], what: str, timeout_s: float, env: dict) -> dict:
+        """As :meth:`_launch`, the child forked from the server (see "Start-up")."""
+        start = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="fresh-") as tmp:
+            files = [os.path.join(tmp, name) for name in ("stdout", "stderr", "cpu")]
+            status = _Server.call([*argv[2:5], *files], timeout_s)
+            stdout, stderr, cpu = (open(f, errors="replace").read() if os.path.exists(f) else ""
+                                   for f in files)
+        Fresh.forked_cpu_s += float(cpu or 0)
+        if status is None:
+            return {"error": f"timed out after {timeout_s} s\n--- stdout:\n{_tail(stdout, 1000)}"
+                             f"\n--- stderr:\n{_tail(stderr)}"}
+        return self._record(status, stdout, stderr, round(time.monotonic() - start, 1), what)
 
     # -- run ---------------------------------------------------------------------
 
@@ -241,5 +291,91 @@ def _child(path: str, name: str, args_json: str) -> None:
     print(RESULT_MARKER + json.dumps(result), flush=True)
 
 
+class _Server:
+    """This process's fork server: ``python fresh.py --server``, started on first use.
+
+    Protocol, one JSON line each way per call: the request is ``[path, name,
+    args_json, stdout_file, stderr_file, cpu_file]``; the server forks, answers
+    the child's pid, waits for it and answers its exit status. The server
+    ends when its stdin closes (this process exits).
+    """
+
+    _proc: subprocess.Popen | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def call(cls, request: list[str], timeout_s: float) -> int | None:
+        """The child's exit status, or None when it was killed at ``timeout_s``."""
+        with cls._lock:
+            if cls._proc is None or cls._proc.poll() is not None:
+                cls._proc = subprocess.Popen(
+                    [sys.executable, str(TESTS / "fresh.py"), "--server"],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=Fresh.env())
+            proc = cls._proc
+            proc.stdin.write((json.dumps(request) + "\n").encode())
+            proc.stdin.flush()
+            fd = proc.stdout.fileno()
+            pid = int(_read_line(fd, None))
+            status = _read_line(fd, time.monotonic() + timeout_s)
+            if status is None:
+                os.kill(pid, signal.SIGKILL)
+                _read_line(fd, None)
+                return None
+            return int(status)
+
+
+def _read_line(fd: int, deadline: float | None) -> str | None:
+    """One line from ``fd``, or None at ``deadline`` (unbuffered: nothing read ahead)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not select.select([fd], [], [], wait)[0]:
+            return None
+        byte = os.read(fd, 1)
+        if not byte:
+            raise RuntimeError("fresh: the fork server exited")
+        line += byte
+    return line.decode()
+
+
+def _serve() -> None:
+    import tensorflow  # noqa: F401  (what every child would import first)
+
+    for request in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            _forked(*json.loads(request))
+        print(pid, flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), flush=True)
+
+
+def _forked(path: str, name: str, args_json: str, stdout: str, stderr: str, cpu: str) -> None:
+    """A forked child: output to files, the call, its CPU time to ``cpu``; never returns."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    for fd, file in ((1, stdout), (2, stderr)):
+        target = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    code = 0
+    try:
+        _child(path, name, args_json)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # reported as an interpreter would: the traceback, status 1
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    with open(cpu, "w") as f:
+        f.write(str(sum(u.ru_utime + u.ru_stime for u in usage)))
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    _child(*sys.argv[1:4])
+    if sys.argv[1:] == ["--server"]:
+        _serve()
+    else:
+        _child(*sys.argv[1:4])

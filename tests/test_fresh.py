@@ -1,7 +1,8 @@
 """The fresh-process harness of the tests (tests/fresh.py).
 
 Its children import this module, which imports neither TensorFlow nor
-memsave: each call here costs a bare interpreter start.
+memsave (a forked child has TensorFlow imported already, see fresh.py's
+"Start-up").
 """
 
 from __future__ import annotations
@@ -33,6 +34,23 @@ def fails(log: str) -> None:
 def sleeps(seconds: float) -> None:
     print("started", flush=True)
     time.sleep(seconds)
+
+
+def runtime_state(test_pid: int) -> dict:
+    """What a child finds: TensorFlow's runtime not started, nothing allocated, no memsave."""
+    import tensorflow as tf
+
+    memsave_loaded = any(name.startswith("memsave") for name in sys.modules)
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    # Raises RuntimeError once the runtime has started.
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    before = tf.config.experimental.get_memory_info("CPU:0")
+    x = tf.ones([1 << 20])  # 4 MiB
+    return {"memsave_loaded": memsave_loaded, "before": before,
+            "peak": tf.config.experimental.get_memory_info("CPU:0")["peak"],
+            "logical_cpus": len(tf.config.list_logical_devices("CPU")),
+            "sum": float(tf.reduce_sum(x)),
+            "child_of_the_test_process": os.getppid() == test_pid}
 
 
 @pytest.fixture
@@ -92,3 +110,18 @@ def test_one_after_another_refuses_a_measurement_left_tensors_behind():
     with pytest.raises(RuntimeError, match=r"second: \d+ bytes are still allocated.*first"):
         one_after_another({"first": leaks, "second": lambda: 2})
     assert np.asarray(kept[0]).sum() == 0
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_a_child_starts_fresh(private, monkeypatch, start):
+    import fresh
+
+    monkeypatch.setattr(fresh, "START", start)
+    state = private.call(runtime_state, os.getpid())
+    assert state["before"] == {"current": 0, "peak": 0}
+    assert state["peak"] == 4 << 20 and state["sum"] == 1 << 20
+    assert state["logical_cpus"] == 2 and not state["memsave_loaded"]
+    # A forked child's parent is the fork server.
+    assert state["child_of_the_test_process"] == (start == "spawn")
+    if start == "fork":
+        assert fresh.Fresh.forked_cpu_s > 0
