@@ -310,7 +310,8 @@ class _Server:
             if cls._proc is None or cls._proc.poll() is not None:
                 cls._proc = subprocess.Popen(
                     [sys.executable, str(TESTS / "fresh.py"), "--server"],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=Fresh.env())
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                    env=Fresh.env())
             proc = cls._proc
             proc.stdin.write((json.dumps(request) + "\n").encode())
             proc.stdin.flush()

@@ -191,13 +191,14 @@ def _normalized(line: str) -> str:
 #: Processes run at once (each mostly waits on importing TensorFlow, ~300 MB each).
 PARALLEL = 4
 
-#: Bad inputs also run as commands: one per stage that can fail (arguments,
-#: loading a file, calling a factory, planning). Every bad input's message is
-#: checked in-process above; what a process adds (exit status, no traceback,
-#: nothing but TensorFlow's start-up lines besides ours) does not depend on
-#: the message, and each process costs a TensorFlow start-up (seconds on 2
-#: busy cores: all 17 took 150 s).
-AS_COMMANDS = ("no command", "not a model file", "function raises", "unmet budget")
+#: Bad inputs also run as commands: the first stage that can fail (the
+#: arguments) and the last (planning). Every bad input's message, status and
+#: single line is checked in-process above, where loading a file and calling
+#: a factory fail through the same handler; what a process adds (exit
+#: status, no traceback, nothing but TensorFlow's start-up lines besides
+#: ours) does not depend on the message, and each process costs a TensorFlow
+#: start-up (seconds on 2 busy cores: all 17 took 150 s).
+AS_COMMANDS = ("no command", "unmet budget")
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """The documentation runs: every ```python block of README.md and docs/*.md.
 
 Each file's blocks run in order in one namespace (a block may use what an
-earlier block of the same file defined), in a fresh interpreter per file
-(so a block's settings, such as a Keras dtype policy, reach no other test)
+earlier block of the same file defined), in a fresh process per file
+(tests/fresh.py: a block's settings, such as a Keras dtype policy, reach no
+other test)
 whose working directory is an empty temporary one. A block that fails
 fails its file's test, naming the block's line. Text that is not meant to
 run is not a ```python block (```text, or indented).
@@ -22,7 +23,6 @@ import json
 import os
 import re
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -69,24 +69,25 @@ def _pending(source: str, missing: set[str]) -> bool:
     return any(marker in source for marker in missing)
 
 
-#: Run by a fresh interpreter with argv [blocks.json]: each block in one
-#: namespace, in order; on the first failure, which block and the traceback.
-#: Each block is written to a file of its own first, as a user's script would
-#: be, so that code reading its source (autograph, in tf.function) finds it.
-RUNNER = textwrap.dedent("""
-    import json, pathlib, sys, traceback
-    blocks = json.load(open(sys.argv[1]))
+def run_blocks(spec: str) -> None:
+    """Run the blocks listed in the file ``spec`` in one namespace, in order, in
+    ``spec``'s directory; on the first failure raise, naming the block (with
+    the traceback). Called in a fresh process (tests/fresh.py).
+
+    Each block is written to a file of its own first, as a user's script
+    would be, so that code reading its source (autograph, in tf.function)
+    finds it.
+    """
+    os.chdir(Path(spec).parent)
+    os.environ["MPLBACKEND"] = "Agg"
     namespace = {"__name__": "__main__"}
-    for i, (where, source) in enumerate(blocks):
-        path = pathlib.Path(f"block_{i:02d}.py").resolve()
+    for i, (where, source) in enumerate(json.loads(Path(spec).read_text())):
+        path = Path(f"block_{i:02d}.py").resolve()
         path.write_text(source)
         try:
             exec(compile(source, str(path), "exec"), namespace)
-        except BaseException:
-            print(f"FAILED: the block at {where} ({path.name})", file=sys.stderr)
-            traceback.print_exc()
-            sys.exit(1)
-""")
+        except BaseException as e:
+            raise AssertionError(f"FAILED: the block at {where} ({path.name})") from e
 
 
 def _id(path: Path) -> str:
@@ -101,10 +102,7 @@ def test_python_blocks_run(fresh, path, tmp_path):
               if not _pending(source, missing)]
     spec = tmp_path / "blocks.json"
     spec.write_text(json.dumps(blocks))
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", MPLBACKEND="Agg")
-    r = fresh.run([sys.executable, "-c", RUNNER, spec], cwd=tmp_path, env=env,
-                  timeout_s=RUN_TIMEOUT_S)
-    assert r.returncode == 0, r.stderr[-8000:]
+    fresh.call(run_blocks, str(spec), timeout_s=RUN_TIMEOUT_S)
 
 
 def test_blocks_waiting_for_an_api():
