@@ -353,10 +353,10 @@ def _serve() -> None:
 
 def _forked(path: str, name: str, args_json: str, stdout: str, stderr: str, cpu: str) -> None:
     """A forked child: output to files, the call, its CPU time to ``cpu``; never returns."""
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    for fd, file in ((1, stdout), (2, stderr)):
-        target = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for fd, file, flags in ((0, os.devnull, os.O_RDONLY),
+                            (1, stdout, os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                            (2, stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        target = os.open(file, flags)
         os.dup2(target, fd)
         os.close(target)
     code = 0
