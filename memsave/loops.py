@@ -226,6 +226,15 @@ def _without_gradient(op: tf.Operation, positions, xs) -> tuple[int, ...]:
     if xs is None:
         return ()
     home = tf.compat.v1.get_default_graph()
+    if any(isinstance(x, tf.Tensor) and not tf.is_symbolic_tensor(x) for x in xs):
+        # As tf.gradients converts them: a function captures an eager tensor
+        # once (a Const when it is small, a placeholder otherwise), and
+        # converting it again gives that capture.
+        try:
+            with home.as_default():
+                xs = _tf_private.convert_xs(xs)
+        except Exception:  # noqa: BLE001 - not capturable here: skip no input
+            return ()
     targets = set()
     for x in xs:
         if _tf_private.is_resource_variable(x):

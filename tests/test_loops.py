@@ -310,6 +310,34 @@ def test_second_order_gradients_through_a_prepared_loop(evaluate, mode, choice):
     assert_grads_equal(got, ref)
 
 
+@pytest.mark.parametrize("size", [6, 1200], ids=["captured as a Const", "captured as a placeholder"])
+@pytest.mark.parametrize("choice", CHOICES, ids=str)
+def test_prepare_takes_an_eager_tensor_a_function_captured(size, choice):
+    """tf.gradients differentiates a tf.function's loop with respect to an
+    eager tensor the function reads: TensorFlow captures it once (a Const
+    when it is small, a placeholder otherwise) and converts it to that
+    capture again. prepare's xs did not, and skipped the loop input of a
+    Const capture as one no x depends on: the gradient was None."""
+    x = tf.constant(np.random.RandomState(0).randn(size).astype(np.float32) * 0.5)
+
+    def gradient(choice):
+        @tf.function
+        def f():
+            _, s = tf.while_loop(lambda i, s: i < 5, lambda i, s: (i + 1, tf.tanh(s * x + 0.1)),
+                                 [tf.constant(0), tf.ones([size])])
+            loss = tf.reduce_sum(s * s)
+            if choice is not None:
+                (op,) = loops.find_loops([loss])
+                assert loops.prepare(op, choice, xs=[x]).applied == choice
+            return tf.gradients(loss, [x])
+
+        return f()
+
+    ref, got = gradient(None), gradient(choice)
+    assert ref[0] is not None and got[0] is not None
+    assert_grads_equal(got, ref)
+
+
 def _count_trips_and_grads(mode, choice):
     """A loop whose body also counts its trips in a variable: (the count
     after one gradient step, the gradients, what prepare did)."""
