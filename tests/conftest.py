@@ -23,10 +23,10 @@ should follow the same rules):
   ``fresh.call(function, *args)`` runs a module-level function in a child
   (forked from a server that has imported TensorFlow) once per session,
   shares its JSON result with every test that asks for it (also across
-  parallel workers), caches failures too, and has a timeout; ``fresh.run(argv)`` runs a command with a timeout. A child may
-  make several measurements one after the other
-  (``fresh.one_after_another``), which checks that none leaves tensors for
-  the next to count.
+  parallel workers), caches failures too, and has a timeout;
+  ``fresh.run(argv)`` runs a command with a timeout. A child may make
+  several measurements one after the other (``fresh.one_after_another``),
+  which checks that none leaves tensors for the next to count.
 * Shared fixtures. Build what is expensive (a model, its forecasts, a
   measurement) once, in a module- or session-scoped fixture, and make tests
   read it rather than rebuild it.
