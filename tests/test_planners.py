@@ -211,3 +211,31 @@ def test_a_summary_leads_with_the_decision():
     full_kept = "\n".join(full[:full.index("  backward steps:")])
     assert "read0:0" in full_kept and "read29:0" in full_kept
     assert len(plan.to_dict()["kept"]) == len(plan.kept)
+
+
+def test_a_presets_search_simulates_a_bounded_number_of_plans(monkeypatch):
+    """'memory''s search for time on a small graph simulates at most
+    MEMORY_SEARCH_PLANS plans per set of candidates it searches (at most
+    two: the articulation points, then the cuts' activations; a U-Net has
+    only the cuts), besides its own candidate plans: the bound in simulated
+    ops alone allowed thousands of plans on a graph of a few dozen ops,
+    where tf.gradients takes milliseconds. Unbounded (the constant raised),
+    the same search simulates more, so the bound is what holds it. (On a
+    chain of at most budget.DP_MAX_CUTS cuts the search is the exact dp,
+    whose O(m^2) probes that size bounds.)"""
+    from memsave.planners import strategies as planner_strategies
+
+    def simulations(plans_bound):
+        monkeypatch.setattr(planner_strategies, "MEMORY_SEARCH_PLANS", plans_bound)
+        problem = Problem(H.unet())
+        candidates = len(problem.memory_plans())
+        plan = _run("memory", problem, min_saving_fraction=0.0)
+        assert plan.schedule is not None and plan.recomputed_ops > 0
+        return problem.simulations, candidates
+
+    bound = planner_strategies.MEMORY_SEARCH_PLANS
+    bounded, candidates = simulations(bound)
+    # the plain step, each candidate plan, and two searches of at most `bound` plans
+    assert bounded <= 1 + candidates + 2 * bound, bounded
+    unbounded, _ = simulations(10**9)
+    assert unbounded > 2 * bound, (bounded, unbounded)

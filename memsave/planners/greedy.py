@@ -190,9 +190,10 @@ def _spread_expensive(space: Segments, stored: set[int], kept: set[int]) -> froz
 def family(space: Segments, *, max_plans: int | None = None) -> list[Decision]:
     """The budget-independent plans ``greedy`` chooses from (see module docstring).
 
-    ``max_plans`` bounds the Pareto search on small problems (a preset's
-    bounded search: on a 60-op graph the default bound is 5,000 plans, and
-    a simulation's fixed cost made that seconds).
+    ``max_plans`` bounds the one-toggle neighbours and the Pareto search
+    on small problems, which simulate every plan of the family (a preset's
+    bounded search, :data:`memsave.planners.strategies.MEMORY_SEARCH_PLANS`:
+    there the search adds no plan once the family holds ``max_plans``).
     """
     fg, costs = space.fg, space.costs
     m = len(space.candidates)
@@ -264,7 +265,7 @@ def family(space: Segments, *, max_plans: int | None = None) -> list[Decision]:
             for nb in _neighbours(space, d):
                 if len(plans) < 2 * cap // 3:
                     plans.setdefault(space.canonical(nb), None)
-        _pareto_search(space, plans, cap)
+        _pareto_search(space, plans, cap, strict=max_plans is not None)
     return list(plans)
 
 
@@ -368,16 +369,20 @@ def _front(evs) -> list[Evaluation]:
     return out
 
 
-def _pareto_search(space: Segments, plans: dict, cap: int) -> None:
+def _pareto_search(space: Segments, plans: dict, cap: int, *, strict: bool = False) -> None:
     """Add to ``plans`` the neighbours of the (seconds, peak) front, round by round
     (one candidate toggled, or one or two segments: moving a stored segment
     along the chain takes two toggles whose midpoint is off the front).
 
     The front does not depend on the budget, so neither does the family
     (greedy stays monotone); it approaches the true trade-off curve that
-    the exact solvers find, one toggle at a time.
+    the exact solvers find, one toggle at a time. ``cap`` bounds the plans
+    (at least 200 more than given, unless ``strict``: then a family of
+    ``cap`` plans or more is not searched, nor simulated).
     """
-    cap = max(cap, len(plans) + 200)
+    if strict and len(plans) >= cap:
+        return
+    cap = cap if strict else max(cap, len(plans) + 200)
     expanded: set[Decision] = set()
     for _ in range(PARETO_ROUNDS):
         front = _front([space.evaluate(d) for d in plans])

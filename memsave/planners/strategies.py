@@ -35,7 +35,7 @@ from memsave.record import Plan
 __all__ = ["collection", "memory", "speed", "given", "worth_it", "candidate_plan",
            "EXPENSIVE_OP_TYPES",
            "MIN_SAVING_FRACTION", "MEMORY_PEAK_TOLERANCE", "SPEED_BUDGET_FRACTION",
-           "MEMORY_SEARCH_OPS"]
+           "MEMORY_SEARCH_OPS", "MEMORY_SEARCH_PLANS"]
 
 #: Op types whose outputs ``checkpoints='speed'`` keeps when asked by rule
 #: (``strategy_options={'op_types': EXPENSIVE_OP_TYPES}``, what ``'speed'``
@@ -89,6 +89,20 @@ MEMORY_PEAK_TOLERANCE = 0.05
 #: bound). When the search stops without a plan that fits, 'memory' keeps
 #: its fastest candidate plan.
 MEMORY_SEARCH_OPS = 40_000
+
+#: The most plans ``'memory'``'s search for time may simulate, however small
+#: the graph: a simulation's cost is proportional to the graph, and so is
+#: ``tf.gradients``', so the search's cost relative to the build is about
+#: plans x (simulation / build). With :data:`MEMORY_SEARCH_OPS` alone, the
+#: test zoo's 26-op U-Net allowed 1,538 plans and ``'memory'`` planned for
+#: 1.5 s of CPU (2,230 simulations) against 0.03 s for ``tf.gradients``.
+#: Graphs of 625 ops or more (the study's ResNet-110: 725) are bounded by
+#: :data:`MEMORY_SEARCH_OPS` as before. ``'speed'`` is not capped: where its
+#: search finds no plan under its budget it saves nothing (with 64 plans it
+#: fell back to ``tf.gradients`` on the zoo's dropout chains, where the
+#: whole search keeps four matmul outputs and saves 22%), while
+#: ``'memory'`` keeps its fastest candidate plan.
+MEMORY_SEARCH_PLANS = 64
 
 #: ``'speed'``'s memory budget, as a fraction of the forecast plain step's
 #: working memory: its peak (every byte counted) above the bytes every plan
@@ -294,10 +308,14 @@ def _speed_loop_budget(problem: Problem, options, api: str) -> int:
 speed.loop_budget_bytes = _speed_loop_budget
 
 
-def _search_simulations(problem: Problem) -> int:
-    """How many plans a preset's search for time may simulate (:data:`MEMORY_SEARCH_OPS`,
+def _search_simulations(problem: Problem, most: int | None = None) -> int:
+    """How many plans a preset's search for time may simulate
+    (:data:`MEMORY_SEARCH_OPS` over the graph's ops, at most ``most``;
     times the problem's ``search_share``)."""
-    return max(1, int(MEMORY_SEARCH_OPS * problem.search_share) // max(1, len(problem.fg.ops)))
+    plans = MEMORY_SEARCH_OPS / max(1, len(problem.fg.ops))
+    if most is not None:
+        plans = min(plans, most)
+    return max(1, int(plans * problem.search_share))
 
 
 def _search_solver(problem: Problem, solver: str) -> str:
@@ -462,7 +480,7 @@ def memory(
         fast = _budget.solve(problem, limit, solver=_search_solver(problem, solver),
                              time_limit_s=time_limit_s, api=api, model=judge, strategy="memory",
                              include=sorted({t for c in within for t in c}),
-                             max_simulations=_search_simulations(problem))
+                             max_simulations=_search_simulations(problem, MEMORY_SEARCH_PLANS))
     except MemoryBudgetError:
         fast = None  # the solvers' candidates cannot reach the limit
     if fast is not None and fast.schedule is not None \
