@@ -190,10 +190,11 @@ def _spread_expensive(space: Segments, stored: set[int], kept: set[int]) -> froz
 def family(space: Segments, *, max_plans: int | None = None) -> list[Decision]:
     """The budget-independent plans ``greedy`` chooses from (see module docstring).
 
-    ``max_plans`` bounds the one-toggle neighbours and the Pareto search
-    on small problems, which simulate every plan of the family (a preset's
-    bounded search, :data:`memsave.planners.strategies.MEMORY_SEARCH_PLANS`:
-    there the search adds no plan once the family holds ``max_plans``).
+    ``max_plans`` (a preset's bounded search: ``'memory'`` passes at most
+    :data:`memsave.planners.strategies.MEMORY_SEARCH_PLANS`) bounds the
+    one-toggle neighbours and the Pareto search on small problems, which
+    simulates every plan of the family: no plan is added once the family
+    holds ``max_plans``.
     """
     fg, costs = space.fg, space.costs
     m = len(space.candidates)
