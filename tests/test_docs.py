@@ -4,8 +4,8 @@ Each file's blocks run in order in one namespace (a block may use what an
 earlier block of the same file defined), in a fresh process per file
 (tests/fresh.py: a block's settings, such as a Keras dtype policy, reach no
 other test) whose working directory is an empty temporary one. A block
-that fails fails its file's test, naming the block's line. Text that is not meant to
-run is not a ```python block (```text, or indented).
+that fails fails its file's test, naming the block's line. Text that is
+not meant to run is not a ```python block (```text, or indented).
 
 Blocks that use an API not merged yet (:data:`PENDING_APIS`) are skipped
 while it is missing, and listed by a test of their own that is skipped with
