@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import random
 
 import pytest
@@ -294,6 +295,32 @@ def test_stored_segments_trade_memory_for_recompute():
              for b in (p.plain.peak_bytes - 3 * H.MiB, p.plain.peak_bytes - H.MiB, p.plain.peak_bytes)]
     assert costs == sorted(costs, reverse=True)
     assert costs[-1] == 0
+
+
+def test_dp_stops_at_its_time_limit_with_greedys_plan(caplog):
+    # dp's probe simulations grow like cuts squared: asked for by name on a
+    # large problem (the study's ResNet-110: 96 cuts, unfinished after 10
+    # minutes), it must stop at time_limit_s and answer, not run on.
+    p = _problem(H.chain(10), random.Random(0), 5)
+    budget = p.plain.peak_bytes - 3 * H.MiB
+    with caplog.at_level(logging.WARNING, logger="memsave.planners.dp"):
+        late = B.CORES["dp"](p, budget, time_limit_s=1e-9)
+    assert not late.optimal
+    assert late.evaluation == B.CORES["greedy"](p, budget).evaluation
+    warned = [r.getMessage() for r in caplog.records if "time_limit_s" in r.getMessage()]
+    assert len(warned) == 1 and "greedy's" in warned[0], warned
+    # Given the time, the same call finishes with its proven answer.
+    caplog.clear()
+    on_time = B.CORES["dp"](p, budget, time_limit_s=60)
+    assert on_time.optimal and on_time.evaluation.peak_bytes <= budget
+    assert on_time.evaluation.recompute_ns <= late.evaluation.recompute_ns
+    assert not [r for r in caplog.records if "time_limit_s" in r.getMessage()]
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "10", True, float("nan")])
+def test_a_bad_time_limit_is_refused(bad):
+    with pytest.raises(planners.OptionsError, match="time_limit_s must be a positive number"):
+        B.solve(Problem(H.chain(4)), 0.5, solver="dp", time_limit_s=bad)
 
 
 def test_unknown_solver_lists_the_known_ones():

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from memsave.candidates import coarsen
-from memsave.errors import MemoryBudgetError
+from memsave.errors import MemoryBudgetError, OptionsError
 from memsave.memory_model import MemoryModel
 from memsave.planners.dp import dp
 from memsave.planners.greedy import greedy
@@ -160,7 +160,9 @@ def solve(problem: Problem, memory_budget, *, solver: str = "auto",
     solver : str
         ``"auto"`` (:func:`choose`) or a name of :data:`CORES`.
     time_limit_s : float, optional
-        Passed to the solver (``milp`` returns its best plan and gap then).
+        Passed to the solver: past it ``milp`` returns its best plan and
+        gap, ``dp`` greedy's plan (both ``optimal=False``); default
+        :data:`~memsave.planners.segments.DEFAULT_TIME_LIMIT_S`.
     api : str
         The API name error messages start with.
     model : MemoryModel, optional
@@ -187,6 +189,10 @@ def solve(problem: Problem, memory_budget, *, solver: str = "auto",
 
         raise UnknownStrategyError(
             f"{api}: solver={solver!r} is not known; use 'auto' or one of {sorted(CORES)}")
+    if time_limit_s is not None and (isinstance(time_limit_s, bool) or not isinstance(
+            time_limit_s, numbers.Real) or not time_limit_s > 0):
+        raise OptionsError(
+            f"{api}: time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
     # Planning builds and keeps many schedules (tuples, no cycles): paused,
     # the collector does not walk the process's TensorFlow objects again and
     # again (measured: a fifth of the time on a 10,000-op graph).

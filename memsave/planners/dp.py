@@ -54,7 +54,11 @@ Notes
 -----
 ``O(m^2)`` probe simulations of ``O(n)`` each, then ``O(m^2)`` transitions
 with small Pareto sets: meant for chains of up to a few dozen cuts (the
-``auto`` choice sends larger problems to ``greedy``).
+``auto`` choice sends larger problems to ``greedy``). Asked for by name on
+a larger problem, it stops at its time limit (``time_limit_s``, default
+:data:`~memsave.planners.segments.DEFAULT_TIME_LIMIT_S`) and answers with
+``greedy``'s plan, ``optimal=False``, and a warning: on the study's
+ResNet-110 (96 cuts) it had not finished after 10 minutes.
 
 References
 ----------
@@ -65,10 +69,12 @@ with limited memory. arXiv:1911.13214, 2019 (rotor).
 
 from __future__ import annotations
 
+import logging
 import time
 
+from memsave.planners.greedy import greedy
+from memsave.planners.segments import DEFAULT_TIME_LIMIT_S, Outcome, Segments
 from memsave.simulate import program_and_timeline
-from memsave.planners.segments import Outcome, Segments
 
 __all__ = ["dp"]
 
@@ -76,6 +82,12 @@ __all__ = ["dp"]
 #: before it: "S+").
 R, S, E = "R", "S+", "E"
 _MODES = (R, S, E)
+
+logger = logging.getLogger(__name__)
+
+
+class _OutOfTime(Exception):
+    """The deadline passed before the DP finished."""
 
 
 def _context(mode: str | None) -> str | None:
@@ -89,8 +101,10 @@ def _context(mode: str | None) -> str | None:
 class _Terms:
     """``held`` and ``Lmax`` of groups in context, read from probe simulations."""
 
-    def __init__(self, space: Segments) -> None:
+    def __init__(self, space: Segments, deadline: float = float("inf")) -> None:
         self.p = space
+        self.deadline = deadline  # (time.perf_counter()) past it, a probe raises _OutOfTime
+        self.probes = 0
         self.n_seg = len(space.segments)
         self.seg_of_op = {}
         for k, seg in enumerate(space.segments):
@@ -125,6 +139,9 @@ class _Terms:
         return hit
 
     def _probe(self, groups: list[tuple[int, int, str]]) -> None:
+        if time.perf_counter() > self.deadline:
+            raise _OutOfTime
+        self.probes += 1
         p = self.p
         problem = p.problem
         ev = p.evaluate(p.decision(groups))
@@ -213,6 +230,8 @@ def _run(space: Segments, terms: _Terms, budget_bytes: float):
         states[(0, None, mode)] = [(0, 0, 0, ())]
     finals = []
     for a in range(n):
+        if time.perf_counter() > terms.deadline:
+            raise _OutOfTime
         for prev in (None, *_MODES):
             for mode in _MODES:
                 labels = states.pop((a, prev, mode), None)
@@ -237,16 +256,26 @@ def dp(space: Segments, budget_bytes: int, *, time_limit_s: float | None = None)
     """Least recompute seconds with forecast peak <= ``budget_bytes``, exactly, on chains.
 
     See the module docstring for the chain model. When no plan fits, returns
-    the smallest-peak plan (``feasible=False``).
+    the smallest-peak plan (``feasible=False``). Past ``time_limit_s``
+    (default :data:`~memsave.planners.segments.DEFAULT_TIME_LIMIT_S`),
+    ``greedy``'s plan for the budget, with ``optimal=False``, and a warning.
     """
-    start = time.perf_counter()
-    terms = _Terms(space)
-    finals = _run(space, terms, budget_bytes)
-    if finals:
-        best = min(finals, key=lambda lab: (lab[2], lab[1], len(lab[3])))
-    else:
-        finals = _run(space, terms, float("inf"))
-        best = min(finals, key=lambda lab: (lab[1], lab[2], len(lab[3])))
+    limit = DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s
+    terms = _Terms(space, deadline=time.perf_counter() + limit)
+    try:
+        finals = _run(space, terms, budget_bytes)
+        if finals:
+            best = min(finals, key=lambda lab: (lab[2], lab[1], len(lab[3])))
+        else:
+            finals = _run(space, terms, float("inf"))
+            best = min(finals, key=lambda lab: (lab[1], lab[2], len(lab[3])))
+    except _OutOfTime:
+        logger.warning(
+            "memsave: solver 'dp' did not finish within time_limit_s=%g s (%d probe "
+            "simulations, %d candidate cuts; dp is meant for chains of a few dozen): the plan "
+            "is greedy's, not proven optimal. solver='auto' chooses a solver by the "
+            "problem's size", limit, terms.probes, len(space.candidates))
+        return greedy(space, budget_bytes)
     ev = space.evaluate(space.decision(best[3]))
     exact = ev.peak_bytes == best[1] and (not ev.peak_bytes <= budget_bytes
                                           or ev.recompute_ns == best[2])

@@ -58,13 +58,9 @@ import itertools
 import time
 
 from memsave.planners.greedy import family, greedy
-from memsave.planners.segments import Evaluation, Outcome, Segments
+from memsave.planners.segments import DEFAULT_TIME_LIMIT_S, Evaluation, Outcome, Segments
 
 __all__ = ["milp", "DEFAULT_TIME_LIMIT_S"]
-
-#: Time limit when the caller gives none.
-DEFAULT_TIME_LIMIT_S = 30.0
-
 
 class _Master:
     """The master problem: partitions of the segments, cheapest first."""

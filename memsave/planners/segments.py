@@ -70,7 +70,12 @@ from memsave.schedule import Schedule
 from memsave.timemodel import head_gate_seconds, step_gate_seconds
 
 __all__ = ["Decision", "Evaluation", "Outcome", "Segments", "StepBounds", "TurnBound",
-           "EXPENSIVE_FACTOR"]
+           "EXPENSIVE_FACTOR", "DEFAULT_TIME_LIMIT_S"]
+
+#: Time limit of the exact solvers (``dp``, ``milp``) when the caller gives
+#: none (``strategy_options={'time_limit_s': ...}`` sets it): past it each
+#: returns a plan it has, with ``optimal=False``.
+DEFAULT_TIME_LIMIT_S = 30.0
 
 #: A tensor is one of its segment's *expensive outputs* when keeping it saves
 #: at least this many times the graph's average recompute seconds per byte
