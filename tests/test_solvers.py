@@ -317,6 +317,20 @@ def test_dp_stops_at_its_time_limit_with_greedys_plan(caplog):
     assert not [r for r in caplog.records if "time_limit_s" in r.getMessage()]
 
 
+def test_milps_search_for_the_smallest_peak_is_bounded(monkeypatch):
+    # Where nothing fits, milp looks for the smallest peak (what
+    # MemoryBudgetError reports) within MIN_PEAK_WORK partitions x ops: a
+    # 7-op residual block is proven in 2,281 partitions; with room for 10,
+    # the smallest peak found is reported unproven.
+    p, evs, _ = _oracle("residual block")
+    lo = min(e.peak_bytes for e in evs)
+    proven = B.CORES["milp"](p, lo - 1, time_limit_s=60)
+    assert proven.optimal and proven.evaluation.peak_bytes == lo
+    monkeypatch.setattr(milp_module, "MIN_PEAK_WORK", 10 * len(p.fg.ops))
+    bounded = B.CORES["milp"](p, lo - 1, time_limit_s=60)
+    assert not bounded.optimal and bounded.evaluation.peak_bytes >= lo
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, "10", True, float("nan")])
 def test_a_bad_time_limit_is_refused(bad):
     with pytest.raises(planners.OptionsError, match="time_limit_s must be a positive number"):
