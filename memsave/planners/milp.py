@@ -75,6 +75,7 @@ __all__ = ["milp", "DEFAULT_TIME_LIMIT_S", "MIN_PEAK_WORK"]
 #: refuse. A 7-op residual block is proven in 2,281 partitions.
 MIN_PEAK_WORK = 500_000
 
+
 class _Master:
     """The master problem: partitions of the segments, cheapest first."""
 
