@@ -103,7 +103,7 @@ class _Terms:
 
     def __init__(self, space: Segments, deadline: float = float("inf")) -> None:
         self.p = space
-        self.deadline = deadline  # (time.perf_counter()) past it, a probe raises _OutOfTime
+        self.deadline = deadline  # (time.perf_counter()) see in_time
         self.probes = 0
         self.n_seg = len(space.segments)
         self.seg_of_op = {}
@@ -138,9 +138,14 @@ class _Terms:
             hit = self.memo[key]
         return hit
 
-    def _probe(self, groups: list[tuple[int, int, str]]) -> None:
+    def in_time(self) -> None:
+        """Raise :class:`_OutOfTime` once the deadline has passed (before
+        each probe, and each stage of the DP)."""
         if time.perf_counter() > self.deadline:
             raise _OutOfTime
+
+    def _probe(self, groups: list[tuple[int, int, str]]) -> None:
+        self.in_time()
         self.probes += 1
         p = self.p
         problem = p.problem
@@ -230,8 +235,7 @@ def _run(space: Segments, terms: _Terms, budget_bytes: float):
         states[(0, None, mode)] = [(0, 0, 0, ())]
     finals = []
     for a in range(n):
-        if time.perf_counter() > terms.deadline:
-            raise _OutOfTime
+        terms.in_time()
         for prev in (None, *_MODES):
             for mode in _MODES:
                 labels = states.pop((a, prev, mode), None)
