@@ -17,6 +17,16 @@ two unless the pool was split first. Allocating and freeing one
 :data:`PRESPLIT_MIB` block before anything else gives the pool one large
 region; every later chunk is split off it, and the counted peak is the
 requested bytes (rounded to 256 bytes).
+
+oneDNN must be on. TensorFlow turns it on by default only on CPUs with
+AVX-512 or newer vector extensions; elsewhere (an AMD EPYC without AVX-512,
+for one) the CPU allocator is a plain one that keeps no statistics, and
+``get_memory_info('CPU:0')`` raises "Allocator stats not available".
+Every script here that measures a peak therefore sets
+``TF_ENABLE_ONEDNN_OPTS=1`` (unless the environment sets it) before
+TensorFlow is imported, as ``tests/conftest.py`` does for the suite; it is
+also the allocator memsave's CPU memory model describes
+(``memsave.memory_model.CPU_ONEDNN``).
 """
 
 from __future__ import annotations
@@ -38,5 +48,12 @@ def presplit_cpu_pool(mib: int = PRESPLIT_MIB) -> None:
     if not mib:
         return
     import tensorflow as tf
+
+    try:
+        tf.config.experimental.get_memory_info("CPU:0")
+    except ValueError as e:
+        raise RuntimeError(
+            "the CPU allocator keeps no statistics (oneDNN is off): set TF_ENABLE_ONEDNN_OPTS=1 "
+            "before TensorFlow is imported (see experiments/allocator.py)") from e
 
     tf.raw_ops.Empty(shape=[mib * MiB // 4], dtype=tf.float32, init=False)

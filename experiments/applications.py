@@ -75,6 +75,8 @@ from pathlib import Path
 
 from allocator import PRESPLIT_MIB, presplit_cpu_pool
 
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # the CPU allocator's stats: see allocator.py
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # A model a user picks from keras.applications, and the smallest input side

@@ -48,6 +48,8 @@ import statistics
 import subprocess
 import sys
 
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # the CPU allocator's stats: see allocator.py
+
 MiB = 1 << 20
 MODES = ("session", "function", "xla")
 METHODS = ("tf.gradients", "memsave-memory", "recompute_grad", "GradientTape")

@@ -34,6 +34,7 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # the CPU allocator's stats: see allocator.py
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 #: method -> memsave keyword arguments (None: plain tf.gradients).

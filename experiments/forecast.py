@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # the CPU allocator's stats: see allocator.py
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent

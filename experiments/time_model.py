@@ -129,6 +129,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # the CPU allocator's stats: see allocator.py
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

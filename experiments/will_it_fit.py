@@ -44,6 +44,8 @@ import subprocess
 import sys
 import time
 
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # the CPU allocator's stats: see allocator.py
+
 #: Memory caps (bytes), chosen so that each answer is a batch well above 8
 #: whose tensors are all well above the CPU allocator's 256 KiB counting
 #: threshold, and whose fit step runs in seconds on two cores.

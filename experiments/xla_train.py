@@ -63,6 +63,8 @@ import tempfile
 
 from allocator import PRESPLIT_MIB, presplit_cpu_pool
 
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # the CPU allocator's stats: see allocator.py
+
 MiB = 1 << 20
 SEED = 0
 CLASSES = 10

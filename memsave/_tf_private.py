@@ -188,6 +188,17 @@ def auto_clustering() -> bool:
     return bool(tf.config.list_logical_devices("GPU")) or "--tf_xla_cpu_global_jit" in flags
 
 
+def onednn_enabled() -> bool:
+    """Whether this process runs TensorFlow's CPU kernels and allocator with
+    oneDNN (on by default only on CPUs with AVX-512 or newer;
+    ``TF_ENABLE_ONEDNN_OPTS`` overrides). True when it cannot be told."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port  # pylint: disable=import-outside-toplevel
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        return True
+
+
 def zeros_like_gradient(x: tf.Tensor) -> tf.Tensor:
     """The zero gradient tf.gradients returns for an unconnected ``x``.
 

@@ -47,9 +47,17 @@ import resource
 import time
 from typing import Any, Callable, NamedTuple
 
-import numpy as np
-import pytest
-import tensorflow as tf
+# The CPU allocator keeps the statistics the memory tests read
+# (get_memory_info) only with oneDNN on, which TensorFlow turns on by default
+# only on CPUs with AVX-512 or newer (an AMD EPYC without it: every peak
+# measurement fails, "Allocator stats not available"); it is also the
+# allocator memsave's CPU memory model describes. Before TensorFlow is
+# imported; fresh processes inherit it.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 from fresh import Fresh
 

@@ -239,3 +239,27 @@ def test_custom_gradient_silu_forecast_and_its_captured_inputs(fresh):
 
 if __name__ == "__main__":
     print(json.dumps(globals()[sys.argv[1]]()))
+
+
+_ONEDNN_SCRIPT = """
+import logging, tensorflow as tf, memsave
+logging.basicConfig(level=logging.WARNING)
+with tf.Graph().as_default():
+    w = tf.Variable(tf.ones([4, 4]))
+    h = tf.ones([2, 4])
+    for _ in range(4):
+        h = tf.tanh(h @ w)
+    for _ in range(2):
+        memsave.plan(tf.reduce_sum(h), [w], checkpoints="memory")
+"""
+
+
+@pytest.mark.parametrize("onednn", ["0", "1"])
+def test_a_process_without_onednn_is_told_the_cpu_forecast_is_onednns(fresh, onednn):
+    """Without oneDNN (TensorFlow's default on CPUs without AVX-512) the CPU
+    allocator is another, with no statistics to check a forecast against:
+    memsave says so once per process, and only then."""
+    env = dict(fresh.env(), TF_ENABLE_ONEDNN_OPTS=onednn)
+    proc = fresh.run([sys.executable, "-c", _ONEDNN_SCRIPT], env=env, timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("without oneDNN") == (1 if onednn == "0" else 0), proc.stderr[-2000:]

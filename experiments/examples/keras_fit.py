@@ -37,12 +37,17 @@ Runs in well under a minute on 2 CPU cores::
 from __future__ import annotations
 
 import argparse
+import os
 
-import keras
-import numpy as np
-import tensorflow as tf
+# Peaks are read from the CPU allocator's statistics, kept only with oneDNN
+# on (off by default on CPUs without AVX-512): see experiments/allocator.py.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
-import memsave.keras
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import memsave.keras  # noqa: E402
 
 MiB = 1 << 20
 

@@ -38,6 +38,10 @@ import sys
 import tempfile
 import time
 
+# Peaks are read from the CPU allocator's statistics, kept only with oneDNN
+# on (off by default on CPUs without AVX-512): see experiments/allocator.py.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+
 MiB = 1 << 20
 
 

@@ -26,12 +26,17 @@ get_memory_info``). Runs in a few seconds::
 from __future__ import annotations
 
 import argparse
+import os
 import contextlib
 
-import numpy as np
-import tensorflow as tf
+# Peaks are read from the CPU allocator's statistics, kept only with oneDNN
+# on (off by default on CPUs without AVX-512): see experiments/allocator.py.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
-import memsave
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import memsave  # noqa: E402
 
 MiB = 1 << 20
 
