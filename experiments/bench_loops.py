@@ -20,7 +20,9 @@ loop stores its state each trip, the backward loop recomputes the trip);
 recomputed, then each trip again; k from :func:`memsave.loopmodel.chunk_size`,
 about sqrt(T)); ``chunk_store`` (``LoopChoice.chunk(k, inner="store")``:
 a chunk's recomputation keeps what the gradient reads; its own k);
-``memory`` (``memsave.gradients(checkpoints="memory")``: the planner picks
+``slots`` (``LoopChoice.slots(s)``: chunks of s, s - 1, ..., 1 trips, s
+from :func:`memsave.loopmodel.slot_count`, about sqrt(2T): the same
+recomputation as ``chunk``, fewer states stored at once); ``memory`` (``memsave.gradients(checkpoints="memory")``: the planner picks
 each loop's gradient, the lowest forecast peak at the least recompute) and
 ``budget_0.5``, ``budget_0.25`` (``memory_budget=``: the least recompute
 whose forecast fits that fraction of the plain forecast peak). Each step
@@ -70,11 +72,13 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # the CPU allocator's stats: see allocator.py
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
 BATCH, FEATURES, UNITS = 1024, 64, 128
-METHODS = ("plain", "per_step", "chunk", "chunk_store", "memory", "budget_0.5", "budget_0.25")
+METHODS = ("plain", "per_step", "chunk", "chunk_store", "slots", "memory", "budget_0.5",
+           "budget_0.25")
 #: Methods planned by memsave (memsave.gradients' own loop choices).
 PLANNED = {"memory": {"checkpoints": "memory"}, "budget_0.5": {"memory_budget": 0.5},
            "budget_0.25": {"memory_budget": 0.25}}
@@ -104,6 +108,8 @@ def _choice(method, body):
         return loopmodel.LoopChoice.plain()
     if method == "per_step":
         return loopmodel.LoopChoice.per_step()
+    if method == "slots":
+        return loopmodel.LoopChoice.slots(loopmodel.slot_count(body.trips))
     inner = "store" if method == "chunk_store" else "per_step"
     return loopmodel.LoopChoice.chunk(loopmodel.chunk_size(body, MemoryModel(), inner=inner),
                                       inner=inner)

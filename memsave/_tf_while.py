@@ -65,7 +65,11 @@ chunk and recomputes the inner loop in its backward body, and the inner
 loop's own gradient stores the k states of that chunk (``inner``:
 ``"per_step"``, recomputing each trip again, or ``"store"``, keeping every
 intermediate of the chunk like while_v2). The counter still counts the
-original trips, so the op's outputs are unchanged.
+original trips, so the op's outputs are unchanged. Tapered chunks
+(``LoopChoice.slots(s)``: s, s - 1, ..., 1 trips) look the chunk's size up
+by the trip it starts at, and the gradient the number of chunks by the
+trips made, in two constant tables (:func:`taper_tables`); the inner loop
+still counts to the constant s.
 
 Size
 ----
@@ -89,7 +93,7 @@ from tensorflow.python.ops import gradients_util, handle_data_util, list_ops, wh
 from tensorflow.python.ops import while_v2_indexed_slices_rewriter
 from tensorflow.python.util import object_identity
 
-from memsave import _tf_private
+from memsave import _tf_private, loopmodel
 
 __all__ = [
     "GRADIENT_OP_TYPE",
@@ -116,6 +120,10 @@ STEPS_ATTR = "_memsave_loop_steps"
 BOUND_ATTR = "_memsave_loop_bound"
 #: Positions of loop-invariant inputs whose gradient nobody asked for.
 SKIP_ATTR = "_memsave_loop_skip"
+#: For tapered chunks (chunks of k, k-1, ..., 1 trips): the length of the
+#: tables of chunk sizes and counts (:func:`taper_tables`); 0 or absent:
+#: chunks of ``steps`` trips each.
+TAPER_ATTR = "_memsave_loop_taper"
 
 #: Op types whose outputs while_v2 computes in the forward body when the
 #: backward body asks for them (``_WhileBodyGradFuncGraph._create_op_internal``):
@@ -126,7 +134,7 @@ _uid = itertools.count()
 
 
 def mark(op: tf.Operation, *, mode: str, steps: int = 1, bound: int = 0,
-         skip: tuple[int, ...] = ()) -> None:
+         skip: tuple[int, ...] = (), taper: int = 0) -> None:
     """Give ``op`` memsave's gradient (see the module docstring)."""
     _register()
     op._set_attr("_gradient_op_type", attr_value_pb2.AttrValue(s=GRADIENT_OP_TYPE.encode()))  # pylint: disable=protected-access
@@ -135,15 +143,17 @@ def mark(op: tf.Operation, *, mode: str, steps: int = 1, bound: int = 0,
     op._set_attr(BOUND_ATTR, attr_value_pb2.AttrValue(i=bound))  # pylint: disable=protected-access
     op._set_attr(SKIP_ATTR, attr_value_pb2.AttrValue(  # pylint: disable=protected-access
         list=attr_value_pb2.AttrValue.ListValue(i=list(skip))))
+    op._set_attr(TAPER_ATTR, attr_value_pb2.AttrValue(i=taper))  # pylint: disable=protected-access
 
 
-def marked(op: tf.Operation) -> tuple[str, int, int, tuple[int, ...]] | None:
-    """(mode, steps, bound, skip) of a marked op, None if memsave did not mark it."""
+def marked(op: tf.Operation) -> tuple[str, int, int, tuple[int, ...], int] | None:
+    """(mode, steps, bound, skip, taper) of a marked op, None if memsave did
+    not mark it."""
     try:
         if op.get_attr("_gradient_op_type") != GRADIENT_OP_TYPE.encode():
             return None
         return (op.get_attr(MODE_ATTR).decode(), op.get_attr(STEPS_ATTR), op.get_attr(BOUND_ATTR),
-                tuple(op.get_attr(SKIP_ATTR)))
+                tuple(op.get_attr(SKIP_ATTR)), op.get_attr(TAPER_ATTR))
     except ValueError:
         return None
 
@@ -184,17 +194,18 @@ def _register() -> None:
 
 
 def _marked_gradient(op, *grads):
-    mode, steps, bound, skip = marked(op)
+    mode, steps, bound, skip, taper = marked(op)
     return recomputing_gradient(op, grads, recompute=mode == "per_step", steps=steps, bound=bound,
-                                skip=skip)
+                                skip=skip, taper=taper)
 
 
 # -- the gradient ----------------------------------------------------------------
 
 def recomputing_gradient(op: tf.Operation, grads, *, recompute: bool, steps: int = 1,
-                         bound: int = 0, skip: tuple[int, ...] = ()) -> list:
+                         bound: int = 0, skip: tuple[int, ...] = (), taper: int = 0) -> list:
     """``while_v2._WhileGrad`` with :class:`_RecomputingGradGraph` (when
-    ``recompute``), ``steps`` original trips per trip of ``op``, a list
+    ``recompute``), ``steps`` original trips per trip of ``op`` (``taper``:
+    ``steps``, ``steps - 1``, ... trips, :func:`taper_tables`), a list
     size ``bound`` (0: from ``maximum_iterations``), and no gradient for the
     loop-invariant inputs at positions ``skip``. Same structure as
     while_v2's, statement for statement, so that a reader can diff them."""
@@ -238,7 +249,7 @@ def recomputing_gradient(op: tf.Operation, grads, *, recompute: bool, steps: int
 
     for setter in list_setters(body_graph):
         _tf_private.set_gradient_function(setter, _set_item_gradient)
-    list_bound = _list_bound(while_op, steps, bound)
+    list_bound = _list_bound(while_op, steps, bound, taper)
     body_grad_graph, args = _create_grad_func(
         ys, xs, non_none_grads, cond_graph, body_graph, util.unique_grad_fn_name(body_graph.name),
         while_op, maximum_iterations, while_op.outputs[0], list_bound, recompute)
@@ -274,7 +285,7 @@ def recomputing_gradient(op: tf.Operation, grads, *, recompute: bool, steps: int
     # The trip count reads the forward op's outputs: only now that the op has
     # its final outputs (an enclosing recomputing gradient copies the op
     # when this is read).
-    args = [args[0], args[1], _trips(while_op, steps)] + list(args[3:])
+    args = [args[0], args[1], _trips(while_op, steps, taper)] + list(args[3:])
     captured_inputs = while_v2._resolve_grad_captures(body_graph, body_grad_graph, while_op)
     loop_vars = args + captured_inputs
     loop_vars = while_v2_indexed_slices_rewriter.rewrite_grad_indexed_slices(
@@ -447,20 +458,23 @@ def _list_item(list_tensor):
     return tf.TensorShape(item.shape), tf.dtypes.as_dtype(item.dtype)
 
 
-def _trips(while_op: tf.Operation, steps: int) -> tf.Tensor:
+def _trips(while_op: tf.Operation, steps: int, taper: int = 0) -> tf.Tensor:
     """Trips of ``while_op`` that its gradient loop runs backwards.
 
     while_v2 reads the counter's final value (it starts at 0). A chunked
-    loop's counter counts the original trips, ``steps`` per trip of its own;
-    a chunk's inner loop starts where the previous chunk stopped.
+    loop's counter counts the original trips, ``steps`` per trip of its own
+    (tapered: the chunks :func:`taper_tables` counts); a chunk's inner loop
+    starts where the previous chunk stopped.
     """
     done = while_op.outputs[0] - while_op.inputs[0]
     if steps == 1:
         return done
+    if taper:
+        return _chunks_for(done, steps, taper)
     return (done + (steps - 1)) // steps
 
 
-def _list_bound(while_op: tf.Operation, steps: int, bound: int) -> tf.Tensor:
+def _list_bound(while_op: tf.Operation, steps: int, bound: int, taper: int = 0) -> tf.Tensor:
     """The accumulators' ``max_num_elements``, in the forward op's graph."""
     with while_op.graph.as_default(), util.clear_control_inputs():
         if bound > 0:
@@ -470,9 +484,15 @@ def _list_bound(while_op: tf.Operation, steps: int, bound: int) -> tf.Tensor:
             return limit
         known = _tf_private.static_value(limit)
         if known is not None:
-            value = -1 if int(known) < 0 else -(-int(known) // steps)
+            if int(known) < 0:
+                value = -1
+            elif taper:
+                value = taper_chunks(steps, int(known))
+            else:
+                value = -(-int(known) // steps)
             return constant_op.constant(value, dtype=limit.dtype, name="trip_bound")
-        return tf.where(limit < 0, tf.constant(-1, limit.dtype), (limit + (steps - 1)) // steps)
+        chunks = _chunks_for(limit, steps, taper) if taper else (limit + (steps - 1)) // steps
+        return tf.where(limit < 0, tf.constant(-1, limit.dtype), chunks)
 
 
 def _create_grad_func(ys, xs, grads, cond_graph, body_graph, name, while_op, maximum_iterations,
@@ -947,12 +967,41 @@ def _replace_uses(old, new, graph) -> None:
 
 # -- k-step chunks ---------------------------------------------------------------
 
+def taper_tables(steps: int, length: int) -> tuple[list[int], list[int]]:
+    """Tables of the tapered chunks of ``loopmodel.tapered_chunks(steps, .)``
+    (``steps``, ``steps - 1``, ..., 1 trips, then 1 each): for each trip c in
+    ``[0, length]``, the trips left in the chunk c falls in (read at a
+    chunk's first trip: its size), and the chunks that c trips make."""
+    sizes, counts = [], []
+    for j, n in enumerate(loopmodel.tapered_chunks(steps, length + 1)):
+        sizes.extend(range(n, 0, -1))
+        counts.extend([j] + [j + 1] * (n - 1))
+    return sizes, counts
+
+
+def taper_chunks(steps: int, trips: int) -> int:
+    """The number of tapered chunks of ``steps``, ``steps - 1``, ... trips
+    that ``trips`` trips make."""
+    return len(loopmodel.tapered_chunks(steps, trips))
+
+
+def _chunks_for(done: tf.Tensor, steps: int, length: int) -> tf.Tensor:
+    """The graph's :func:`taper_chunks` of ``done`` trips (an int tensor)."""
+    counts = tf.constant(taper_tables(steps, length)[1], dtype=done.dtype)
+    top = tf.constant(length, done.dtype)
+    return tf.gather(counts, tf.minimum(done, top)) + tf.maximum(done - top, 0)
+
+
 def nest_in_chunks(op: tf.Operation, steps: int, *, inner_mode: str,
-                   skip: tuple[int, ...] = ()) -> tf.Operation:
+                   skip: tuple[int, ...] = (), taper: bool = False) -> tf.Operation:
     """Rewrite ``op``'s body, in place, into a loop of up to ``steps`` trips of
     the original body; mark the outer op (per step, ``steps`` trips each) and
-    the inner loop (``inner_mode``, at most ``steps`` trips). Returns the
-    inner While op (in the new body)."""
+    the inner loop (``inner_mode``, at most ``steps`` trips). With ``taper``,
+    the chunks are ``steps``, ``steps - 1``, ..., 1 trips (then 1 each),
+    looked up by the trip a chunk starts at in a table of ``steps *
+    (steps + 1) / 2`` entries, or of the loop's trip count when it is
+    known and smaller (:func:`taper_tables`). Returns the inner While op (in
+    the new body)."""
     # pylint: disable=protected-access
     cond_graph, body_graph = function_graphs(op)
     shapes = [tf.TensorShape(s) for s in op.get_attr("output_shapes")]
@@ -960,6 +1009,12 @@ def nest_in_chunks(op: tf.Operation, steps: int, *, inner_mode: str,
     invariant = set(invariant_positions(op))
     uid = next(_uid)
     inner_ops = []
+    length = 0
+    if taper:
+        length = steps * (steps + 1) // 2
+        known = _tf_private.static_value(op.inputs[1])
+        if known is not None and 0 <= int(known) < length:
+            length = int(known)
 
     def chunk_body(*args):
         while_v2._copy_handle_data(op.inputs, args)
@@ -967,8 +1022,13 @@ def nest_in_chunks(op: tf.Operation, steps: int, *, inner_mode: str,
         # The inner loop counts from ``start`` to ``steps`` (a constant: XLA
         # compiles a loop whose limit depends on the outer trip only that
         # way), so that it stops after the chunk or at the outer limit.
-        remaining = tf.where(limit < 0, tf.constant(steps, limit.dtype), limit - counter)
-        start = steps - tf.minimum(tf.constant(steps, limit.dtype), remaining)
+        size = tf.constant(steps, limit.dtype)
+        if taper:
+            sizes = tf.constant(taper_tables(steps, length)[0], dtype=limit.dtype)
+            size = tf.gather(sizes, tf.minimum(tf.cast(counter, limit.dtype),
+                                               tf.constant(length, limit.dtype)))
+        remaining = tf.where(limit < 0, size, limit - tf.cast(counter, limit.dtype))
+        start = steps - tf.minimum(size, remaining)
         graph = ops.get_default_graph()
         inner_body = util.get_func_graph(op, shapes, op.get_attr("body").name)
         inner_body.name = f"{body_graph.name}_chunk{uid}"
@@ -1003,7 +1063,7 @@ def nest_in_chunks(op: tf.Operation, steps: int, *, inner_mode: str,
     chunked.outputs = outputs
     op._set_func_attr("body", util.create_new_tf_function(chunked))
     op._body_graph = chunked
-    mark(op, mode="per_step", steps=steps, bound=0, skip=skip)
+    mark(op, mode="per_step", steps=steps, bound=0, skip=skip, taper=length)
     return inner_ops[0]
 
 

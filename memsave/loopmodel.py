@@ -23,6 +23,11 @@ from; F, B: the plain transient peaks of one trip forward and backward)::
     per_step         T (S + K) + L                max(2L - M, F + I - S)       B + I
     chunk(k)         ceil(T/k) S + L              max(2L - M, F + I - S + kS)  B + I + k S + 2L + G
     chunk(k, store)  ceil(T/k) S + L              max(2L - M, F + k I)         B + k I + 2L + G
+    slots(s)         n S + L                      max(2L - M, F + I - S + xS)  B + I + x S + 2L + G
+
+(``slots(s)``: chunks of s, s - 1, ..., 1 trips, n of them; x = max over
+chunks j of (j + 1 + size_j) - n, what the widest chunk's states add to the
+n stored: 1 when the chunks fill the triangle, see :meth:`LoopChoice.slots`.)
 
 A per-step trip recomputes its intermediates (at most I alive at once) in
 the backward loop; a chunk's backward first runs its k trips again, storing
@@ -42,8 +47,8 @@ the life of the step function (``BodyFigures.invariant_sums``: 2, while
 the loop's own gradient holds one set; :mod:`memsave.simulate` counts G,
 knowing which inputs receive a gradient). The
 recomputation costs one forward of the loop per step (``per_step``,
-``chunk(k, store)``) or two (``chunk(k)``): :func:`recomputed_trips`.
-Both chunk schedules need the loop to have no op that must not run twice
+``chunk(k, store)``) or two (``chunk(k)``, ``slots(s)``):
+:func:`recomputed_trips`. The chunk schedules need the loop to have no op that must not run twice
 (K = 0); :func:`memsave.loops.prepare` stores such a loop per step.
 """
 
@@ -68,7 +73,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LoopChoice", "TripBytes", "trip_bytes", "figures", "stored_bytes", "recomputing_costs",
            "recomputed_trips",
-           "chunk_size", "candidates", "LoopForecast", "LoopDecision", "options"]
+           "chunk_size", "slot_count", "tapered_chunks", "candidates", "LoopForecast", "LoopDecision", "options"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +81,14 @@ class LoopChoice:
     """How a loop's gradient keeps its values.
 
     Build one with the class methods: :meth:`plain`, :meth:`per_step`,
-    :meth:`chunk`.
+    :meth:`chunk`, :meth:`slots`.
 
     Attributes
     ----------
-    kind : {"plain", "per_step", "chunk"}
+    kind : {"plain", "per_step", "chunk", "slots"}
     k : int
         For ``chunk``: trips per chunk (the state is stored every k trips).
+        For ``slots``: s, the trips of the first (largest) chunk.
     inner : {"per_step", "store"}
         For ``chunk``: how the backward pass of one chunk keeps its trips'
         values: their states, each trip recomputed again (``per_step``,
@@ -90,20 +96,25 @@ class LoopChoice:
         (``store``, one forward of the loop less).
     """
 
-    kind: Literal["plain", "per_step", "chunk"] = "plain"
+    kind: Literal["plain", "per_step", "chunk", "slots"] = "plain"
     k: int = 0
     inner: Literal["per_step", "store"] = "per_step"
 
     def __post_init__(self) -> None:
-        if self.kind not in ("plain", "per_step", "chunk"):
+        if self.kind not in ("plain", "per_step", "chunk", "slots"):
             raise LoopChoiceError(
-                f"LoopChoice: kind={self.kind!r}; expected 'plain', 'per_step' or 'chunk'")
-        if self.kind == "chunk" and (not isinstance(self.k, int) or self.k < 1):
+                f"LoopChoice: kind={self.kind!r}; expected 'plain', 'per_step', 'chunk' or 'slots'")
+        if self.kind == "chunk" and (not _is_count(self.k) or self.k < 1):
             raise LoopChoiceError(
                 f"LoopChoice.chunk: k={self.k!r}; expected an int >= 1 (trips per chunk)")
+        if self.kind == "slots" and (not _is_count(self.k) or self.k < 1):
+            raise LoopChoiceError(
+                f"LoopChoice.slots: s={self.k!r}; expected an int >= 1 (states stored at once)")
         if self.inner not in ("per_step", "store"):
             raise LoopChoiceError(
                 f"LoopChoice.chunk: inner={self.inner!r}; expected 'per_step' or 'store'")
+        if self.kind == "slots" and self.inner != "per_step":
+            raise LoopChoiceError("LoopChoice.slots: inner must be 'per_step'")
 
     @classmethod
     def plain(cls) -> "LoopChoice":
@@ -120,10 +131,34 @@ class LoopChoice:
         """Store the loop state every ``k`` trips; recompute a chunk backwards."""
         return cls("chunk", k=k, inner=inner)
 
+    @classmethod
+    def slots(cls, s: int) -> "LoopChoice":
+        """Store the state in tapered chunks: s, s - 1, ..., 1 trips (then 1 each).
+
+        Like ``chunk(k)`` (each trip recomputed twice: its chunk, then
+        itself), but the chunks shrink by one trip each, so that when the
+        backward pass reaches chunk j, which stores its trips' states, only
+        the j chunk states before it are still stored: about s states at
+        once for up to s (s + 1) / 2 trips, where equal chunks hold
+        ceil(T/k) + k, 2 sqrt(T) at best (T=1024: 46 states against 64).
+        No schedule that runs each trip at most twice before its backward
+        trip stores fewer: the chunk recomputed j-th from the end must
+        store all its trips while the states of the j chunks before it
+        wait, so T <= s + (s - 1) + ... + 1. :func:`slot_count` gives the
+        smallest s for T trips.
+        """
+        return cls("slots", k=s)
+
     def __str__(self) -> str:
+        if self.kind == "slots":
+            return f"slots(s={self.k})"
         if self.kind == "chunk":
             return f"chunk(k={self.k}{'' if self.inner == 'per_step' else ', inner=store'})"
         return self.kind.replace("_", "-")
+
+
+def _is_count(k) -> bool:
+    return isinstance(k, int) and not isinstance(k, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +266,12 @@ def figures(body: "Body", choice: LoopChoice, model: "MemoryModel", *,
             backward_bytes=plain.backward_bytes + per.saved_bytes)
     chunks = -(-trips // choice.k)
     k = min(choice.k, max(trips, 1))
+    if choice.kind == "slots":
+        sizes = tapered_chunks(choice.k, trips)
+        chunks = len(sizes)
+        # What the widest chunk's states add to the chunk states stored
+        # (``x`` in the module docstring), forward and backward.
+        k = max((j + 1 + n for j, n in enumerate(sizes)), default=1) - chunks
     if choice.inner == "store":
         forward_bytes = plain.forward_bytes + k * per.saved_bytes
         backward_bytes = plain.backward_bytes + k * per.saved_bytes
@@ -332,9 +373,31 @@ def recomputed_trips(body: "Body", choice: LoopChoice) -> int:
     chunk with ``store``) or 2T (chunk: the chunk, then each trip)."""
     if not body.loop or choice.kind == "plain":
         return 0
-    if choice.kind == "chunk" and choice.inner == "per_step":
+    if choice.kind == "slots" or (choice.kind == "chunk" and choice.inner == "per_step"):
         return 2 * body.trips
     return body.trips
+
+
+def tapered_chunks(s: int, trips: int) -> list[int]:
+    """The chunk sizes of ``LoopChoice.slots(s)`` for ``trips`` trips: s,
+    s - 1, ..., 1, then 1 each; the last one what is left."""
+    sizes = []
+    while trips > 0:
+        n = min(trips, max(1, s - len(sizes)))
+        sizes.append(n)
+        trips -= n
+    return sizes
+
+
+def slot_count(trips: int) -> int:
+    """The smallest s whose tapered chunks (:meth:`LoopChoice.slots`) cover
+    ``trips`` trips: s (s + 1) / 2 >= trips."""
+    s = max(1, math.isqrt(2 * max(trips, 1)))
+    while s * (s + 1) // 2 < trips:
+        s += 1
+    while s > 1 and (s - 1) * s // 2 >= trips:
+        s -= 1
+    return s
 
 
 def chunk_size(body: "Body", model: "MemoryModel", *, inner: str = "per_step") -> int:
@@ -353,9 +416,10 @@ def chunk_size(body: "Body", model: "MemoryModel", *, inner: str = "per_step") -
 
 
 def candidates(body: "Body", model: "MemoryModel") -> list[LoopChoice]:
-    """The choices worth forecasting for ``body``: plain, per step, and the
-    chunk sizes :func:`chunk_size` gives (both inner schedules) when the
-    loop makes more than a few trips and nothing in it must not run twice."""
+    """The choices worth forecasting for ``body``: plain, per step, and, when
+    the loop makes more than a few trips and nothing in it must not run
+    twice, the chunk sizes :func:`chunk_size` gives (both inner schedules)
+    and the tapered chunks of :func:`slot_count`."""
     if not body.loop:
         return [LoopChoice.plain()]
     out = [LoopChoice.plain(), LoopChoice.per_step()]
@@ -364,6 +428,9 @@ def candidates(body: "Body", model: "MemoryModel") -> list[LoopChoice]:
             k = chunk_size(body, model, inner=inner)
             if 1 < k < body.trips:
                 out.append(LoopChoice.chunk(k, inner=inner))
+        s = slot_count(body.trips)
+        if 1 < s < body.trips:
+            out.append(LoopChoice.slots(s))
     return out
 
 
@@ -430,9 +497,10 @@ class LoopDecision:
 
     @property
     def k(self) -> int:
-        """Trips per chunk: k for a chunk, 1 per step, 0 plain."""
+        """Trips per chunk: k for a chunk (the first, largest, for slots), 1
+        per step, 0 plain."""
         c = self.choice
-        return c.k if c.kind == "chunk" else (1 if c.kind == "per_step" else 0)
+        return c.k if c.kind in ("chunk", "slots") else (1 if c.kind == "per_step" else 0)
 
     def taking(self, choice: LoopChoice) -> "LoopDecision":
         """This decision with ``choice`` (one of ``forecasts``) chosen."""

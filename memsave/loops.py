@@ -16,6 +16,10 @@ what its gradient keeps:
   backward loop recomputes each chunk of k trips from it, storing the
   chunk's k states (``inner="per_step"``) or its intermediates
   (``inner="store"``) for the chunk's backward trips.
+* ``LoopChoice.slots(s)``: as ``chunk`` with chunks of s, s - 1, ..., 1
+  trips: about s states stored at once for up to s (s + 1) / 2 trips
+  (equal chunks: 2 sqrt(T)), the least any schedule needs that runs each
+  trip at most twice before its backward trip.
 
 Data flow: the planner (or a test) calls ``prepare(op, choice)`` on a While
 op *before* the stock gradient code differentiates it, whether that is the
@@ -149,10 +153,10 @@ def prepare(op: tf.Operation, choice: LoopChoice, *, xs: Sequence | None = None,
     if choice.kind == "per_step":
         _tf_while.mark(op, mode="per_step", skip=skip)
         return Prepared(choice, choice)
-    if choice.kind == "chunk":
+    if choice.kind in ("chunk", "slots"):
         once = _runs_once(op)
         if once is not None:
-            reason = (f"chunk(k) would run the trips of a chunk again, and its body has "
+            reason = (f"{choice} would run the trips of a chunk again, and its body has "
                       f"{once.type} op {once.name!r}, whose effect or value must not repeat; "
                       "stored per step instead")
             logger.warning("memsave: loop %s: %s", op.name, reason)
@@ -161,7 +165,7 @@ def prepare(op: tf.Operation, choice: LoopChoice, *, xs: Sequence | None = None,
         try:
             inner = _tf_while.nest_in_chunks(
                 op, choice.k, inner_mode="per_step" if choice.inner == "per_step" else "store",
-                skip=skip)
+                skip=skip, taper=choice.kind == "slots")
         except Exception as e:  # noqa: BLE001 - the loop is left as it was: stored per step
             reason = (f"its body could not be nested in chunks ({type(e).__name__}: {e}); "
                       "stored per step instead. This is a bug in memsave: please report it")
@@ -170,7 +174,8 @@ def prepare(op: tf.Operation, choice: LoopChoice, *, xs: Sequence | None = None,
             return Prepared(choice, LoopChoice.per_step(), reason=reason)
         return Prepared(choice, choice, inner=inner.name)
     raise LoopChoiceError(
-        f"memsave.loops.prepare: choice {choice} is not implemented; use plain, per_step or chunk")
+        f"memsave.loops.prepare: choice {choice} is not implemented; use plain, per_step, chunk "
+        "or slots")
 
 
 def _readers_wait_for_every_output(op: tf.Operation) -> None:

@@ -32,7 +32,8 @@ from memsave.memory_model import MemoryModel
 
 T, B, F, H = 7, 3, 4, 5
 PER_STEP = LoopChoice.per_step()
-CHOICES = (PER_STEP, LoopChoice.chunk(3), LoopChoice.chunk(2, inner="store"))
+SLOTS = LoopChoice.slots(3)  # chunks of 3, 2, 1 and 1 trip for T=7
+CHOICES = (PER_STEP, LoopChoice.chunk(3), LoopChoice.chunk(2, inner="store"), SLOTS)
 MODES = ("session", "function")
 
 
@@ -227,7 +228,7 @@ def test_nested_loops(evaluate, mode, outer, inner):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("choice", CHOICES[:2], ids=str)
+@pytest.mark.parametrize("choice", [*CHOICES[:2], SLOTS], ids=str)
 def test_loop_inside_a_called_function(evaluate, mode, choice):
     """A loop in a nested tf.function, prepared from the caller's graph before
     the call's gradient is built: the call's gradient uses it."""
@@ -254,10 +255,11 @@ def test_loop_inside_a_called_function(evaluate, mode, choice):
     assert_grads_equal(got, ref)
 
 
-@pytest.mark.parametrize("choice", CHOICES[:2], ids=str)
+@pytest.mark.parametrize("choice", [*CHOICES[:2], SLOTS], ids=str)
 def test_maximum_iterations_unknown_at_trace_time(choice):
     """maximum_iterations and the bound a tensor fed at run time (and no
-    maximum_iterations at all)."""
+    maximum_iterations at all). slots(3): the tables cover 6 trips, the
+    seventh is a chunk of its own."""
     xv, Wv, Uv = _rnn_values()
     results = []
     for use in (None, choice):
@@ -381,7 +383,7 @@ def test_a_variable_write_in_the_body_runs_once_per_trip(mode, choice):
     ref_count, ref, _ = _count_trips_and_grads(mode, None)
     count, got, prepared = _count_trips_and_grads(mode, choice)
     assert [p.applied for p in prepared] == [PER_STEP]
-    if choice.kind == "chunk":
+    if choice.kind in ("chunk", "slots"):
         assert "AssignAddVariableOp" in prepared[0].reason, prepared[0].reason
     assert ref_count == count == T
     assert_grads_equal(got, ref)
@@ -445,6 +447,41 @@ def test_chunk_pushes_the_state_once_per_chunk(k):
     op, sizes = _graph_loop(_while_rnn, LoopChoice.chunk(k))
     assert _state_only(op) == []
     assert sizes and set(sizes) == {math.ceil(T / k)}
+
+
+@pytest.mark.parametrize("s,chunks", [(2, 6), (3, 4), (4, 2), (7, 1)])
+def test_slots_push_the_state_once_per_tapered_chunk(s, chunks):
+    """slots(s): chunks of s, s - 1, ..., 1 trips, then 1 each (T=7: s=2
+    makes 2+1+1+1+1+1, s=3 3+2+1+1, s=4 4+3); the forward loop pushes
+    one state per chunk, nothing else."""
+    assert len(loopmodel.tapered_chunks(s, T)) == chunks
+    op, sizes = _graph_loop(_while_rnn, LoopChoice.slots(s))
+    assert _state_only(op) == []
+    assert sizes and set(sizes) == {chunks}
+
+
+def test_tapered_chunk_tables_agree_with_the_model():
+    """The graph looks chunk sizes and counts up in tables
+    (``_tf_while.taper_tables``); they must give the chunks the memory
+    model forecasts, within the table and past its end."""
+    for s, length in [(1, 4), (3, 5), (3, 6), (5, 15), (9, 20), (45, 1024)]:
+        sizes, counts = _tf_while.taper_tables(s, length)
+        chunks, c = [], 0
+        while c < length:
+            chunks.append(sizes[c])
+            c += sizes[c]
+        assert chunks[:-1] == loopmodel.tapered_chunks(s, length)[:-1]
+        assert sum(loopmodel.tapered_chunks(s, length)) == length
+        for trips in range(length + 1):
+            assert counts[trips] == len(loopmodel.tapered_chunks(s, trips)), (s, trips)
+        assert _tf_while.taper_chunks(s, length + 10) == len(loopmodel.tapered_chunks(s, length + 10))
+
+
+def test_slot_count_is_the_smallest_triangle():
+    for trips, s in [(1, 1), (2, 2), (3, 2), (4, 3), (6, 3), (7, 4), (1024, 45), (1035, 45), (1036, 46)]:
+        assert loopmodel.slot_count(trips) == s
+        assert sum(loopmodel.tapered_chunks(s, trips)) == trips
+        assert max(j + n for j, n in enumerate(loopmodel.tapered_chunks(s, trips))) <= s
 
 
 def test_chunked_scan_stores_no_output_list():
@@ -733,7 +770,9 @@ def test_prepare_rejects_what_is_not_a_while_op():
 
 
 @pytest.mark.parametrize("kind,k,inner", [("sometimes", 0, "per_step"), ("chunk", 0, "per_step"),
-                                          ("chunk", 2.5, "per_step"), ("chunk", 4, "all")])
+                                          ("chunk", 2.5, "per_step"), ("chunk", 4, "all"),
+                                          ("chunk", True, "per_step"), ("slots", 0, "per_step"),
+                                          ("slots", 3.0, "per_step"), ("slots", 3, "store")])
 def test_loop_choice_rejects_bad_values(kind, k, inner):
     with pytest.raises(LoopChoiceError):
         LoopChoice(kind, k=k, inner=inner)
@@ -794,8 +833,14 @@ def test_model_figures_of_a_keras_lstm():
     assert chunk.backward_bytes == step.backward_bytes + 4 * per.state_bytes
     assert loopmodel.recomputed_trips(body, LoopChoice.chunk(4)) == 32
     assert loopmodel.chunk_size(body, cpu) == 4  # sqrt(16)
+    # Tapered chunks of 6, 5, 4 and 1 trips: 4 states stored; the backward
+    # of chunk j holds the j before it, its own start and its trips': 7.
+    slots = loopmodel.figures(body, LoopChoice.slots(6), cpu)
+    assert slots.saved_bytes == 4 * per.state_bytes + per.read_lists_bytes
+    assert slots.backward_bytes == step.backward_bytes + 3 * per.state_bytes
+    assert loopmodel.recomputed_trips(body, LoopChoice.slots(6)) == 32
     assert [str(c) for c in loopmodel.candidates(body, cpu)] == [
-        "plain", "per-step", "chunk(k=4)", "chunk(k=2, inner=store)"]
+        "plain", "per-step", "chunk(k=4)", "chunk(k=2, inner=store)", "slots(s=6)"]
 
 
 # -- memory (fresh processes) -------------------------------------------------------
@@ -819,7 +864,8 @@ def measure_keras(method: str) -> dict:
     x = tf.constant(rng.randn(1024, MEMORY_T, 64).astype(np.float32))
     y = tf.constant(rng.randn(1024, 10).astype(np.float32))
     model = keras.Sequential([keras.Input((MEMORY_T, 64)), keras.layers.LSTM(128), keras.layers.Dense(10)])
-    choice = {"plain": None, "per_step": PER_STEP, "chunk": LoopChoice.chunk(11)}[method]
+    choice = {"plain": None, "per_step": PER_STEP, "chunk": LoopChoice.chunk(11),
+              "slots": LoopChoice.slots(16)}[method]
     applied = []
 
     @tf.function
@@ -849,6 +895,26 @@ def test_keras_lstm_peak_goes_down(fresh, method, max_ratio):
     assert got["applied"] == [{"per_step": "per-step", "chunk": "chunk(k=11)"}[method]]
     np.testing.assert_allclose(got["grad_sums"], plain["grad_sums"], rtol=1e-4)
     assert got["peak_above_bytes"] <= max_ratio * plain["peak_above_bytes"], (got, plain)
+
+
+#: slots(16) over chunk(11) at T=128: states of 1 MiB (h and c), at most
+#: 12 + 11 = 23 at once for the equal chunks, 17 for the tapered ones (13
+#: chunks of 16, 15, ..., 5 and 2 trips), beside a trip's recomputation.
+#: Measured in two runs: 22.5 and 21.8 MiB against 26.0 and 25.8 (0.87,
+#: 0.85; forecasts 22.0 and 28.0 MiB).
+SLOTS_OVER_CHUNK_MAX_RATIO = 0.92
+
+
+@pytest.mark.slow
+def test_tapered_chunks_hold_fewer_states_than_equal_ones(fresh):
+    """The same recomputation (each trip twice), fewer states at once: the
+    backward pass reaches the smaller chunks while more chunk states wait."""
+    plain, chunk, slots = (fresh.call(measure_keras, m, timeout_s=900)
+                           for m in ("plain", "chunk", "slots"))
+    assert slots["applied"] == ["slots(s=16)"]
+    np.testing.assert_allclose(slots["grad_sums"], plain["grad_sums"], rtol=1e-4)
+    assert slots["peak_above_bytes"] <= SLOTS_OVER_CHUNK_MAX_RATIO * chunk["peak_above_bytes"], (
+        slots, chunk)
 
 
 #: An LSTM cell over (h, c) as a tf.scan, loss on the last h: items of 512

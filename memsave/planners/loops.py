@@ -3,7 +3,7 @@
 A While op of the differentiated graph (a Keras RNN, ``tf.scan``, a
 ``tf.while_loop``) can be differentiated as while_v2 does (``plain``: every
 trip keeps what its gradient reads), per step (the loop state each trip,
-each trip recomputed backwards) or in chunks of k trips
+each trip recomputed backwards) or in chunks of trips, equal or tapered
 (:mod:`memsave.loops`, forecast by :mod:`memsave.loopmodel`). The choice
 changes what the loop op holds until its gradient runs, so it enters the
 one planning problem: :meth:`memsave.problem.Problem.with_loops` is the
@@ -65,8 +65,9 @@ SAME_PEAK_FRACTION = 0.02
 #: resident for 1.80x; chunk(k=17, inner=store) 0.033x for 1.56x.
 MEMORY_LOOP_FORWARDS = 1
 
-#: Combinations of loop choices tried exhaustively at most (four choices a
-#: loop: three loops); beyond, one loop at a time.
+#: Combinations of loop choices tried exhaustively at most (five choices a
+#: loop, :func:`memsave.loopmodel.candidates`: two loops; three for
+#: ``'memory'``, which weighs three); beyond, one loop at a time.
 MAX_COMBINATIONS = 64
 
 
@@ -165,7 +166,7 @@ def run(planner: Callable, problem: Problem, *, budget=None, options: Mapping | 
 
 def _order(loops: tuple[LoopDecision, ...], choices) -> int:
     """How far down the loops' candidate lists ``choices`` goes: plain, per
-    step, chunks, chunks storing a chunk's trips. Equal recompute goes to
+    step, chunks, chunks storing a chunk's trips, tapered chunks. Equal recompute goes to
     the simpler gradient (measured on a Keras LSTM at T=1024: per-step and
     chunk(k=17, inner=store) each recompute one forward of the loop; the
     chunks' step took 1.19x the per-step one's CPU time)."""
