@@ -53,8 +53,9 @@ equality on every decision of random heterogeneous chains).
 Notes
 -----
 ``O(m^2)`` probe simulations of ``O(n)`` each, then ``O(m^2)`` transitions
-with small Pareto sets: meant for chains of up to a few dozen cuts (the
-``auto`` choice sends larger problems to ``greedy``). Asked for by name on
+with small Pareto sets (about 4 m^2 probes): meant for chains of a dozen
+cuts or so (the ``auto`` choice sends it at most
+:data:`~memsave.planners.budget.DP_MAX_CUTS`, larger problems to ``greedy``). Asked for by name on
 a larger problem, it stops at its time limit (``time_limit_s``, default
 :data:`~memsave.planners.segments.DEFAULT_TIME_LIMIT_S`) and answers with
 ``greedy``'s plan, ``optimal=False``, and a warning: on the study's
@@ -276,7 +277,7 @@ def dp(space: Segments, budget_bytes: int, *, time_limit_s: float | None = None)
     except _OutOfTime:
         logger.warning(
             "memsave: solver 'dp' did not finish within time_limit_s=%g s (%d probe "
-            "simulations, %d candidate cuts; dp is meant for chains of a few dozen): the plan "
+            "simulations, %d candidate cuts; dp is meant for chains of a dozen or so): the plan "
             "is greedy's, not proven optimal. solver='auto' chooses a solver by the "
             "problem's size", limit, terms.probes, len(space.candidates))
         return greedy(space, budget_bytes)
