@@ -487,7 +487,7 @@ def _list_bound(while_op: tf.Operation, steps: int, bound: int, taper: int = 0) 
             if int(known) < 0:
                 value = -1
             elif taper:
-                value = taper_chunks(steps, int(known))
+                value = len(loopmodel.tapered_chunks(steps, int(known)))
             else:
                 value = -(-int(known) // steps)
             return constant_op.constant(value, dtype=limit.dtype, name="trip_bound")
@@ -979,14 +979,9 @@ def taper_tables(steps: int, length: int) -> tuple[list[int], list[int]]:
     return sizes, counts
 
 
-def taper_chunks(steps: int, trips: int) -> int:
-    """The number of tapered chunks of ``steps``, ``steps - 1``, ... trips
-    that ``trips`` trips make."""
-    return len(loopmodel.tapered_chunks(steps, trips))
-
-
 def _chunks_for(done: tf.Tensor, steps: int, length: int) -> tf.Tensor:
-    """The graph's :func:`taper_chunks` of ``done`` trips (an int tensor)."""
+    """The number of tapered chunks ``done`` trips make (an int tensor; past
+    the tables, chunks of one trip), as ``loopmodel.tapered_chunks``."""
     counts = tf.constant(taper_tables(steps, length)[1], dtype=done.dtype)
     top = tf.constant(length, done.dtype)
     return tf.gather(counts, tf.minimum(done, top)) + tf.maximum(done - top, 0)

@@ -48,8 +48,8 @@ the loop's own gradient holds one set; :mod:`memsave.simulate` counts G,
 knowing which inputs receive a gradient). The
 recomputation costs one forward of the loop per step (``per_step``,
 ``chunk(k, store)``) or two (``chunk(k)``, ``slots(s)``):
-:func:`recomputed_trips`. The chunk schedules need the loop to have no op that must not run twice
-(K = 0); :func:`memsave.loops.prepare` stores such a loop per step.
+:func:`recomputed_trips`. The chunk schedules need the loop to have no op
+that must not run twice (K = 0); :func:`memsave.loops.prepare` stores such a loop per step.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LoopChoice", "TripBytes", "trip_bytes", "figures", "stored_bytes", "recomputing_costs",
            "recomputed_trips",
-           "chunk_size", "slot_count", "tapered_chunks", "candidates", "LoopForecast", "LoopDecision", "options"]
+           "chunk_size", "slot_count", "tapered_chunks", "candidates", "LoopForecast",
+           "LoopDecision", "options"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -474,7 +474,6 @@ def test_tapered_chunk_tables_agree_with_the_model():
         assert sum(loopmodel.tapered_chunks(s, length)) == length
         for trips in range(length + 1):
             assert counts[trips] == len(loopmodel.tapered_chunks(s, trips)), (s, trips)
-        assert _tf_while.taper_chunks(s, length + 10) == len(loopmodel.tapered_chunks(s, length + 10))
 
 
 def test_slot_count_is_the_smallest_triangle():
