@@ -284,8 +284,9 @@ class Plan:
         if problem.extra_resident_bytes:
             out += (
                 f"the step also holds {problem.extra_resident_bytes:,} bytes besides what the "
-                "graph reads (optimizer slots, metric state, non-trainable variables: resident, "
-                "counted in both peaks)",)
+                "graph reads (extra_resident_bytes; in a Keras fit step the optimizer's slots, "
+                "metric state, non-trainable variables and the next batch the input pipeline "
+                "prefetches): resident, counted in both peaks",)
         return out
 
     @property
