@@ -60,7 +60,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Checkpoints = Union[str, Sequence[tf.Tensor]]
+Checkpoints = Union[str, Sequence[tf.Tensor], Plan]
 
 COLLECTION_KEY = "checkpoints"
 
@@ -243,6 +243,15 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options, *,
     if isinstance(checkpoints, str):
         planners.get(checkpoints, api=api)  # an unknown name fails before the graph is read
         name = checkpoints
+    elif isinstance(checkpoints, Plan):
+        name = "plan"
+        given_too = [k for k, v in (("strategy_options", strategy_options),
+                                    ("memory_budget", memory_budget), ("batch_size", batch_size),
+                                    ("extra_resident_bytes", extra_resident_bytes)) if v]
+        if given_too:
+            raise OptionsError(
+                f"{api}: checkpoints= is a Plan, made with its own planning options; "
+                f"{', '.join(given_too)} cannot change it. Pass them to memsave.plan instead")
     elif isinstance(checkpoints, (list, tuple)):
         name = "list"
         if strategy_options:
@@ -254,7 +263,7 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options, *,
     else:
         raise CheckpointError(
             f"{api}: checkpoints={checkpoints!r} is neither a strategy name "
-            f"({', '.join(planners.available())}) nor a list of tensors"
+            f"({', '.join(planners.available())}), a list of tensors nor a memsave.plan Plan"
         )
     tagged = []
     if name == "collection":
@@ -267,10 +276,31 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options, *,
     unsupported = _not_rewritable(ex, xs, graph)
     if unsupported:
         return args, ex, problem.plan(name, (), {}, note=unsupported)
+    if name == "plan":
+        return args, ex, _validate_plan(checkpoints, ex, api)
     if name == "list":
         return args, ex, given(problem, _validate_list(checkpoints, ex, ys, xs))
     return args, ex, planners.run(name, problem, budget=memory_budget, options=strategy_options,
                                   api=api)
+
+
+def _graph_key(fg) -> tuple:
+    """What a plan's tensor and op ids refer to in ``fg``: two forward graphs
+    with equal keys number the same tensors alike (tf.function retraces
+    included), so a plan of one is a plan of the other."""
+    return (tuple((op.name, op.type, op.inputs, op.outputs) for op in fg.ops),
+            tuple((t.name, t.kind, t.shape, t.size_bytes) for t in fg.tensors),
+            fg.xs, fg.ys, fg.xla)
+
+
+def _validate_plan(p: Plan, ex: Extraction, api: str) -> Plan:
+    """``p`` itself, when it was made for the forward graph ``ex`` holds."""
+    if _graph_key(p.problem.base.fg) != _graph_key(ex.fg):
+        raise GraphMismatchError(
+            f"{api}: checkpoints= is a Plan of another forward graph (made by memsave.plan "
+            "with other ys or xs, or before the model or its input shapes changed); plan "
+            "again with the ys and xs given here")
+    return p
 
 
 @tf.autograph.experimental.do_not_convert
@@ -307,9 +337,14 @@ def plan(
     memory_budget, extra_resident_bytes
         As for :func:`gradients`.
 
+    The Plan can be given to :func:`gradients` as ``checkpoints``, which then
+    builds it without planning again.
+
     Examples
     --------
-    >>> print(memsave.plan(loss, params, checkpoints="memory").summary())  # doctest: +SKIP
+    >>> p = memsave.plan(loss, params, checkpoints="memory")  # doctest: +SKIP
+    >>> print(p.summary())  # doctest: +SKIP
+    >>> grads = memsave.gradients(loss, params, checkpoints=p)  # doctest: +SKIP
     """
     _, _, p = _prepare(ys, xs, None, checkpoints, stop_gradients, strategy_options,
                        memory_budget=memory_budget, batch_size=batch_size,
@@ -352,8 +387,10 @@ def gradients(
         (about sqrt(n) articulation points), ``'speed'`` (outputs of
         convolutions and matrix products), any planner registered in
         :mod:`memsave.planners` (or strategy registered with
-        :func:`memsave.strategies.register`), or a list of tensors between
-        xs and ys.
+        :func:`memsave.strategies.register`), a list of tensors between
+        xs and ys, or a :class:`~memsave.record.Plan` that :func:`plan`
+        made for these ys and xs: it is built as it is, without planning
+        again (what its ``summary()`` showed is what runs).
     strategy_options : mapping, optional
         Keyword options of the named planner (e.g. ``{"num_checkpoints":
         8}`` for ``'memory'``); with ``memory_budget``, ``solver`` (``'auto'``,
@@ -381,13 +418,15 @@ def gradients(
     EagerExecutionError
         When called eagerly (use tf.function, or tf.GradientTape).
     GraphMismatchError
-        When ys, xs, grad_ys or checkpoints come from different graphs.
+        When ys, xs, grad_ys or checkpoints come from different graphs, or
+        a Plan given as ``checkpoints`` was made for another forward graph.
     CheckpointError
         When a listed checkpoint is a y or is not between xs and ys.
     UnknownStrategyError
         When ``checkpoints`` names no registered planner.
     OptionsError
-        When ``strategy_options`` holds an option the planner does not take.
+        When ``strategy_options`` holds an option the planner does not take,
+        or planning options come with a Plan.
     MemoryBudgetError
         When ``memory_budget`` is invalid or below the smallest forecast
         peak (its ``min_peak_bytes``).
@@ -462,7 +501,8 @@ def _build_gradients(ys, xs, grad_ys, checkpoints, *, name, colocate_gradients_w
         aggregation_method=aggregation_method,
         colocate_gradients_with_ops=colocate_gradients_with_ops,
     )
-    if p.loops or planners.decides_loops(p.strategy, memory_budget, strategy_options):
+    budget = memory_budget if p.budget is None else p.budget_bytes  # (a Plan given: its own)
+    if p.loops or planners.decides_loops(p.strategy, budget, strategy_options):
         with graph.as_default():
             prepared = loops.apply(p.loops, graph, xs=xs, ops=[op.name for op in ex.fg.ops])
         if p.schedule is None and any(r.applied.kind != "plain" for r in prepared.values()):

@@ -263,3 +263,70 @@ def test_a_process_without_onednn_is_told_the_cpu_forecast_is_onednns(fresh, one
     proc = fresh.run([sys.executable, "-c", _ONEDNN_SCRIPT], env=env, timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.count("without oneDNN") == (1 if onednn == "0" else 0), proc.stderr[-2000:]
+
+
+# -- a Plan given to memsave.gradients ---------------------------------------------------
+
+
+def _chain_weights(width=64, layers=8):
+    rng = np.random.default_rng(1)
+    return [tf.Variable(rng.standard_normal((width, width), dtype=np.float32) * 0.2)
+            for _ in range(layers)]
+
+
+def _small_chain(ws, batch=256):
+    x = tf.constant(np.random.default_rng(2).standard_normal(
+        (batch, ws[0].shape[0]), dtype=np.float32))
+    h = x
+    for w in ws:
+        h = tf.tanh(tf.matmul(h, w))
+    return tf.reduce_sum(h * h)
+
+
+@pytest.mark.parametrize("mode", ["session", "function"])
+def test_gradients_build_a_given_plan_without_planning_again(evaluate, mode, monkeypatch):
+    from memsave import planners
+
+    calls = []
+    run = planners.run
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(planners, "run", counted)
+    plans = []
+
+    def body(ws):
+        loss = _small_chain(ws)
+        p = memsave.plan(loss, ws, checkpoints="memory",
+                         strategy_options={"min_saving_fraction": 0.0})
+        plans.append(p)
+        before = len(tf.compat.v1.get_default_graph().get_operations())
+        ours = memsave.gradients(loss, ws, checkpoints=p)
+        added = tf.compat.v1.get_default_graph().get_operations()[before:]
+        plans.append(sum(1 for op in added if op.type == "Tanh"))  # the copies it recomputes
+        return ours, tf.gradients(loss, ws)
+
+    ours, ref = evaluate(mode, _chain_weights, body)
+    plan, copies = plans[-2], plans[-1]
+    assert calls == ["memory"] * (len(plans) // 2)  # planned by memsave.plan only
+    assert plan.recomputed_ops > 0 and copies > 0, plan.summary()  # the rewrite ran
+    for g, r in zip(ours, ref, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_a_plan_of_another_graph_or_with_planning_options_is_refused():
+    with tf.Graph().as_default():
+        ws = _chain_weights()
+        loss = _small_chain(ws)
+        p = memsave.plan(loss, ws, checkpoints="memory")
+        with pytest.raises(memsave.GraphMismatchError, match="another forward graph"):
+            memsave.gradients(loss, ws[1:], checkpoints=p)
+        with pytest.raises(memsave.OptionsError, match="memory_budget"):
+            memsave.gradients(loss, ws, checkpoints=p, memory_budget=0.5)
+    with tf.Graph().as_default():
+        ws = _chain_weights()
+        other = _small_chain(ws, batch=128)  # the same names, other shapes
+        with pytest.raises(memsave.GraphMismatchError):
+            memsave.gradients(other, ws, checkpoints=p)
