@@ -8,12 +8,15 @@ two-block Transformer encoder built from ``keras.layers.MultiHeadAttention``.
 Differential, two drivers:
 
 * custom loop: one ``tf.function`` (with or without ``jit_compile``) runs
-  the forward pass under a ``tf.GradientTape``, then asks both
-  ``memsave.gradients(loss, weights, checkpoints=...)`` and the tape for the
-  gradients of the same loss: one forward pass, one call, so the values are
-  compared on identical activations. For 'collection' the step adds the
-  outputs of chosen layers (:data:`CHECKPOINT_LAYERS`) to the
-  ``'checkpoints'`` collection. The plan must recompute (steps > 0).
+  the forward pass under a ``tf.GradientTape``, then asks both memsave
+  (``memsave.plan(loss, weights, checkpoints=...)``, then
+  ``memsave.gradients`` given that Plan: planned once, and the plan the test
+  reads is the one built) and the tape for the gradients of the same loss:
+  one forward pass, one call, so the values are compared on identical
+  activations. (The fit cases plan inside ``memsave.gradients``.) For
+  'collection' the step adds the outputs of chosen layers
+  (:data:`CHECKPOINT_LAYERS`) to the ``'checkpoints'`` collection. The
+  plan must recompute (steps > 0).
 * ``fit``: one step of ``model.fit`` after ``memsave.keras.checkpointed``
   (for 'collection': the layer names of :data:`CHECKPOINT_LAYERS`) and one
   step of plain ``fit`` on a model with the same weights; an optimizer that
@@ -243,7 +246,7 @@ def _custom_loop_gradients(model_name, strategy, jit):
             tf.compat.v1.add_to_collection("checkpoints", t)
         opts = _KEEP_ANY_PLAN if strategy in _KEEP_ANY_PLAN_STRATEGIES else None
         plans.append(memsave.plan(loss, weights, checkpoints=strategy, strategy_options=opts))
-        ours = memsave.gradients(loss, weights, checkpoints=strategy, strategy_options=opts)
+        ours = memsave.gradients(loss, weights, checkpoints=plans[-1])
         return ours, tape.gradient(loss, weights)
 
     ours, ref = step(tf.constant(x), tf.constant(y))
