@@ -239,3 +239,46 @@ def test_a_presets_search_simulates_a_bounded_number_of_plans(monkeypatch):
     assert bounded <= 1 + candidates + 2 * bound, bounded
     unbounded, _ = simulations(10**9)
     assert unbounded > 2 * bound, (bounded, unbounded)
+
+
+def test_a_budget_only_a_memory_plan_meets_is_met_and_a_refusal_names_a_feasible_peak():
+    # On this 120-op chain the plans 'memory' weighs reach a lower forecast
+    # peak (33.6 MB) than any plan of the budget solvers' coarsened cuts
+    # (40.9 MB): a budget between the two is met by one of them, and a
+    # refusal's smallest peak is one memsave can plan.
+    import random
+
+    fg = H.random_chain(random.Random(0), 120)
+    problem = Problem(fg)
+    peaks = {c: problem.peak(problem.schedule(c)) for c in problem.memory_plans()}
+    lowest = min(peaks.values())
+    try:
+        planners.run("greedy", Problem(fg), budget=lowest)
+    except memsave.MemoryBudgetError as e:
+        solvers_lowest = e.min_peak_bytes
+    else:
+        pytest.fail("the solver meets the budget alone: the case no longer tests the fallback")
+    assert solvers_lowest > lowest
+
+    plan = planners.run("auto", Problem(fg), budget=lowest)
+    assert plan.solver == "memory" and plan.budget.feasible and not plan.optimal
+    assert plan.predicted_peak_bytes <= lowest
+    assert plan.schedule is not None and plan.recomputed_ops > 0
+    fresh = simulate(fg, plan.schedule, problem.costs, model=problem.model, timeline=False)
+    assert fresh.peak_bytes == plan.predicted_peak_bytes
+    # Of the plans that fit, the least forecast recompute time.
+    fitting = [c for c, p in peaks.items() if p <= lowest]
+    assert plan.recompute_seconds <= min(
+        problem.recompute_nanoseconds(problem.schedule(c)) for c in fitting) / 1e9 + 1e-9
+
+    with pytest.raises(memsave.MemoryBudgetError, match="solver 'memory'") as info:
+        planners.run("auto", Problem(fg), budget=lowest - 1)
+    assert info.value.min_peak_bytes == lowest
+    # Across the switch from 'memory''s plans to the solver's: every plan
+    # fits, and a smaller budget never gets a larger forecast peak.
+    last = 0
+    for budget in (lowest, (lowest + solvers_lowest) // 2, solvers_lowest, 2 * solvers_lowest):
+        p = planners.run("auto", Problem(fg), budget=budget)
+        assert p.predicted_peak_bytes <= budget
+        assert p.predicted_peak_bytes >= last
+        last = p.predicted_peak_bytes
