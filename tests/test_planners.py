@@ -20,6 +20,8 @@ without a budget and with one, and checks what every planner must do:
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 import handgraphs as H
@@ -246,8 +248,6 @@ def test_a_budget_only_a_memory_plan_meets_is_met_and_a_refusal_names_a_feasible
     # peak (33.6 MB) than any plan of the budget solvers' coarsened cuts
     # (40.9 MB): a budget between the two is met by one of them, and a
     # refusal's smallest peak is one memsave can plan.
-    import random
-
     fg = H.random_chain(random.Random(0), 120)
     problem = Problem(fg)
     peaks = {c: problem.peak(problem.schedule(c)) for c in problem.memory_plans()}
