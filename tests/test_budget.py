@@ -7,6 +7,9 @@ between its smallest forecast peak and the plain one.
 
 from __future__ import annotations
 
+import random
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -14,6 +17,7 @@ import tensorflow as tf
 import memsave
 import memsave.keras
 from memsave import MemoryBudgetError
+from memsave.planners.budget import least_fraction, resolve_budget
 
 LAYERS = 12
 WIDTH = 256
@@ -75,8 +79,29 @@ def test_bytes_budget_and_infeasible_budget():
     with pytest.raises(MemoryBudgetError, match="smallest forecast peak") as e:
         _plan(0.01)
     assert e.value.min_peak_bytes > 0.01 * plan.baseline_peak_bytes
-    # The smallest peak it reports is a budget that works.
+    # The smallest peak it reports is a budget that works, and so is the
+    # fraction it names.
     assert _plan(int(e.value.min_peak_bytes)).feasible
+    assert _plan(_named_fraction(e.value)).feasible
+
+
+def _named_fraction(error: MemoryBudgetError) -> float:
+    return float(re.search(r"or >= ([0-9.]+) as a fraction", str(error)).group(1))
+
+
+def test_the_fraction_a_refusal_names_is_rounded_up():
+    # 33.34% of the plain peak, rounded to nearest, is 0.333: a budget below
+    # the peak, refused again.
+    assert least_fraction(3334, 10000) == " (or >= 0.334 as a fraction)"
+    assert least_fraction(3330, 10000) == " (or >= 0.333 as a fraction)"
+    assert least_fraction(10001, 10000) == ""  # no fraction in (0, 1] reaches it
+    rng = random.Random(0)
+    for _ in range(2000):
+        base = rng.randrange(1, 10**10)
+        low = rng.randrange(1, base + 1)
+        f = float(least_fraction(low, base).split(">= ")[1].split()[0])
+        assert resolve_budget(f, base, api="t") >= low, (low, base, f)
+        assert f == 0.001 or resolve_budget(round(f - 0.001, 3), base, api="t") < low
 
 
 def test_an_infeasible_budget_raises_through_autograph_and_keras_fit():

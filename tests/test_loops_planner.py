@@ -13,6 +13,7 @@ loss histories equal plain fit's.
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -287,6 +288,8 @@ def test_budget_below_every_choice_says_the_smallest_peak(graph):
         memsave.plan(loss, [Wv, Uv], memory_budget=1000)
     assert e.value.min_peak_bytes is not None and e.value.min_peak_bytes > 1000
     assert memsave.plan(loss, [Wv, Uv], memory_budget=e.value.min_peak_bytes).feasible
+    fraction = float(re.search(r"or >= ([0-9.]+) as a fraction", str(e.value)).group(1))
+    assert memsave.plan(loss, [Wv, Uv], memory_budget=fraction).feasible
 
 
 def test_a_fraction_of_a_plain_peak_of_0_bytes_keeps_every_loop_plain(graph):

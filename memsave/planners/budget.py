@@ -41,6 +41,7 @@ profile), not FLOPs.
 
 from __future__ import annotations
 
+import math
 import numbers
 import time
 from collections.abc import Callable, Sequence
@@ -106,6 +107,19 @@ def resolve_budget(memory_budget, baseline_peak_bytes: int, *, api: str) -> int:
             "and must be in (0, 1]; pass bytes as an int"
         )
     return int(memory_budget * baseline_peak_bytes)
+
+
+def least_fraction(peak_bytes: int, baseline_peak_bytes: int) -> str:
+    """`` (or >= f as a fraction)`` for a refusal: the smallest fraction of
+    three decimals that :func:`resolve_budget` turns into at least
+    ``peak_bytes`` (a fraction rounded to nearest could name a budget that is
+    refused again); empty when no fraction in (0, 1] reaches it."""
+    if baseline_peak_bytes <= 0:
+        return ""
+    f = math.ceil(peak_bytes * 1000 / baseline_peak_bytes) / 1000
+    while int(f * baseline_peak_bytes) < peak_bytes:
+        f = round(f + 0.001, 3)
+    return f" (or >= {f:.3f} as a fraction)" if 0.0 < f <= 1.0 else ""
 
 
 def is_chain(space: Segments) -> bool:
@@ -265,8 +279,7 @@ def _solve(problem: Problem, memory_budget, solver: str, time_limit_s, api: str,
             f"smallest forecast peak memsave found, {low:,} bytes ({low / max(baseline, 1):.1%} "
             f"of tf.gradients' {baseline:,}; solver {name!r}"
             f"{', proven' if out.optimal and name != 'memory' else ''}); "
-            f"pass memory_budget >= {low} "
-            f"(or >= {low / max(baseline, 1):.3f} as a fraction), or a smaller batch",
+            f"pass memory_budget >= {low}{least_fraction(low, baseline)}, or a smaller batch",
             min_peak_bytes=low,
         )
     out, name, space = found

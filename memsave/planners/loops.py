@@ -90,7 +90,7 @@ def run(planner: Callable, problem: Problem, *, budget=None, options: Mapping | 
     peak (every byte counted) is at most that, instead of the lowest peak;
     none: the planner's plan with every loop plain.
     """
-    from memsave.planners.budget import resolve_budget
+    from memsave.planners.budget import least_fraction, resolve_budget
 
     options = dict(options or {})
     loops = problem.loops
@@ -157,8 +157,8 @@ def run(planner: Callable, problem: Problem, *, budget=None, options: Mapping | 
             f"{api}: memory_budget={budget!r} ({budget_bytes:,} bytes) is below the smallest "
             f"forecast peak memsave found"
             + (f", {low:,} bytes ({low / max(baseline, 1):.1%} of tf.gradients' {baseline:,}; "
-               f"loops: {said}); pass memory_budget >= {low} (or >= "
-               f"{low / max(baseline, 1):.3f} as a fraction)" if low is not None else "")
+               f"loops: {said}); pass memory_budget >= {low}"
+               f"{least_fraction(low, baseline)}" if low is not None else "")
             + ", or a smaller batch or shorter sequences",
             min_peak_bytes=low)
     return _with_decisions(best[0], loops)
