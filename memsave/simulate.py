@@ -600,6 +600,7 @@ class ForwardProgram:
         self._identity: list[int] = []
         self._names: tuple[list[str], list[str]] | None = None  # of the ops, of the tensors
         self._forward_labels: list[str] | None = None
+        self._floor: tuple | None = None  # turn_floor's tables
 
     def _prepare_replays(self, p: _Program) -> None:
         """What every replay (:func:`_replay`) starts from.
@@ -854,6 +855,70 @@ class ForwardProgram:
                 scratch = xm.gradient_scratch(i, recomputed=recomputed)
                 early = bool(forward_early) or bool(copy_early) or g[4]
                 plans[i] = g[:4] + (early, g[5] + ((scratch,) if scratch else ())) + g[6:]
+
+    def turn_floor(self, schedule: Schedule | None) -> int:
+        """A lower bound on the forecast peak of ``schedule`` (None: plain
+        tf.gradients) without building its program: the bytes certainly
+        alive when backprop starts, extra resident bytes not included.
+
+        The resident bytes, the seeds (``grad_ys``: made before any gradient
+        runs), and each forward buffer a step reads after the turn: what the
+        proxies of a recompute step read (its boundary) and what the
+        gradients of a backprop step read, for the steps and ops that a
+        gradient reaches (:meth:`_floor_tables`; the builder skips the
+        others). Each of those buffers is made in the forward pass and read
+        after the seeds, so all of them are alive together, and none was
+        written in place (its last reader is later). Under XLA, whose order
+        interleaves forward and backward, only the resident bytes.
+        tests/test_solvers.py checks it against every decision of its cases.
+        """
+        if self.fg.xla:
+            return self.resident_counted
+        if self._floor is None:
+            self._floor = self._floor_tables()
+        flows, buffer_of, reads_of, seeds = self._floor
+        read: set[int] = set()
+        if schedule is None:  # plain: one backprop stage over every op
+            read.update(itertools.chain.from_iterable(reads_of))
+        else:
+            for step in schedule.steps:
+                if step.kind == "recompute":
+                    if any(flows[h] for h in step.heads):
+                        read.update(map(buffer_of.__getitem__, step.boundary))
+                else:
+                    read.update(itertools.chain.from_iterable(map(reads_of.__getitem__, step.ops)))
+        read.discard(-1)
+        counted = self.counted
+        return self.resident_counted + seeds + sum([counted[v] for v in read])
+
+    def _floor_tables(self) -> tuple[list[bool], list[int], list[tuple[int, ...]], int]:
+        """For :meth:`turn_floor`, whatever the schedule: per tensor, whether
+        backprop sends it a gradient (from the ys, through the ops with a
+        gradient to the inputs they differentiate, as the builder does), and
+        the forward buffer it is on (the value its forward value views; -1
+        for a resident one); per op, the buffers its gradient reads when a
+        gradient reaches it; and the counted bytes of the seeds."""
+        fg, plans = self.fg, self.gradient_plans
+        flows = [False] * len(fg.tensors)
+        for y in fg.ys:
+            flows[y] = True
+        for i in range(len(fg.ops) - 1, -1, -1):
+            outputs, has_gradient, targets = plans[i][1], plans[i][2], plans[i][8]
+            if has_gradient and any(flows[t] for t in outputs):
+                for target in targets:
+                    flows[target[0]] = True
+        alias = self.program[1]
+        root = list(range(len(alias)))
+        for v, a in enumerate(alias):
+            if a >= 0:
+                root[v] = root[a]
+        resident = frozenset(self.program[2])
+        buffer_of = [-1 if v < 0 or root[v] in resident else root[v] for v in self.orig]
+        reads_of = [tuple(buffer_of[t] for t in plan[3])
+                    if plan[2] and any(flows[t] for t in plan[1]) else ()
+                    for plan in plans]
+        seeds = sum(self.counted_of[self.costs.tensor_bytes[y]] for y in dict.fromkeys(fg.ys))
+        return flows, buffer_of, reads_of, seeds
 
     def label(self, label: tuple[Event, int]) -> str:
         """An event's name (``"run dense/MatMul"``)."""

@@ -29,9 +29,11 @@ import pytest
 
 import handgraphs as H
 from memsave import planners
+from memsave.memory_model import BFC, MemoryModel
 from memsave.planners import budget as B
 from memsave.planners import milp as milp_module
 from memsave.planners.dp import _Terms
+from memsave.planners.greedy import family, greedy
 from memsave.planners.segments import Decision, Segments
 from memsave.problem import Problem
 
@@ -144,6 +146,7 @@ def _oracle(name):
             assert p.cost(e.decision) == e.recompute_ns
             assert p.lower_bound(e.decision) <= e.recompute_ns, e.decision
             assert p.turn_bound(e.decision) <= e.peak_bytes, e.decision
+            assert p.turn_floor(e.decision) <= e.peak_bytes, e.decision
             ns, peak = master.bound(p.groups(e.decision))
             assert ns <= e.recompute_ns and peak <= e.peak_bytes, (e.decision, ns, peak)
         lo = min(e.peak_bytes for e in evs)
@@ -285,6 +288,64 @@ def test_dp_chain_model_equals_the_simulator_on_every_decision(case):
     assert checked == 3 * 4 ** (n - 1)
     if "conv" in case:  # the conv chains' expensive-kept groups keep something
         assert any(p.expensive_outputs)
+
+
+#: Graphs of a few hundred ops, where greedy's family is large and the floor
+#: it prunes with (Segments.turn_floor) matters.
+FLOOR_GRAPHS = {
+    "dag": lambda: H.random_dag(random.Random(3), 150),
+    "chain": lambda: H.random_chain(random.Random(4), 150),
+    "residual convs": lambda: H.conv_chain(random.Random(5), 12, skips=True),
+    "unet": H.unet,
+}
+
+
+@pytest.mark.parametrize("name", list(FLOOR_GRAPHS))
+def test_the_turn_floor_is_below_every_simulated_peak(name):
+    # What greedy prunes with: the bytes a schedule certainly holds when
+    # backprop starts. Never above the simulated peak, on greedy's whole
+    # family and plain backprop, under both allocators and the every-byte
+    # model, with extra resident bytes, gradients kept or not.
+    fg = FLOOR_GRAPHS[name]()
+    above_turn_bound = 0
+    for model in (MemoryModel(), MemoryModel(allocator=BFC)):
+        problem = Problem(fg, model=model, extra_resident_bytes=3 * H.MiB)
+        for space in (Segments(problem), Segments(problem, model=problem.judge)):
+            plans = family(space) + [Decision.of(stored=range(len(space.segments)))]
+            for d in plans:
+                sched = space.evaluate(d).schedule
+                floor = space.turn_floor(d)
+                assert floor <= space.evaluate(d).peak_bytes, (d, floor)
+                assert floor <= problem.peak(sched, model=space.model, gradients_kept=False), d
+                above_turn_bound += floor > space.turn_bound(d)
+    assert above_turn_bound  # tighter than the bound without a schedule somewhere
+
+
+@pytest.mark.parametrize("name", ["dag", "residual convs"])
+def test_greedy_answers_the_same_without_simulating_what_the_floor_rules_out(name, monkeypatch):
+    # A plan whose floor is over the budget cannot fit: greedy skips its
+    # simulation, and every answer (the plan, its peak, feasible or not, with
+    # and without 'memory''s cap on simulations) is the one it gave when it
+    # simulated them all.
+    fg = FLOOR_GRAPHS[name]()
+    plain = Problem(fg).peak(None)
+    budgets = [int(f * plain) for f in (0.9, 0.97)] + [1]
+
+    def answers():
+        out, simulated = [], 0
+        for budget in budgets:
+            for cap in (None, 6):
+                space = Segments(Problem(fg))
+                ev = greedy(space, budget, max_simulations=cap).evaluation
+                out.append((budget, cap, ev.decision, ev.peak_bytes))
+                simulated += space.evaluations
+        return out, simulated
+
+    with_floor, fewer = answers()
+    monkeypatch.setattr(Segments, "turn_floor", lambda self, d: 0)
+    without_floor, every = answers()
+    assert with_floor == without_floor
+    assert fewer < every, (fewer, every)
 
 
 def test_stored_segments_trade_memory_for_recompute():

@@ -47,7 +47,8 @@ that sums over steps are exact. The FLOPs of the copies made
 call a memory-bound batch norm free and do not see that a copy of a kept
 convolution never runs, so the solvers do not minimise them.
 
-The lower bounds the solvers prune with (:class:`TurnBound` on the peak,
+The lower bounds the solvers prune with (:class:`TurnBound` on the peak
+without a schedule, :meth:`Segments.turn_floor` with one,
 :class:`StepBounds` on the gates' seconds) are here too, which makes the
 module some 600 lines: they read the space's private tables (which ops
 are never copied, which segment holds an op) and are exact only as long
@@ -332,6 +333,14 @@ class Segments:
                         problem.costs.recompute_flops(sched), problem.recompute_nanoseconds(sched))
         self._cache[d] = ev
         return ev
+
+    def turn_floor(self, d: Decision) -> int:
+        """A lower bound on ``evaluate(d).peak_bytes`` from ``d``'s schedule
+        without simulating it (:meth:`Problem.turn_floor`): tighter than
+        :attr:`turn_bound`, which needs no schedule, where tensors that
+        cross cuts are kept (on a DAG with skips) or a step's seeds are
+        large. tests/test_solvers.py checks it on every decision of its cases."""
+        return self.problem.turn_floor(self._schedule(self.canonical(d))[2], model=self.model)
 
     def segment_nanoseconds(self, k: int, *, expensive: bool = False) -> int:
         """An estimate, without a schedule, of the nanoseconds recomputing
