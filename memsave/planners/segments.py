@@ -337,8 +337,8 @@ class Segments:
     def turn_floor(self, d: Decision) -> int:
         """A lower bound on ``evaluate(d).peak_bytes`` from ``d``'s schedule
         without simulating it (:meth:`Problem.turn_floor`): tighter than
-        :attr:`turn_bound`, which needs no schedule, where tensors that
-        cross cuts are kept (on a DAG with skips) or a step's seeds are
+        :attr:`turn_bound`, which needs no schedule, where the schedule keeps
+        tensors that cross the cuts (a DAG with skips) or the seeds are
         large. tests/test_solvers.py checks it on every decision of its cases."""
         return self.problem.turn_floor(self._schedule(self.canonical(d))[2], model=self.model)
 
