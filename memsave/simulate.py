@@ -907,11 +907,7 @@ class ForwardProgram:
             if has_gradient and any(flows[t] for t in outputs):
                 for target in targets:
                     flows[target[0]] = True
-        alias = self.program[1]
-        root = list(range(len(alias)))
-        for v, a in enumerate(alias):
-            if a >= 0:
-                root[v] = root[a]
+        root = view_roots(self.program[1])
         resident = frozenset(self.program[2])
         buffer_of = [-1 if v < 0 or root[v] in resident else root[v] for v in self.orig]
         reads_of = [tuple(buffer_of[t] for t in plan[3])
@@ -958,6 +954,18 @@ class _Counted(dict):
     def __missing__(self, nbytes: int) -> int:
         found = self[nbytes] = self.allocator.counted(nbytes)
         return found
+
+
+def view_roots(alias: Sequence[int]) -> list[int]:
+    """Per value of a program, the value whose buffer it is on through views
+    (``alias``: the value each one views, or -1; a view comes after what it
+    views), itself when it views nothing. In-place writes are not followed:
+    the replay decides those."""
+    root = list(range(len(alias)))
+    for v, a in enumerate(alias):
+        if a >= 0:
+            root[v] = root[a]
+    return root
 
 
 def copies_that_run(fg: ForwardGraph, costs: Costs):

@@ -75,7 +75,7 @@ import time
 
 from memsave.planners.greedy import greedy
 from memsave.planners.segments import DEFAULT_TIME_LIMIT_S, Outcome, Segments
-from memsave.simulate import program_and_timeline
+from memsave.simulate import program_and_timeline, view_roots
 
 __all__ = ["dp"]
 
@@ -176,11 +176,7 @@ class _Terms:
         for k in range(n_instr):
             for r in prog.reads[k]:
                 last[r] = k
-        root = list(range(n_val))
-        for v in range(n_val):
-            a = prog.alias[v]
-            if a >= 0:
-                root[v] = root[a]
+        root = view_roots(prog.alias)
         eff_last = list(last)
         for v in range(n_val):
             if root[v] != v and last[v] > eff_last[root[v]]:
