@@ -27,8 +27,9 @@ from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.util import deprecation
 
 #: The stock tf.gradients (v1 signature, with colocate_gradients_with_ops),
-#: saved when memsave is imported so that memsave.patch can replace every
-#: public alias and memsave still reaches the original.
+#: saved when this module is first imported (by the first use of
+#: memsave.gradients or memsave.patch), so that memsave.patch can replace
+#: every public alias and memsave still reaches the original.
 original_gradients = gradients_impl.gradients
 #: The stock tf.gradients of the TF2 API (no colocate_gradients_with_ops).
 original_gradients_v2 = gradients_impl.gradients_v2

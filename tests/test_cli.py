@@ -6,9 +6,11 @@ batches :func:`memsave.keras.max_batch_size` gives, and every bad input
 ends in exit status 2 with exactly one line on stderr. The slow test runs
 ``python -m memsave`` itself in fresh processes: ``--help``, a table, and
 each bad input (exit status 2, one line of memsave's on stderr, no
-traceback; TensorFlow's own C++ start-up lines, which ``import memsave``
+traceback; TensorFlow's own C++ start-up lines, which loading TensorFlow
 prints before any memsave code runs, are recognised by comparison with a
-bare ``import memsave`` and set aside).
+bare ``import memsave.keras`` and set aside). Two quick processes check
+that ``import memsave`` and ``--help`` load no TensorFlow, and that without
+TensorFlow ``import memsave`` says what to install.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import os
 import pathlib
 import re
+import subprocess
 import sys
 import textwrap
 
@@ -178,6 +181,64 @@ def test_bad_input_is_one_line_and_status_2(files, capsys, monkeypatch, case):
     assert len(lines) == 1, err
     assert lines[0].startswith("memsave: error: ") and says in lines[0], lines[0]
     assert "Traceback" not in err and out == ""
+
+
+# -- importing memsave -------------------------------------------------------------------
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+
+
+def test_import_memsave_and_help_load_no_tensorflow():
+    # PEP 562: memsave's names load on first use; errors and the CLI's
+    # argument parsing need no TensorFlow (--help answers in a fraction of a second).
+    proc = _python(textwrap.dedent("""
+        import runpy, sys
+        import memsave
+        assert "tensorflow" not in sys.modules, "import memsave"
+        assert issubclass(memsave.MemoryBudgetError, memsave.MemsaveError)
+        assert "tensorflow" not in sys.modules, "memsave.MemsaveError"
+        sys.argv = ["memsave", "--help"]
+        try:
+            runpy.run_module("memsave", run_name="__main__")
+        except SystemExit as e:
+            assert e.code == 0, e.code
+        assert "tensorflow" not in sys.modules, "python -m memsave --help"
+        print("ok")
+    """))
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "ok", proc.stderr
+    assert "plan" in proc.stdout  # the help text
+
+
+def test_names_load_on_first_use_and_patch_is_the_function():
+    proc = _python(textwrap.dedent("""
+        import sys
+        import memsave
+        import memsave.patching  # the module first: memsave.patch must stay the function
+        assert callable(memsave.patch) and memsave.patch is memsave.patching.patch
+        assert memsave.gradients.__module__ == "memsave.api"
+        assert memsave.simulate.__name__ == "memsave.simulate"
+        assert "tensorflow" in sys.modules
+        assert set(memsave.__all__) <= set(dir(memsave))
+        try:
+            memsave.no_such_name
+        except AttributeError as e:
+            assert "no_such_name" in str(e)
+        else:
+            raise AssertionError("memsave.no_such_name did not raise")
+        print("ok")
+    """))
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "ok", proc.stderr
+
+
+def test_without_tensorflow_import_memsave_says_what_to_install():
+    proc = _python("import sys; sys.modules['tensorflow'] = None; import memsave")
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: memsave needs TensorFlow"), proc.stderr
+    assert "pip install 'memsave[tensorflow-cpu]'" in last
 
 
 # -- as a command, in fresh processes ------------------------------------------------------
