@@ -135,9 +135,10 @@ def build_schedule(
     copyable = list(tables.recomputable)  # by op index; stored ops are not
     kept: set[int] = set(tables.kept)
     kept.update(checkpoints)
+    held = tables.held
     for i in stored:
         copyable[i] = False
-        kept.update(_held_in_place(fg, ops[i]))
+        kept.update(held[i])
 
     _keep_shared_frontier(fg, kept, copyable)
 
@@ -245,12 +246,17 @@ class _Tables:
     # function reads as the forward pass made them (alive until its gradient
     # anyway, they are kept, not recomputed).
     kept: frozenset[int]
+    held: tuple[tuple[int, ...], ...]  # by op index: _held_in_place
+    outputs: tuple[tuple[int, ...], ...]  # by op index: its outputs
+    floating: tuple[bool, ...]  # by tensor id: is_floating(its dtype)
+    x_inputs: tuple[tuple[int, ...], ...]  # by op index: its inputs that are xs
 
 
 def _tables(fg: ForwardGraph) -> _Tables:
     found = fg.__dict__.get("_schedule_tables")
     if found is None:
         tensors = fg.tensors
+        xs = frozenset(fg.xs)
         kept = set(fg.xs)
         for op in fg.ops:
             if not op.recomputable:
@@ -265,6 +271,10 @@ def _tables(fg: ForwardGraph) -> _Tables:
             gradient_inputs=tuple(tuple(sorted({t for t in op.inputs if receives[t]}))
                                   for op in fg.ops),
             kept=frozenset(kept),
+            held=tuple(tuple(_held_in_place(fg, op)) for op in fg.ops),
+            outputs=tuple(op.outputs for op in fg.ops),
+            floating=tuple(is_floating(t.dtype) for t in tensors),
+            x_inputs=tuple(tuple(t for t in op.inputs if t in xs) for op in fg.ops),
         )
         object.__setattr__(fg, "_schedule_tables", found)  # a cache, not a field
     return found
@@ -295,13 +305,13 @@ def _stored_runs(fg: ForwardGraph, stored: frozenset[int]) -> dict[int, int]:
     run_of: dict[int, int] = {}
     if not stored:
         return run_of
-    xs = frozenset(fg.xs)
+    x_inputs = _tables(fg).x_inputs
     first = -1
     produced: set[int] = set()
     for op in fg.ops:
         i = op.index
         if i in stored:
-            if first >= 0 and any(t in produced and t in xs for t in op.inputs):
+            if first >= 0 and x_inputs[i] and any(t in produced for t in x_inputs[i]):
                 first, produced = -1, set()
             if first < 0:
                 first = i
@@ -337,44 +347,58 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int], recomputable: list[b
     """
     consumers = fg.consumers()
     y_set = set(fg.ys)
-    ops = fg.ops
+    outputs = _tables(fg).outputs
+    # Only recomputable ops take part (the others reach _NO_HEAD), consumers first.
+    order = [i for i in range(len(outputs) - 1, -1, -1) if recomputable[i]]
     while True:
         # reach[i]: _NO_HEAD, the head's id (the op whose kept outputs share
         # one step, or _YS for the step of the unkept ys), or _SHARED.
-        reach = [_NO_HEAD] * len(ops)
-        for op in reversed(ops):
-            i = op.index
-            if not recomputable[i]:
-                continue
+        reach = [_NO_HEAD] * len(outputs)
+        shared: list[int] = []
+        for i in order:
+            # The heads of the op's outputs merged: the one head they share,
+            # else _SHARED (an output kept is its own op's head; an unkept y
+            # feeds _YS; any other reaches its consumers' heads).
             head = _NO_HEAD
-            for t in op.outputs:
+            for t in outputs[i]:
                 if t in kept:
-                    heads = (i,)
-                elif t in y_set:  # (an op not recomputable reaches _NO_HEAD)
-                    heads = (_YS, *[reach[c] for c in consumers[t]])
-                else:
-                    heads = [reach[c] for c in consumers[t]]
-                for h in heads:
+                    if head == _NO_HEAD:
+                        head = i
+                    elif head != i:
+                        head = _SHARED
+                        break
+                    continue
+                if t in y_set:
+                    if head == _NO_HEAD:
+                        head = _YS
+                    elif head != _YS:
+                        head = _SHARED
+                        break
+                for c in consumers[t]:
+                    h = reach[c]
                     if h == _NO_HEAD or h == head:
                         continue
-                    head = h if head == _NO_HEAD and h != _SHARED else _SHARED
-                    if head == _SHARED:
+                    if head == _NO_HEAD and h != _SHARED:
+                        head = h
+                    else:
+                        head = _SHARED
                         break
                 if head == _SHARED:
                     break
             reach[i] = head
-        shared = [op for op in ops if reach[op.index] == _SHARED]
+            if head == _SHARED:
+                shared.append(i)
         if not shared:
             return
         frontier = {
             t
-            for op in shared
-            for t in op.outputs
+            for i in shared
+            for t in outputs[i]
             if t not in kept
             and any(reach[c] >= _YS for c in consumers[t])
         }
         if not frontier:
-            frontier = {t for op in shared for t in op.outputs}
+            frontier = {t for i in shared for t in outputs[i]}
         kept.update(frontier)
 
 
@@ -407,9 +431,12 @@ def _layers(deps: dict[int, set[int]], position) -> list[set[int]]:
 
 
 def _recompute_step(fg: ForwardGraph, heads, parts) -> Step:
-    ops = sorted({o for seg, _ in parts for o in seg})
-    boundary = tuple(sorted({b for _, bnd in parts for b in bnd}))
-    return Step("recompute", heads, tuple(ops), boundary, gated_boundary(fg, boundary),
+    if len(parts) == 1:  # one head's segment: sorted already
+        ops, boundary = parts[0]
+    else:
+        ops = tuple(sorted({o for seg, _ in parts for o in seg}))
+        boundary = tuple(sorted({b for _, bnd in parts for b in bnd}))
+    return Step("recompute", heads, ops, boundary, gated_boundary(fg, boundary),
                 xla.ordered_boundary(fg, boundary, ops))
 
 
@@ -433,12 +460,14 @@ def gated_boundary(fg: ForwardGraph, boundary: tuple[int, ...]) -> tuple[int, ..
     otherwise XLA computes what a segment's backward derives from weights
     alone (a convolution's reversed filters) in the forward pass and keeps it.
     """
-    tensors = fg.tensors
-    floats = [t for t in boundary if is_floating(tensors[t].dtype)]
+    floating = _tables(fg).floating
+    floats = [t for t in boundary if floating[t]]
     if fg.xla:
         return tuple(floats)
-    activations = tuple(t for t in floats if tensors[t].kind == "internal"
-                        and fg.ops[tensors[t].producer].recomputable)
+    tables = _tables(fg)
+    internal, producer, recomputable = tables.internal, tables.producer, tables.recomputable
+    activations = tuple(t for t in floats if internal[t] and recomputable[producer[t]])
     if activations:
         return activations
+    tensors = fg.tensors
     return tuple(sorted(floats, key=lambda t: tensors[t].size_bytes)[:1])
