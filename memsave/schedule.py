@@ -361,19 +361,14 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int], recomputable: list[b
             # feeds _YS; any other reaches its consumers' heads).
             head = _NO_HEAD
             for t in outputs[i]:
-                if t in kept:
-                    if head == _NO_HEAD:
-                        head = i
-                    elif head != i:
+                own = i if t in kept else _YS if t in y_set else _NO_HEAD
+                if own != _NO_HEAD and own != head:
+                    if head != _NO_HEAD:
                         head = _SHARED
                         break
-                    continue
-                if t in y_set:
-                    if head == _NO_HEAD:
-                        head = _YS
-                    elif head != _YS:
-                        head = _SHARED
-                        break
+                    head = own
+                if own == i:
+                    continue  # a kept output: its consumers recompute from it
                 for c in consumers[t]:
                     h = reach[c]
                     if h == _NO_HEAD or h == head:
