@@ -41,6 +41,7 @@ overlap (ops shared by heads of different layers are copied once per layer).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Collection
 from typing import Literal
 
@@ -343,19 +344,22 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int], recomputable: list[b
     by op index), the head it feeds through unkept tensors: none, one, or
     several (:data:`_SHARED`); where an op feeds several, its outputs read by
     an op that feeds one are kept (the frontier), and the sweep repeats
-    until nothing is shared. Linear per sweep.
+    until nothing is shared. Linear per sweep; a repeated sweep starts at
+    the last shared op, since an op's head depends only on its outputs and
+    their consumers, and the frontier is made of shared ops' outputs.
     """
     consumers = fg.consumers()
     y_set = set(fg.ys)
     outputs = _tables(fg).outputs
     # Only recomputable ops take part (the others reach _NO_HEAD), consumers first.
     order = [i for i in range(len(outputs) - 1, -1, -1) if recomputable[i]]
+    # reach[i]: _NO_HEAD, the head's id (the op whose kept outputs share
+    # one step, or _YS for the step of the unkept ys), or _SHARED.
+    reach = [_NO_HEAD] * len(outputs)
+    start = 0  # where in ``order`` the sweep starts
     while True:
-        # reach[i]: _NO_HEAD, the head's id (the op whose kept outputs share
-        # one step, or _YS for the step of the unkept ys), or _SHARED.
-        reach = [_NO_HEAD] * len(outputs)
         shared: list[int] = []
-        for i in order:
+        for i in itertools.islice(order, start, None):
             # The heads of the op's outputs merged: the one head they share,
             # else _SHARED (an output kept is its own op's head; an unkept y
             # feeds _YS; any other reaches its consumers' heads).
@@ -395,6 +399,9 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int], recomputable: list[b
         if not frontier:
             frontier = {t for i in shared for t in outputs[i]}
         kept.update(frontier)
+        # Ops after the last shared one keep their heads (shared[0]: the
+        # sweep runs backward): the next sweep starts there.
+        start = order.index(shared[0])
 
 
 # What _keep_shared_frontier's sweep records per op (head ids are op indices >= 0).
