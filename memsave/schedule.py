@@ -258,10 +258,11 @@ def _tables(fg: ForwardGraph) -> _Tables:
     if found is None:
         tensors = fg.tensors
         xs = frozenset(fg.xs)
+        held = tuple(tuple(_held_in_place(fg, op)) for op in fg.ops)
         kept = set(fg.xs)
         for op in fg.ops:
             if not op.recomputable:
-                kept.update(_held_in_place(fg, op))
+                kept.update(held[op.index])
         kept.update(fg.captured())
         receives = tuple(fg.receives_gradient(t.id) for t in tensors)
         found = _Tables(
@@ -272,7 +273,7 @@ def _tables(fg: ForwardGraph) -> _Tables:
             gradient_inputs=tuple(tuple(sorted({t for t in op.inputs if receives[t]}))
                                   for op in fg.ops),
             kept=frozenset(kept),
-            held=tuple(tuple(_held_in_place(fg, op)) for op in fg.ops),
+            held=held,
             outputs=tuple(op.outputs for op in fg.ops),
             floating=tuple(is_floating(t.dtype) for t in tensors),
             x_inputs=tuple(tuple(t for t in op.inputs if t in xs) for op in fg.ops),
@@ -312,7 +313,7 @@ def _stored_runs(fg: ForwardGraph, stored: frozenset[int]) -> dict[int, int]:
     for op in fg.ops:
         i = op.index
         if i in stored:
-            if first >= 0 and x_inputs[i] and any(t in produced for t in x_inputs[i]):
+            if first >= 0 and any(t in produced for t in x_inputs[i]):
                 first, produced = -1, set()
             if first < 0:
                 first = i
@@ -462,11 +463,10 @@ def gated_boundary(fg: ForwardGraph, boundary: tuple[int, ...]) -> tuple[int, ..
     otherwise XLA computes what a segment's backward derives from weights
     alone (a convolution's reversed filters) in the forward pass and keeps it.
     """
-    floating = _tables(fg).floating
-    floats = [t for t in boundary if floating[t]]
+    tables = _tables(fg)
+    floats = [t for t in boundary if tables.floating[t]]
     if fg.xla:
         return tuple(floats)
-    tables = _tables(fg)
     internal, producer, recomputable = tables.internal, tables.producer, tables.recomputable
     activations = tuple(t for t in floats if internal[t] and recomputable[producer[t]])
     if activations:
