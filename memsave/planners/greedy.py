@@ -74,8 +74,10 @@ Memory Cost. arXiv:1604.06174, 2016.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
+import operator
 
 from memsave.candidates import spread
 from memsave.planners.segments import Decision, Evaluation, Outcome, Segments
@@ -98,15 +100,23 @@ MAX_STORE_STEPS = 8
 EXHAUSTIVE_CUTS = 16
 
 
-def _thin(n: int, steps: int) -> list[int]:
+@functools.lru_cache(maxsize=1024)
+def _thin(n: int, steps: int) -> tuple[int, ...]:
+    """About ``steps`` indices spread evenly over ``0 .. n``, both ends
+    included (every index when there are no more). Cached: the knapsack
+    thins fronts of the same few lengths at every segment."""
     if n + 1 <= steps:
-        return list(range(n + 1))
-    return sorted({round(i * n / (steps - 1)) for i in range(steps)})
+        return tuple(range(n + 1))
+    return tuple(sorted({round(i * n / (steps - 1)) for i in range(steps)}))
 
 
 #: Largest Pareto front of stored sets kept per step of the knapsack DP
 #: (points merged beyond it): bounds its time on graphs with many segments.
 MAX_FRONT = 256
+
+
+#: Sort key of the knapsack's points ``(bytes, -nanoseconds saved, ...)``.
+_BYTES_THEN_NS = operator.itemgetter(0, 1)
 
 
 def _held_bytes(space: Segments, *, io: bool = True) -> list[int]:
@@ -156,13 +166,15 @@ def _mode_sets(space: Segments, held: list[int], *,
             if saved > 0:
                 options.append((sum(counted(tensor_bytes[t]) for t in space.expensive_outputs[j]),
                                 saved, "E"))
-        merged = sorted(front + [(pt[0] + b, pt[1] - ns, j, mode, pt) for pt in front
-                                 for b, ns, mode in options],
-                        key=lambda x: (x[0], x[1]))
+        merged = front + [(pt[0] + b, pt[1] - ns, j, mode, pt) for pt in front
+                          for b, ns, mode in options]
+        merged.sort(key=_BYTES_THEN_NS)  # (stable: a tie keeps the earlier point)
         front = []
+        least = 1
         for pt in merged:  # keep points that save strictly more for more bytes
-            if not front or pt[1] < front[-1][1]:
+            if pt[1] < least:
                 front.append(pt)
+                least = pt[1]
         if len(front) > MAX_FRONT:
             front = [front[i] for i in _thin(len(front) - 1, MAX_FRONT)]
     if front[0][2] >= 0:  # nothing stored or kept is always in the family
