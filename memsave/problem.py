@@ -210,11 +210,12 @@ class Problem:
         """Forecast peak bytes of ``schedule`` (:meth:`forecast`)."""
         return self.forecast(schedule, model=model, gradients_kept=gradients_kept).peak_bytes
 
-    def turn_floor(self, schedule: Schedule | None, *, model: MemoryModel | None = None) -> int:
+    def peak_floor(self, schedule: Schedule | None, *, model: MemoryModel | None = None) -> int:
         """A lower bound on :meth:`peak` of ``schedule`` without simulating it
-        (:meth:`memsave.simulate.ForwardProgram.turn_floor`): what is certainly
-        alive when backprop starts, the extra resident bytes included."""
-        return self.extra_resident_bytes + self.forward(model).turn_floor(schedule)
+        (:meth:`memsave.simulate.ForwardProgram.peak_floor`): the most bytes
+        certainly alive when backprop starts or as one of its steps'
+        gradients start, the extra resident bytes included."""
+        return self.extra_resident_bytes + self.forward(model).peak_floor(schedule)
 
     def timeline(self, schedule: Schedule | None, *, model: MemoryModel | None = None) -> MemoryTrace:
         """The forecast with its timeline of bytes alive per event (for the Plan), cached."""

@@ -87,6 +87,7 @@ import enum
 import gc
 import itertools
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from memsave.bodies import BodyFigures, body_figures
 from memsave.costs import Costs
@@ -553,6 +554,24 @@ class _Builder:
         return v
 
 
+class _FloorTables(NamedTuple):
+    """What :meth:`ForwardProgram.peak_floor` reads, whatever the schedule."""
+
+    flows: list[bool]  # per tensor: backprop sends it a gradient (as the builder does)
+    runs: list[bool]  # per op: its gradient runs (it has one, and one reaches it)
+    buffer_of: list[int]  # per tensor: the forward buffer it is on (-1: a resident one)
+    reads_of: list[tuple[int, ...]]  # per op: the buffers its gradient reads (if it runs)
+    grad_reads: list[tuple[int, ...]]  # per op: the tensors its gradient reads (if it runs)
+    fresh: list[tuple[tuple[int, int], ...]]  # per op: (tensor, counted bytes) of the
+    # gradients it writes to new buffers, if it runs (see peak_floor)
+    producer: list[int]  # per tensor: its op, or -1
+    copy_bytes: list[int]  # per tensor: counted bytes of a copy's new buffer (0: not one)
+    proxy_bytes: list[int]  # per tensor: counted bytes of a buffer of its size
+    seeds: int  # counted bytes of the seeds
+    folded_seeds: int  # of those Grappler folds into constants (resident)
+    open_seeds: tuple[tuple[int, int], ...]  # (y, counted bytes) of the others
+
+
 class ForwardProgram:
     """The builder's state after the forward pass, which every schedule of one graph shares.
 
@@ -600,7 +619,7 @@ class ForwardProgram:
         self._identity: list[int] = []
         self._names: tuple[list[str], list[str]] | None = None  # of the ops, of the tensors
         self._forward_labels: list[str] | None = None
-        self._floor: tuple | None = None  # turn_floor's tables
+        self._floor: _FloorTables | None = None  # peak_floor's tables
 
     def _prepare_replays(self, p: _Program) -> None:
         """What every replay (:func:`_replay`) starts from.
@@ -856,19 +875,41 @@ class ForwardProgram:
                 early = bool(forward_early) or bool(copy_early) or g[4]
                 plans[i] = g[:4] + (early, g[5] + ((scratch,) if scratch else ())) + g[6:]
 
-    def turn_floor(self, schedule: Schedule | None) -> int:
+    def peak_floor(self, schedule: Schedule | None) -> int:
         """A lower bound on the forecast peak of ``schedule`` (None: plain
-        tf.gradients) without building its program: the bytes certainly
-        alive when backprop starts, extra resident bytes not included.
+        tf.gradients) without building its program, extra resident bytes
+        not included: the most bytes certainly alive at one of these moments.
 
-        The resident bytes, the seeds (``grad_ys``: made before any gradient
-        runs), and each forward buffer a step reads after the turn: what the
-        proxies of a recompute step read (its boundary) and what the
-        gradients of a backprop step read, for the steps and ops that a
-        gradient reaches (:meth:`_floor_tables`; the builder skips the
-        others). Each of those buffers is made in the forward pass and read
-        after the seeds, so all of them are alive together, and none was
-        written in place (its last reader is later). Under XLA, whose order
+        * *The turn*, when backprop starts: the resident bytes, the seeds
+          (``grad_ys``: made before any gradient runs), and each forward
+          buffer a step reads after the turn: what the proxies of a
+          recompute step read (its boundary) and what the gradients of a
+          backprop step read, for the steps and ops that a gradient reaches
+          (:meth:`_floor_tables`; the builder skips the others). Each of
+          those buffers is made in the forward pass and read after the
+          seeds, so all of them are alive together, and none was written in
+          place (its last reader is later).
+        * *Each step's gradients about to start*: in a recompute step, once
+          its copies have run; in a backprop step, as it starts. Alive then:
+          the resident bytes and the seeds Grappler folds (constants); the
+          forward buffers later steps read (as at the turn) and those the
+          step's gradients read (a boundary tensor's, through its proxy:
+          once per buffer, at the smaller of the buffer's and the proxy's
+          bytes); the copies the step's gradients read (a new buffer each;
+          views and loops' outputs left out); and the gradients in flight:
+          every new buffer an earlier step wrote for a boundary tensor whose
+          gradient this step or a later one takes in (one per part: the
+          parts are summed where they are taken), and the seeds not folded,
+          leaving out pass-throughs (which may share a buffer with another
+          gradient), gradients Grappler may fold, and the xs' (which an
+          update may consume as they are written, ``gradients_kept=False``).
+          No two of these share a buffer: a buffer written in place takes
+          over a value that dies there, and each of them is read later.
+
+        On experiments/bench_planner.py's 1000-op DAG the bytes at those
+        moments came to 0.99 of the simulated peak over the plans a budget
+        of 0.9 simulated (the turn alone: 0.93): the peak is reached inside
+        a step, once its recomputation has run. Under XLA, whose order
         interleaves forward and backward, only the resident bytes.
         tests/test_solvers.py checks it against every decision of its cases.
         """
@@ -876,30 +917,96 @@ class ForwardProgram:
             return self.resident_counted
         if self._floor is None:
             self._floor = self._floor_tables()
-        flows, buffer_of, reads_of, seeds = self._floor
-        read: set[int] = set()
+        f = self._floor
+        counted, buffer_of = self.counted, f.buffer_of
         if schedule is None:  # plain: one backprop stage over every op
-            read.update(itertools.chain.from_iterable(reads_of))
-        else:
-            for step in schedule.steps:
-                if step.kind == "recompute":
-                    if any(flows[h] for h in step.heads):
-                        read.update(map(buffer_of.__getitem__, step.boundary))
-                else:
-                    read.update(itertools.chain.from_iterable(map(reads_of.__getitem__, step.ops)))
-        read.discard(-1)
-        counted = self.counted
-        return self.resident_counted + seeds + sum([counted[v] for v in read])
+            read = set(itertools.chain.from_iterable(f.reads_of))
+            read.discard(-1)
+            return self.resident_counted + f.seeds + sum([counted[v] for v in read])
+        steps = schedule.steps
+        n = len(steps)
+        step_of: dict[int, int] = {}
+        for s, step in enumerate(steps):
+            for i in step.ops:
+                step_of[i] = s
+        flows, runs, producer = f.flows, f.runs, f.producer
+        heads_of: list[set[int] | None] = [None] * n
+        # Gradients in flight, as changes per step (a part made in step s and
+        # taken in step c is alive at the moments of steps s+1 .. c).
+        flight = [0] * (n + 1)
 
-    def _floor_tables(self) -> tuple[list[bool], list[int], list[tuple[int, ...]], int]:
-        """For :meth:`turn_floor`, whatever the schedule: per tensor, whether
-        backprop sends it a gradient (from the ys, through the ops with a
-        gradient to the inputs they differentiate, as the builder does), and
-        the forward buffer it is on (the value its forward value views; -1
-        for a resident one); per op, the buffers its gradient reads when a
-        gradient reaches it; and the counted bytes of the seeds."""
-        fg, plans = self.fg, self.gradient_plans
-        flows = [False] * len(fg.tensors)
+        def taken(t: int, s: int) -> int:
+            """The step that takes in the gradient tensor ``t`` receives after
+            step ``s``, or -1 (none does: the gradient is never read)."""
+            p = producer[t]
+            c = step_of.get(p, -1) if p >= 0 else -1
+            if c <= s or not runs[p]:
+                return -1
+            if heads_of[c] is None:
+                heads_of[c] = set(steps[c].heads)
+            return c if t in heads_of[c] else -1
+
+        for y, nbytes in f.open_seeds:
+            c = taken(y, -1)
+            if c >= 0:
+                flight[0] += nbytes
+                flight[c + 1] -= nbytes
+        reads: list = [()] * n  # the forward buffers each step reads as it starts
+        moments: list = [None] * n  # of a recompute step: (its gradients' buffers, copies' bytes)
+        grad_reads, fresh = f.grad_reads, f.fresh
+        copy_bytes, proxy_bytes = f.copy_bytes, f.proxy_bytes
+        for s, step in enumerate(steps):
+            if step.kind == "recompute":
+                if not any(flows[h] for h in step.heads):
+                    continue  # the builder skips it
+                reads[s] = [buffer_of[t] for t in step.boundary]
+                boundary = set(step.boundary)
+                own: dict[int, int] = {}
+                copies = 0
+                for t in set(itertools.chain.from_iterable(map(grad_reads.__getitem__, step.ops))):
+                    if t in boundary:
+                        b = buffer_of[t]
+                        if b >= 0:
+                            nbytes = min(counted[b], proxy_bytes[t])
+                            own[b] = min(own.get(b, nbytes), nbytes)
+                    elif step_of.get(producer[t]) == s:
+                        copies += copy_bytes[t]
+                moments[s] = (own, copies)
+            else:
+                reads[s] = list(itertools.chain.from_iterable(map(f.reads_of.__getitem__,
+                                                                   step.ops)))
+                boundary = set(step.boundary)
+            for i in step.ops:
+                for t, nbytes in fresh[i]:
+                    if t in boundary:
+                        c = taken(t, s)
+                        if c >= 0:
+                            flight[s + 1] += nbytes
+                            flight[c + 1] -= nbytes
+        floor = 0
+        base = self.resident_counted + f.folded_seeds
+        later: set[int] = set()  # forward buffers read after the moment
+        later_bytes = 0
+        in_flight = list(itertools.accumulate(flight))
+        for s in range(n - 1, -1, -1):
+            moment = moments[s]
+            if moment is not None:
+                own, copies = moment
+                floor = max(floor, base + later_bytes + copies + in_flight[s]
+                            + sum([nbytes for b, nbytes in own.items() if b not in later]))
+            for b in reads[s]:
+                if b >= 0 and b not in later:
+                    later.add(b)
+                    later_bytes += counted[b]
+            if steps[s].kind != "recompute":
+                floor = max(floor, base + later_bytes + in_flight[s])
+        return max(floor, self.resident_counted + f.seeds + later_bytes)
+
+    def _floor_tables(self) -> _FloorTables:
+        """For :meth:`peak_floor`, whatever the schedule (see :class:`_FloorTables`)."""
+        fg, costs, plans = self.fg, self.costs, self.gradient_plans
+        tensors, tensor_bytes, counted_of = fg.tensors, costs.tensor_bytes, self.counted_of
+        flows = [False] * len(tensors)
         for y in fg.ys:
             flows[y] = True
         for i in range(len(fg.ops) - 1, -1, -1):
@@ -907,14 +1014,30 @@ class ForwardProgram:
             if has_gradient and any(flows[t] for t in outputs):
                 for target in targets:
                     flows[target[0]] = True
+        runs = [plan[2] and any(flows[t] for t in plan[1]) for plan in plans]
         root = view_roots(self.program[1])
         resident = frozenset(self.program[2])
         buffer_of = [-1 if v < 0 or root[v] in resident else root[v] for v in self.orig]
-        reads_of = [tuple(buffer_of[t] for t in plan[3])
-                    if plan[2] and any(flows[t] for t in plan[1]) else ()
-                    for plan in plans]
-        seeds = sum(self.counted_of[self.costs.tensor_bytes[y]] for y in dict.fromkeys(fg.ys))
-        return flows, buffer_of, reads_of, seeds
+        reads_of = [tuple(buffer_of[t] for t in plan[3]) if run else ()
+                    for plan, run in zip(plans, runs)]
+        grad_reads = [plan[3] if run else () for plan, run in zip(plans, runs)]
+        # A new buffer per part (targets: tensor, internal, passed-through
+        # output, bytes, feeds an x, foldable, in-place candidates).
+        fresh = [tuple((t, counted_of[nbytes]) for t, _, k, nbytes, feeds_x, foldable, _ in plan[8]
+                       if k is None and not feeds_x and not (plan[9] and foldable))
+                 if run else () for plan, run in zip(plans, runs)]
+        producer = [-1 if node.producer is None else node.producer for node in tensors]
+        proxy_bytes = [counted_of[nbytes] for nbytes in tensor_bytes]
+        copy_bytes = [
+            proxy_bytes[t] if p >= 0 and costs.alias_of[t] is None and fg.ops[p].body is None
+            and p not in self.loop_figures else 0
+            for t, p in enumerate(producer)]
+        ys = list(dict.fromkeys(fg.ys))
+        seeds = sum(proxy_bytes[y] for y in ys)
+        folded_seeds = sum(proxy_bytes[y] for y in ys if self.foldable[y])
+        open_seeds = tuple((y, proxy_bytes[y]) for y in ys if not self.foldable[y])
+        return _FloorTables(flows, runs, buffer_of, reads_of, grad_reads, fresh, producer,
+                            copy_bytes, proxy_bytes, seeds, folded_seeds, open_seeds)
 
     def label(self, label: tuple[Event, int]) -> str:
         """An event's name (``"run dense/MatMul"``)."""

@@ -44,14 +44,16 @@ Algorithm
    exceeds the budget cannot fit and are dropped; the others' costs come
    from their schedules and the time model without simulating memory, so
    they are simulated (cached) in increasing cost, up to the first cost
-   level with a plan that fits, except those whose schedule holds more
-   than the budget when backprop starts (:meth:`Segments.turn_floor`: the
-   kept tensors its steps read, the seeds), which cannot fit either. On
+   level with a plan that fits, except those whose schedule certainly
+   holds more than the budget at some moment (:meth:`Segments.peak_floor`:
+   when backprop starts, or when a step's gradients are about to start,
+   its recomputation done), which cannot fit either. On
    experiments/bench_planner.py's 1000-op DAG, whose skips keep many
-   tensors across the cuts, that floor averaged 0.91 of the simulated
-   peak over the plans a budget of 0.9 reached (the at-turn bound
-   0.3-0.75); that budget then simulated 98 plans instead of 140, a
-   refused one 143 instead of 244, with the same answers.
+   tensors across the cuts, that floor came to 0.99 of the simulated peak
+   over the plans a budget of 0.9 reached (the at-turn bound 0.3-0.75);
+   that budget then simulated 7 plans, a refused one 7 (the bytes held at
+   the turn alone: 98 and 143; no floor: 140 and 244), with the same
+   answers.
 
 The family does not depend on the budget, so the answer is *monotone*: a
 smaller budget never gives a larger forecast peak (if the plan chosen under
@@ -426,7 +428,7 @@ def _pick(evs: list[Evaluation], budget_bytes: int) -> tuple[Evaluation, bool]:
     fits = [e for e in evs if e.peak_bytes <= budget_bytes]
     if fits:
         return min(fits, key=lambda e: (e.recompute_ns, e.peak_bytes, _order(e.decision))), True
-    return min(evs, key=lambda e: (e.peak_bytes, e.recompute_ns, _order(e.decision))), False
+    return min(evs, key=_by_peak), False
 
 
 def greedy(space: Segments, budget_bytes: int, *, time_limit_s: float | None = None,
@@ -440,10 +442,11 @@ def greedy(space: Segments, budget_bytes: int, *, time_limit_s: float | None = N
     schedule, :meth:`Segments.lower_bound`): the first cost level with a
     plan that fits holds the answer, so the plans above it are never
     simulated, and those whose bound is above it never scheduled; nor is a
-    plan whose schedule's floor (:meth:`Segments.turn_floor`) is over the
+    plan whose schedule's floor (:meth:`Segments.peak_floor`) is over the
     budget simulated. The answer is the one simulating the whole family would give
     (hence monotone). An infeasible budget simulates plans in increasing
-    bound until the bound reaches the smallest peak found.
+    bound until the bound reaches the smallest peak found, but those whose
+    floor is above it.
 
     ``time_limit_s`` is accepted for the common signature; the family is
     small enough that it is not needed. ``max_simulations``: stop after
@@ -452,7 +455,8 @@ def greedy(space: Segments, budget_bytes: int, *, time_limit_s: float | None = N
     it has than search long (``'memory'``); the answer then depends on the
     budget in more than its feasible set, and is not monotone. (A plan
     ruled out by its floor counts as simulated, so the cap stops where it
-    did when every plan was simulated.)
+    did when every plan was simulated; where none of them fits, those
+    whose floor is above the smallest peak found are not simulated.)
     """
     plans = family(space, max_plans=max_simulations)
     bound = {d: space.turn_bound(d) for d in plans}
@@ -478,7 +482,7 @@ def greedy(space: Segments, budget_bytes: int, *, time_limit_s: float | None = N
         if not exact:
             heapq.heappush(heap, (space.cost(d), True, order, d))
             continue
-        if space.turn_floor(d) > budget_bytes:
+        if space.peak_floor(d) > budget_bytes:
             over.append(d)
         else:
             e = space.evaluate(d)
@@ -486,10 +490,9 @@ def greedy(space: Segments, budget_bytes: int, *, time_limit_s: float | None = N
             if e.peak_bytes <= budget_bytes and level_cost is None:
                 level_cost = value  # the rest of this cost level may tie it
         if max_simulations is not None and len(evs) + len(over) >= max_simulations:
-            if level_cost is None:
-                evs += [space.evaluate(d) for d in over]
-                return Outcome(min(evs, key=lambda e: (e.peak_bytes, e.recompute_ns,
-                                                       _order(e.decision))), optimal=False)
+            if level_cost is None:  # the smallest peak among them
+                return Outcome(_smallest(space, over, min(evs, key=_by_peak, default=None)),
+                               optimal=False)
             break
     if level_cost is not None:
         ev, _ = _pick(evs, budget_bytes)
@@ -500,10 +503,28 @@ def greedy(space: Segments, budget_bytes: int, *, time_limit_s: float | None = N
     for d in sorted(plans, key=lambda d: (bound[d], _order(d))):
         if best is not None and bound[d] > best.peak_bytes:
             break
-        if best is not None and space.turn_floor(d) > best.peak_bytes:
+        if best is not None and space.peak_floor(d) > best.peak_bytes:
             continue  # its peak is above the best one's
         e = space.evaluate(d)
-        if best is None or (e.peak_bytes, e.recompute_ns, _order(e.decision)) < (
-                best.peak_bytes, best.recompute_ns, _order(best.decision)):
+        if best is None or _by_peak(e) < _by_peak(best):
             best = e
     return Outcome(best, optimal=False)
+
+
+def _by_peak(e: Evaluation) -> tuple:
+    """The order of the smallest peak: peak, then recompute seconds, then the decision."""
+    return e.peak_bytes, e.recompute_ns, _order(e.decision)
+
+
+def _smallest(space: Segments, plans: list[Decision], best: Evaluation | None) -> Evaluation:
+    """The least :func:`_by_peak` of ``best`` and ``plans``, simulating only
+    the plans whose floor (:meth:`Segments.peak_floor`) is not above the
+    best peak found, in increasing floor (the same answer as simulating
+    them all)."""
+    for d in sorted(plans, key=lambda d: (space.peak_floor(d), _order(d))):
+        if best is not None and space.peak_floor(d) > best.peak_bytes:
+            break
+        e = space.evaluate(d)
+        if best is None or _by_peak(e) < _by_peak(best):
+            best = e
+    return best

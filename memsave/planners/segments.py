@@ -48,7 +48,7 @@ call a memory-bound batch norm free and do not see that a copy of a kept
 convolution never runs, so the solvers do not minimise them.
 
 The lower bounds the solvers prune with (:class:`TurnBound` on the peak
-without a schedule, :meth:`Segments.turn_floor` with one,
+without a schedule, :meth:`Segments.peak_floor` with one,
 :class:`StepBounds` on the gates' seconds) are here too, which makes the
 module some 600 lines: they read the space's private tables (which ops
 are never copied, which segment holds an op) and are exact only as long
@@ -211,6 +211,7 @@ class Segments:
             frozenset(seg_of[c] for c in consumers[t] if c in seg_of) for t in self.candidates)
         self._empty = frozenset(k for k, s in enumerate(self.segments) if not s)
         self._cache: dict[Decision, Evaluation] = {}
+        self._floors: dict[Decision, int] = {}  # peak_floor's
         self._lower_cache: dict[tuple[int, bool], int] = {}
         self._seg_of_op = {o: k for k, seg in enumerate(self.segments) for o in seg}
         # For group_lower_bound: per tensor, the last segment reading it (beyond
@@ -334,13 +335,19 @@ class Segments:
         self._cache[d] = ev
         return ev
 
-    def turn_floor(self, d: Decision) -> int:
+    def peak_floor(self, d: Decision) -> int:
         """A lower bound on ``evaluate(d).peak_bytes`` from ``d``'s schedule
-        without simulating it (:meth:`Problem.turn_floor`): tighter than
-        :attr:`turn_bound`, which needs no schedule, where the schedule keeps
-        tensors that cross the cuts (a DAG with skips) or the seeds are
-        large. tests/test_solvers.py checks it on every decision of its cases."""
-        return self.problem.turn_floor(self._schedule(self.canonical(d))[2], model=self.model)
+        without simulating it (:meth:`Problem.peak_floor`, cached): tighter
+        than :attr:`turn_bound`, which needs no schedule, where the schedule
+        keeps tensors that cross the cuts (a DAG with skips), the seeds are
+        large, or the peak is reached once a step's recomputation has run.
+        tests/test_solvers.py checks it on every decision of its cases."""
+        d = self.canonical(d)
+        found = self._floors.get(d)
+        if found is None:
+            found = self._floors[d] = self.problem.peak_floor(self._schedule(d)[2],
+                                                              model=self.model)
+        return found
 
     def segment_nanoseconds(self, k: int, *, expensive: bool = False) -> int:
         """An estimate, without a schedule, of the nanoseconds recomputing
