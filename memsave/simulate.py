@@ -956,11 +956,11 @@ class ForwardProgram:
         grad_reads, fresh = f.grad_reads, f.fresh
         copy_bytes, proxy_bytes = f.copy_bytes, f.proxy_bytes
         for s, step in enumerate(steps):
+            boundary = set(step.boundary)
             if step.kind == "recompute":
                 if not any(flows[h] for h in step.heads):
                     continue  # the builder skips it
                 reads[s] = [buffer_of[t] for t in step.boundary]
-                boundary = set(step.boundary)
                 own: dict[int, int] = {}
                 copies = 0
                 for t in set(itertools.chain.from_iterable(map(grad_reads.__getitem__, step.ops))):
@@ -975,7 +975,6 @@ class ForwardProgram:
             else:
                 reads[s] = list(itertools.chain.from_iterable(map(f.reads_of.__getitem__,
                                                                    step.ops)))
-                boundary = set(step.boundary)
             for i in step.ops:
                 for t, nbytes in fresh[i]:
                     if t in boundary:

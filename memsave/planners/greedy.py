@@ -172,11 +172,9 @@ def _mode_sets(space: Segments, held: list[int], *,
                           for b, ns, mode in options]
         merged.sort(key=_BYTES_THEN_NS)  # (stable: a tie keeps the earlier point)
         front = []
-        least = 1
         for pt in merged:  # keep points that save strictly more for more bytes
-            if pt[1] < least:
+            if not front or pt[1] < front[-1][1]:
                 front.append(pt)
-                least = pt[1]
         if len(front) > MAX_FRONT:
             front = [front[i] for i in _thin(len(front) - 1, MAX_FRONT)]
     if front[0][2] >= 0:  # nothing stored or kept is always in the family
