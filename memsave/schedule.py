@@ -129,6 +129,7 @@ def build_schedule(
     """
     tables = _tables(fg)
     producer, internal, receives = tables.producer, tables.internal, tables.receives
+    inputs = tables.inputs
     ops = fg.ops
     # Under XLA some ops are differentiated in place whatever the plan
     # (memsave.xla.in_place_ops: a recomputed max-pool costs more there).
@@ -149,10 +150,10 @@ def build_schedule(
     def segment(*heads: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Ops recomputing ``heads`` back to kept tensors, and that boundary."""
         seen = {producer[h] for h in heads}
-        stack = sorted(seen)
+        stack = list(seen)
         boundary: set[int] = set()
         while stack:
-            for t in ops[stack.pop()].inputs:
+            for t in inputs[stack.pop()]:
                 if t in kept:
                     if receives[t]:
                         boundary.add(t)
@@ -248,6 +249,7 @@ class _Tables:
     # anyway, they are kept, not recomputed).
     kept: frozenset[int]
     held: tuple[tuple[int, ...], ...]  # by op index: _held_in_place
+    inputs: tuple[tuple[int, ...], ...]  # by op index: its inputs
     outputs: tuple[tuple[int, ...], ...]  # by op index: its outputs
     floating: tuple[bool, ...]  # by tensor id: is_floating(its dtype)
     x_inputs: tuple[tuple[int, ...], ...]  # by op index: its inputs that are xs
@@ -274,6 +276,7 @@ def _tables(fg: ForwardGraph) -> _Tables:
                                   for op in fg.ops),
             kept=frozenset(kept),
             held=held,
+            inputs=tuple(op.inputs for op in fg.ops),
             outputs=tuple(op.outputs for op in fg.ops),
             floating=tuple(is_floating(t.dtype) for t in tensors),
             x_inputs=tuple(tuple(t for t in op.inputs if t in xs) for op in fg.ops),
