@@ -150,10 +150,9 @@ class _Terms:
         self.probes += 1
         p = self.p
         problem = p.problem
-        ev = p.evaluate(p.decision(groups))
+        schedule = p.schedule(p.decision(groups))
         prog, backward_start, trace = program_and_timeline(
-            problem.forward(p.model), ev.schedule,
-            extra_resident_bytes=problem.extra_resident_bytes)
+            problem.forward(p.model), schedule, extra_resident_bytes=problem.extra_resident_bytes)
         self.resident = trace.resident_bytes
         n_instr = len(prog.reads)
         seg_group = [0] * self.n_seg
@@ -202,8 +201,8 @@ class _Terms:
             if lmax[g] is None or local > lmax[g]:
                 lmax[g] = local
         ns = [0] * len(groups)
-        if ev.schedule is not None:
-            for step in ev.schedule.steps:
+        if schedule is not None:
+            for step in schedule.steps:
                 head = p.fg.tensors[step.heads[0]].producer
                 ns[seg_group[self.seg_of_op[head]]] += problem.step_nanoseconds(step)
         for gi, (a, b, mode) in enumerate(groups):

@@ -316,11 +316,15 @@ class Segments:
         in_place = tuple(o for k in sorted(d.stored) for o in self.segments[k])
         return checkpoints, in_place, self.problem.schedule(checkpoints, in_place)
 
+    def schedule(self, d: Decision) -> Schedule | None:
+        """The schedule of ``d`` (None: every segment stored, plain backprop),
+        without simulating it (built once, cached by the problem)."""
+        return self._schedule(self.canonical(d))[2]
+
     def cost(self, d: Decision) -> int:
         """Forecast nanoseconds ``d`` adds to plain backprop, without simulating
-        its memory (its schedule is built, and cached by the problem): equal to
-        ``evaluate(d).recompute_ns``."""
-        return self.problem.recompute_nanoseconds(self._schedule(self.canonical(d))[2])
+        its memory: equal to ``evaluate(d).recompute_ns``."""
+        return self.problem.recompute_nanoseconds(self.schedule(d))
 
     def evaluate(self, d: Decision) -> Evaluation:
         """Schedule, forecast peak, recompute seconds and FLOPs of ``d`` (cached)."""
