@@ -58,7 +58,7 @@ from memsave.record import Budget, Plan
 from memsave.simulate import paused_gc
 
 __all__ = ["solve", "resolve_budget", "choose", "is_chain", "CORES", "DP_MAX_CUTS",
-           "MILP_MAX_CUTS", "MAX_CUTS", "FEW_POINTS"]
+           "DP_PROBES_PER_CUT_SQUARED", "MILP_MAX_CUTS", "MAX_CUTS", "FEW_POINTS"]
 
 Core = Callable[..., Outcome]
 
@@ -66,9 +66,18 @@ Core = Callable[..., Outcome]
 CORES: dict[str, Core] = {"dp": dp, "milp": milp, "greedy": greedy}
 
 #: ``auto`` uses ``dp`` on chains with at most this many candidate cuts: its
-#: probe simulations grow like cuts squared (about 4 m^2 of them, each a
-#: simulation of the whole graph: minutes at 40 cuts of a 1000-op chain).
+#: probe simulations grow like cuts squared (:data:`DP_PROBES_PER_CUT_SQUARED`,
+#: each a simulation of the whole graph: minutes at 40 cuts of a 1000-op chain).
 DP_MAX_CUTS = 12
+
+#: ``dp``'s probe simulations per squared candidate cut, about (measured on
+#: the test zoo's chains: 274-403 at 7-8 cuts, 751 at 11, 891 at 12). A
+#: search capped at ``max_simulations`` (a preset's search for time) uses
+#: ``dp`` only where its probes fit the cap: ``'memory'``'s 64
+#: (:data:`memsave.planners.strategies.MEMORY_SEARCH_PLANS`) let ``dp``
+#: simulate 400-900 plans of those chains, 72% of ``'memory'``'s planning
+#: time over the zoo.
+DP_PROBES_PER_CUT_SQUARED = 6.2
 
 #: ``auto`` uses ``milp`` on non-chain graphs with at most this many
 #: candidate cuts; beyond that its enumeration may visit many partitions.
@@ -151,11 +160,13 @@ def is_chain(space: Segments) -> bool:
     return True
 
 
-def choose(space: Segments, *, milp: bool = True) -> str:
-    """The core ``auto`` picks: ``dp`` on small chains, ``milp`` on small
-    spaces (when ``milp``), ``greedy`` otherwise."""
+def choose(space: Segments, *, milp: bool = True, max_simulations: int | None = None) -> str:
+    """The core ``auto`` picks: ``dp`` on small chains (whose probes fit
+    ``max_simulations``, if given: :data:`DP_PROBES_PER_CUT_SQUARED`),
+    ``milp`` on small spaces (when ``milp``), ``greedy`` otherwise."""
     m = len(space.candidates)
-    if m <= DP_MAX_CUTS and is_chain(space):
+    if m <= DP_MAX_CUTS and is_chain(space) and (
+            max_simulations is None or DP_PROBES_PER_CUT_SQUARED * m * m <= max_simulations):
         return "dp"
     if milp and m <= MILP_MAX_CUTS:
         return "milp"
@@ -243,11 +254,12 @@ def _solve(problem: Problem, memory_budget, solver: str, time_limit_s, api: str,
     for cands in tries:
         space = Segments(problem, [*coarsen(fg, problem.costs, cands, MAX_CUTS), *include],
                          model=model)
-        # A preset's bounded search (max_simulations) keeps to greedy: it
-        # should cost a bounded number of simulations, and where nothing
-        # fits the exact solver's search for the smallest peak may visit
-        # many partitions.
-        name = choose(space, milp=max_simulations is None) if solver == "auto" else solver
+        # A preset's bounded search (max_simulations) should cost a bounded
+        # number of simulations: no milp (where nothing fits, its search for
+        # the smallest peak may visit many partitions), and dp only where
+        # its probes fit the bound.
+        name = choose(space, milp=max_simulations is None,
+                      max_simulations=max_simulations) if solver == "auto" else solver
         extra = {"max_simulations": max_simulations} if max_simulations and name == "greedy" else {}
         out = CORES[name](space, budget_bytes, time_limit_s=time_limit_s, **extra)
         if out.evaluation.peak_bytes <= budget_bytes:

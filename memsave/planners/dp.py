@@ -53,9 +53,11 @@ equality on every decision of random heterogeneous chains).
 Notes
 -----
 ``O(m^2)`` probe simulations of ``O(n)`` each, then ``O(m^2)`` transitions
-with small Pareto sets (about 4 m^2 probes): meant for chains of a dozen
-cuts or so (the ``auto`` choice sends it at most
-:data:`~memsave.planners.budget.DP_MAX_CUTS`, larger problems to ``greedy``). Asked for by name on
+with small Pareto sets (about 6 m^2 probes:
+:data:`~memsave.planners.budget.DP_PROBES_PER_CUT_SQUARED`): meant for
+chains of a dozen cuts or so (the ``auto`` choice sends it at most
+:data:`~memsave.planners.budget.DP_MAX_CUTS`, and a preset's capped search
+only as many as its cap allows; larger problems to ``greedy``). Asked for by name on
 a larger problem, it stops at its time limit (``time_limit_s``, default
 :data:`~memsave.planners.segments.DEFAULT_TIME_LIMIT_S`) and answers with
 ``greedy``'s plan, ``optimal=False``, and a warning: on the study's

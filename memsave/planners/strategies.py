@@ -322,11 +322,12 @@ def _search_solver(problem: Problem, solver: str) -> str:
     """The budget solver of a preset's search for time: ``solver``, but on a
     share of the search (``problem.search_share`` < 1: one of many
     combinations of loop choices, :mod:`memsave.planners.loops`) ``'auto'``
-    is the bounded ``greedy``: ``dp`` simulates about 4 m^2 plans of m cuts
-    whatever the bound (measured: 311 a plan on three LSTM scans with a
-    projection between them, 0.35 s of profiled CPU for each of the eight
-    combinations).
-    The chosen combination is planned again with the whole search."""
+    is the bounded ``greedy``: ``dp`` simulates about 6 m^2 plans of m cuts
+    (measured: 311 a plan on three LSTM scans with a projection between
+    them, 0.35 s of profiled CPU for each of the eight combinations). The
+    chosen combination is planned again with the whole search, where
+    ``'auto'`` uses ``dp`` only if its probes fit the search's cap
+    (:func:`memsave.planners.budget.choose`)."""
     return "greedy" if solver == "auto" and problem.search_share < 1.0 else solver
 
 
