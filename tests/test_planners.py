@@ -29,6 +29,7 @@ import memsave
 from memsave import planners, strategies
 from memsave.errors import MemsaveError, OptionsError
 from memsave.memory_model import BFC, MemoryModel
+from memsave.planners.segments import Segments
 from memsave.planners.strategies import given
 from memsave.problem import Problem
 from memsave.record import Plan
@@ -215,26 +216,41 @@ def test_a_summary_leads_with_the_decision():
     assert len(plan.to_dict()["kept"]) == len(plan.kept)
 
 
-def test_a_presets_search_simulates_a_bounded_number_of_plans(monkeypatch):
+@pytest.mark.parametrize("graph", ["unet", "chain"])
+def test_a_presets_search_simulates_a_bounded_number_of_plans(monkeypatch, graph):
     """'memory''s search for time on a small graph simulates at most
     MEMORY_SEARCH_PLANS plans per set of candidates it searches (at most
     two: the articulation points, then the cuts' activations; a U-Net has
     only the cuts), besides its own candidate plans: the bound in simulated
     ops alone allowed thousands of plans on a graph of a few dozen ops,
     where tf.gradients takes milliseconds. Unbounded (the constant raised),
-    the same search simulates more, so the bound is what holds it. (On a
-    chain of at most budget.DP_MAX_CUTS cuts the search is the exact dp,
-    whose O(m^2) probes that size bounds.)"""
+    the same search simulates more, so the bound is what holds it. On a
+    chain of 10 cuts (of at most budget.DP_MAX_CUTS, where 'auto' is the
+    exact dp) dp's probes count too: about 6 m^2 of them (some 650 here),
+    so the capped search is greedy's, and the unbounded one dp's."""
+    from memsave.planners import budget as B
+    from memsave.planners import dp as planner_dp
     from memsave.planners import strategies as planner_strategies
+
+    make = {"unet": H.unet, "chain": lambda: H.random_chain(random.Random(0), 12)}[graph]
+    probes = []
+    traced = planner_dp.program_and_timeline
+    monkeypatch.setattr(planner_dp, "program_and_timeline",
+                        lambda *a, **k: probes.append(1) or traced(*a, **k))
 
     def simulations(plans_bound):
         monkeypatch.setattr(planner_strategies, "MEMORY_SEARCH_PLANS", plans_bound)
-        problem = Problem(H.unet())
+        problem = Problem(make())
         candidates = len(problem.memory_plans())
+        probes.clear()
         plan = _run("memory", problem, min_saving_fraction=0.0)
         assert plan.schedule is not None and plan.recomputed_ops > 0
-        return problem.simulations, candidates
+        return problem.simulations + len(probes), candidates
 
+    if graph == "chain":  # the case is the one the docstring describes
+        problem = Problem(make())
+        space = Segments(problem, problem.articulation_points())
+        assert len(space.candidates) == 10 and B.choose(space, milp=False) == "dp"
     bound = planner_strategies.MEMORY_SEARCH_PLANS
     bounded, candidates = simulations(bound)
     # the plain step, each candidate plan, and two searches of at most `bound` plans
