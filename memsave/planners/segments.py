@@ -349,8 +349,7 @@ class Segments:
         d = self.canonical(d)
         found = self._floors.get(d)
         if found is None:
-            found = self._floors[d] = self.problem.peak_floor(self._schedule(d)[2],
-                                                              model=self.model)
+            found = self._floors[d] = self.problem.peak_floor(self.schedule(d), model=self.model)
         return found
 
     def segment_nanoseconds(self, k: int, *, expensive: bool = False) -> int:
