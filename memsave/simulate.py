@@ -96,7 +96,7 @@ from memsave.graph import ForwardGraph
 from memsave.memory_model import (BFC, CPU_ONEDNN, Allocator, MemoryModel, cpu_threads,
                                   half_conv2d_gradient_scratch, half_matmul_scratch)
 from memsave.schedule import Schedule
-from memsave.xla import XlaModel, breadth_first_order
+from memsave.xla import XlaModel, breadth_first_order, copy_gradient_reads
 
 __all__ = [
     "MemoryModel",
@@ -873,7 +873,10 @@ class ForwardProgram:
                 g = plans[i]
                 scratch = xm.gradient_scratch(i, recomputed=recomputed)
                 early = bool(forward_early) or bool(copy_early) or g[4]
-                plans[i] = g[:4] + (early, g[5] + ((scratch,) if scratch else ())) + g[6:]
+                reads = g[3]
+                if recomputed:
+                    reads = tuple(dict.fromkeys(reads + xm.copy_gradient_reads(i)))
+                plans[i] = g[:3] + (reads, early, g[5] + ((scratch,) if scratch else ())) + g[6:]
 
     def peak_floor(self, schedule: Schedule | None) -> int:
         """A lower bound on the forecast peak of ``schedule`` (None: plain
@@ -1100,6 +1103,8 @@ def copies_that_run(fg: ForwardGraph, costs: Costs):
     once per graph; the simulator and the time model read the same rule.
     """
     needs = [ins + outs for ins, outs in costs.gradient_reads]
+    for i, extra in copy_gradient_reads(fg, costs).items():  # (XLA only)
+        needs[i] += extra
     always = [(op.body is not None and bool(op.body.saved)) or bool(use.early_bytes)
               for op, use in zip(fg.ops, costs.gradient)]
     inputs = [op.inputs for op in fg.ops]
