@@ -33,6 +33,7 @@ from memsave import xla
 from memsave.costs import estimate_costs
 from memsave.problem import Problem
 from memsave.schedule import build_schedule
+from memsave.simulate import copies_that_run
 from memsave.xla_gradients import depthwise_conv2d_gradient
 
 from handgraphs import Builder, MiB
@@ -471,9 +472,9 @@ def test_xla_train_step_keeps_the_saving(fresh):
         f"({error:+.0%}; allowed {FORECAST_TOLERANCE:.0%})")
 
 
-def _depthwise_block():
-    """input -> 1x1 conv -> relu6 -> pad -> depthwise -> relu6 -> 1x1 conv -> loss (a
-    MobileNetV2 block with a strided depthwise convolution), under XLA."""
+def _depthwise_block(*, after: str = "Relu6"):
+    """input -> 1x1 conv -> relu6 -> pad -> depthwise -> ``after`` -> 1x1 conv -> loss
+    (a MobileNetV2 block with a strided depthwise convolution), under XLA."""
     b = Builder()
     h = b.external("input", size_bytes=4 * MiB)
     weights = []
@@ -487,7 +488,7 @@ def _depthwise_block():
     h = b.op("relu0", "Relu6", [h], size_bytes=4 * MiB)
     h = b.op("pad", "Pad", [h], size_bytes=5 * MiB)
     h = b.op("dw", "DepthwiseConv2dNative", [h, read(1)], size_bytes=MiB)
-    h = b.op("relu1", "Relu6", [h], size_bytes=MiB)
+    h = b.op("relu1", after, [h] * (2 if after == "AddV2" else 1), size_bytes=MiB)
     h = b.op("project", "Conv2D", [h, read(2)], size_bytes=MiB)
     y = b.op("loss", "Sum", [h], size_bytes=4)
     return dataclasses.replace(b.build(weights, [y]), xla=True), b.ids
@@ -511,3 +512,15 @@ def test_recomputed_depthwise_gradient_holds_its_input_under_xla():
     # The padded input it reads (5 MiB), the incoming gradient (1 MiB) and the
     # padded input's gradient it writes (5 MiB), besides the resident bytes.
     assert alive >= trace.resident_bytes + 11 * MiB, (alive / MiB, trace.resident_bytes / MiB)
+
+
+def test_recomputed_depthwise_input_is_recomputed_for_its_kernel_gradient():
+    # Nothing else of the step reads the depthwise convolution's output or its
+    # input (the op after it is a sum, whose gradient reads neither): the
+    # padded input's copy runs for the kernel gradient alone.
+    fg, ids = _depthwise_block(after="AddV2")
+    problem = Problem(fg)
+    ops = [fg.tensors[ids[t]].producer for t in ("relu0:0", "pad:0", "dw:0", "relu1:0")]
+    runs = copies_that_run(fg, problem.costs)(ops)
+    assert fg.tensors[ids["pad:0"]].producer in runs
+    assert fg.tensors[ids["dw:0"]].producer not in runs
