@@ -13,7 +13,8 @@ What these check (see memsave/xla.py for the XLA behaviour behind each):
   batch norm, max-pool and depthwise convolutions;
 * the XLA-only pieces of the planner, TF-free, on hand-built graphs
   (ordered weights, max-pools differentiated in place, breadth-first order,
-  fused reads);
+  fused reads, the input a recomputed depthwise convolution's kernel
+  gradient reads);
 * in a fresh process (slow): a small CNN's step under XLA keeps the saving
   and the forecast is near the measured peak.
 """
@@ -123,6 +124,60 @@ def test_xla_model_holds_transformed_operands_of_convolutions():
     plain_xla = Problem(fg).peak(None)
     plain = Problem(dataclasses.replace(fg, xla=False)).peak(None)
     assert plain_xla > plain
+
+
+def _depthwise_block(*, after: str = "Relu6"):
+    """input -> 1x1 conv -> relu6 -> pad -> depthwise -> ``after`` -> 1x1 conv -> loss
+    (a MobileNetV2 block with a strided depthwise convolution), under XLA."""
+    b = Builder()
+    h = b.external("input", size_bytes=4 * MiB)
+    weights = []
+
+    def read(i):
+        weights.append(b.source(f"w{i}", size_bytes=MiB // 4))
+        return b.op(f"read{i}", "ReadVariableOp", [weights[-1]], recomputable=False,
+                    size_bytes=MiB // 4)
+
+    h = b.op("expand", "Conv2D", [h, read(0)], size_bytes=4 * MiB)
+    h = b.op("relu0", "Relu6", [h], size_bytes=4 * MiB)
+    h = b.op("pad", "Pad", [h], size_bytes=5 * MiB)
+    h = b.op("dw", "DepthwiseConv2dNative", [h, read(1)], size_bytes=MiB)
+    h = b.op("relu1", after, [h, h] if after == "AddV2" else [h], size_bytes=MiB)
+    h = b.op("project", "Conv2D", [h, read(2)], size_bytes=MiB)
+    y = b.op("loss", "Sum", [h], size_bytes=4)
+    return dataclasses.replace(b.build(weights, [y]), xla=True), b.ids
+
+
+def test_recomputed_depthwise_gradient_holds_its_input_under_xla():
+    # A recomputed depthwise convolution's kernel gradient (memsave.xla_gradients)
+    # reads windows of its input, not a re-laid-out copy made early: the forecast
+    # holds the input (the padded tensor) until that gradient has run.
+    fg, ids = _depthwise_block()
+    model = xla.XlaModel(fg, estimate_costs(fg))
+    dw = fg.tensors[ids["dw:0"]].producer
+    assert model.early(dw, recomputed=True) == ()
+    assert model.copy_gradient_reads(dw) == (ids["pad:0"],)
+    problem = Problem(fg)
+    schedule = problem.schedule([ids["expand:0"], ids["relu1:0"]])
+    assert any(dw in step.ops for step in schedule.steps if step.kind == "recompute"), \
+        "the plan no longer recomputes the depthwise convolution"
+    trace = problem.timeline(schedule)
+    alive = next(b for b, e in trace.timeline if e == "gradient of dw")
+    # The padded input it reads (5 MiB), the incoming gradient (1 MiB) and the
+    # padded input's gradient it writes (5 MiB), besides the resident bytes.
+    assert alive >= trace.resident_bytes + 11 * MiB, (alive / MiB, trace.resident_bytes / MiB)
+
+
+def test_recomputed_depthwise_input_is_recomputed_for_its_kernel_gradient():
+    # Nothing else of the step reads the depthwise convolution's output or its
+    # input (the op after it is a sum, whose gradient reads neither): the
+    # padded input's copy runs for the kernel gradient alone.
+    fg, ids = _depthwise_block(after="AddV2")
+    problem = Problem(fg)
+    ops = [fg.tensors[ids[t]].producer for t in ("relu0:0", "pad:0", "dw:0", "relu1:0")]
+    runs = copies_that_run(fg, problem.costs)(ops)
+    assert fg.tensors[ids["pad:0"]].producer in runs
+    assert fg.tensors[ids["dw:0"]].producer not in runs
 
 
 def test_half_precision_convolutions_are_counted_in_float32_under_xla():
@@ -471,56 +526,3 @@ def test_xla_train_step_keeps_the_saving(fresh):
         f"memsave.plan forecast {ours['forecast']:,} bytes for a measured {ours['peak']:,} "
         f"({error:+.0%}; allowed {FORECAST_TOLERANCE:.0%})")
 
-
-def _depthwise_block(*, after: str = "Relu6"):
-    """input -> 1x1 conv -> relu6 -> pad -> depthwise -> ``after`` -> 1x1 conv -> loss
-    (a MobileNetV2 block with a strided depthwise convolution), under XLA."""
-    b = Builder()
-    h = b.external("input", size_bytes=4 * MiB)
-    weights = []
-
-    def read(i):
-        weights.append(b.source(f"w{i}", size_bytes=MiB // 4))
-        return b.op(f"read{i}", "ReadVariableOp", [weights[-1]], recomputable=False,
-                    size_bytes=MiB // 4)
-
-    h = b.op("expand", "Conv2D", [h, read(0)], size_bytes=4 * MiB)
-    h = b.op("relu0", "Relu6", [h], size_bytes=4 * MiB)
-    h = b.op("pad", "Pad", [h], size_bytes=5 * MiB)
-    h = b.op("dw", "DepthwiseConv2dNative", [h, read(1)], size_bytes=MiB)
-    h = b.op("relu1", after, [h] * (2 if after == "AddV2" else 1), size_bytes=MiB)
-    h = b.op("project", "Conv2D", [h, read(2)], size_bytes=MiB)
-    y = b.op("loss", "Sum", [h], size_bytes=4)
-    return dataclasses.replace(b.build(weights, [y]), xla=True), b.ids
-
-
-def test_recomputed_depthwise_gradient_holds_its_input_under_xla():
-    # A recomputed depthwise convolution's kernel gradient (memsave.xla_gradients)
-    # reads windows of its input, not a re-laid-out copy made early: the forecast
-    # holds the input (the padded tensor) until that gradient has run.
-    fg, ids = _depthwise_block()
-    model = xla.XlaModel(fg, estimate_costs(fg))
-    dw = fg.tensors[ids["dw:0"]].producer
-    assert model.early(dw, recomputed=True) == ()
-    assert model.copy_gradient_reads(dw) == (ids["pad:0"],)
-    problem = Problem(fg)
-    schedule = problem.schedule([ids["expand:0"], ids["relu1:0"]])
-    assert any(dw in step.ops for step in schedule.steps if step.kind == "recompute"), \
-        "the plan no longer recomputes the depthwise convolution"
-    trace = problem.timeline(schedule)
-    alive = next(b for b, e in trace.timeline if e == "gradient of dw")
-    # The padded input it reads (5 MiB), the incoming gradient (1 MiB) and the
-    # padded input's gradient it writes (5 MiB), besides the resident bytes.
-    assert alive >= trace.resident_bytes + 11 * MiB, (alive / MiB, trace.resident_bytes / MiB)
-
-
-def test_recomputed_depthwise_input_is_recomputed_for_its_kernel_gradient():
-    # Nothing else of the step reads the depthwise convolution's output or its
-    # input (the op after it is a sum, whose gradient reads neither): the
-    # padded input's copy runs for the kernel gradient alone.
-    fg, ids = _depthwise_block(after="AddV2")
-    problem = Problem(fg)
-    ops = [fg.tensors[ids[t]].producer for t in ("relu0:0", "pad:0", "dw:0", "relu1:0")]
-    runs = copies_that_run(fg, problem.costs)(ops)
-    assert fg.tensors[ids["pad:0"]].producer in runs
-    assert fg.tensors[ids["dw:0"]].producer not in runs
