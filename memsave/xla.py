@@ -43,29 +43,45 @@ from collections.abc import Sequence
 
 from memsave.graph import ForwardGraph
 
-__all__ = ["IN_PLACE_OP_TYPES", "CHEAP_ELEMENTWISE_TYPES", "XlaModel", "breadth_first_order",
+__all__ = ["MAX_POOL_TYPES", "CHEAP_ELEMENTWISE_TYPES", "XlaModel", "breadth_first_order",
            "copy_gradient_reads", "xla_costs", "feeds_x", "fused_sources", "in_place_ops",
            "ordered_boundary"]
 
-#: Op types differentiated in place (their originals, not a recomputed copy)
-#: under XLA. A max-pool's gradient is lowered to a search for each window's
-#: maximum (a reduce-window over the input and four ``s32`` iotas of the
-#: padded input's shape) and a scatter of the incoming gradient. XLA
-#: schedules the iotas, which read nothing, at the start of the step; with
-#: the original op, the search reads the forward pass's input and runs (and
-#: frees the iotas) in the forward pass, keeping only the indices it found;
-#: with a recomputed copy it waits for the recomputation at the end of the
-#: backward pass, and the iotas stay alive for the whole step (measured on
-#: ResNet50 64x64 batch 32: 4 x 9 MiB).
-IN_PLACE_OP_TYPES = frozenset({"MaxPool", "MaxPoolV2", "MaxPool3D"})
+#: Max-pool op types. XLA lowers the stock gradient into a search for each
+#: window's maximum (a reduce-window over the input and four ``s32`` iotas
+#: of the padded input's shape) and a scatter of the incoming gradient into
+#: zeros of the padded input's shape. Neither depends on the incoming
+#: gradient: XLA's breadth-first schedule makes the iotas at the start of
+#: the step, and for the original op runs the search in the forward pass,
+#: holding the indices found and the zeros to the end of the step (measured
+#: on ResNet50 64x64 batch 32: 8.4 and 9.5 MB). A recomputed ``MaxPool``
+#: gets :func:`memsave.xla_gradients.max_pool_gradient` instead, which
+#: makes neither; a recomputed copy with the stock gradient would wait for
+#: its recomputation while the iotas stay alive for the whole step (4 x 9
+#: MiB), so the others are differentiated in place (:func:`in_place_ops`).
+MAX_POOL_TYPES = frozenset({"MaxPool", "MaxPoolV2", "MaxPool3D"})
 
 
 def in_place_ops(fg: ForwardGraph) -> frozenset[int]:
-    """Ops of ``fg`` to differentiate in place under XLA (:data:`IN_PLACE_OP_TYPES`);
-    none outside XLA."""
+    """Ops of ``fg`` to differentiate in place under XLA: the max-pools
+    (:data:`MAX_POOL_TYPES`) that memsave's own gradient does not cover
+    (``MaxPoolV2``, ``MaxPool3D``, and a ``MaxPool`` of unknown shape; see
+    :func:`memsave.xla_gradients.xla_gradient_for`); none outside XLA."""
     if not fg.xla:
         return frozenset()
-    return frozenset(op.index for op in fg.ops if op.type in IN_PLACE_OP_TYPES)
+    return frozenset(op.index for op in fg.ops if op.type in MAX_POOL_TYPES
+                     and not (op.type == "MaxPool" and _static(fg, op)))
+
+
+#: Bytes of one ``s32`` index (a max-pool gradient's window maxima, see
+#: :data:`MAX_POOL_TYPES`).
+_INDEX_BYTES = 4
+
+
+def _static(fg: ForwardGraph, op) -> bool:
+    """Whether every input and output of ``op`` has a fully known shape."""
+    return all(fg.tensors[t].shape is not None and None not in fg.tensors[t].shape
+               for t in (*op.inputs, *op.outputs))
 
 
 def feeds_x(fg: ForwardGraph, t: int) -> bool:
@@ -193,8 +209,11 @@ class XlaModel:
       recomputed in a step), as the simulator's early gradient values are:
       the transposed input of a convolution
       (:data:`TRANSFORMED_OPERAND_TYPES`) whose kernel gets a gradient; for
-      a max-pool differentiated in place, the zeros its gradient scatters
-      into (XLA makes them at the start of the step: the size of the input);
+      an original max-pool (:data:`MAX_POOL_TYPES`), the zeros its stock
+      gradient scatters into (the size of the input) and the indices of
+      each window's maximum (an ``s32`` per dimension of the input per
+      output element); nothing for a recomputed one (memsave's own
+      gradient);
     * :meth:`kernel`: the reversed or transposed kernel of a convolution
       whose input gets a gradient, made as soon as the kernel can be read:
       at the start of the step for the original op, when its recompute
@@ -240,7 +259,6 @@ class XlaModel:
         # buffer it makes for one (re-laid-out operands, dilated gradients)
         # is float32 (UPCAST_OP_TYPES).
         tensor_bytes = _AccumulatorBytes(fg, costs.tensor_bytes)
-        in_place = in_place_ops(fg)
         for op in fg.ops:
             i = op.index
             if not costs.gradient[i].has_gradient:
@@ -278,8 +296,11 @@ class XlaModel:
                     self._scratch[i] = transient
                 if copy_transient:
                     self._scratch_copy[i] = copy_transient
-            elif i in in_place and op.inputs:
-                self._early[i] = (costs.tensor_bytes[op.inputs[0]],)
+            elif op.type in MAX_POOL_TYPES and op.inputs and op.outputs:
+                y = fg.tensors[op.outputs[0]]
+                rank = len(y.shape) if y.shape is not None else 4
+                indices = y.size_bytes // (y.itemsize or 4) * rank * _INDEX_BYTES
+                self._early[i] = (costs.tensor_bytes[op.inputs[0]], indices)
 
     def early(self, i: int, *, recomputed: bool) -> tuple[int, ...]:
         """Bytes of the buffers op ``i`` makes, when it runs, for its gradient."""

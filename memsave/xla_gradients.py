@@ -23,13 +23,33 @@ positions: ``kh * kw`` reductions XLA fuses with their slices and products,
 no buffer larger than the input. The input gradient is the stock one.
 Dilated depthwise convolutions (which Keras builds with space-to-batch
 around an undilated one) keep the stock gradient.
+
+Max-pools
+---------
+XLA lowers ``MaxPoolGrad`` to a select-and-scatter, which XLA:CPU expands
+into a search for each window's maximum (a reduce-window over the input and
+four ``s32`` iotas of the padded input's shape) and a scatter of the
+incoming gradient into a zero buffer of the padded input's shape. Nothing
+in the search or the zero buffer depends on the incoming gradient, so XLA's
+breadth-first schedule makes them early: for the original op, in the
+forward pass, holding the indices found (16 bytes per output element) and
+the zero buffer to the end of the step (ResNet50 at 64x64, batch 32: 8.4 and
+9.5 MB); for a recomputed copy, the iotas from the start of the step (4 x 9
+MiB). :func:`max_pool_gradient` computes the same gradient without them:
+for each offset of the window, in the order the select-and-scatter scans
+it, the positions holding the window's maximum that no earlier offset
+holds (the first maximum takes the gradient, as in the stock kernels)
+receive the incoming gradient, spread back over the input by padding;
+elementwise ops, slices and pads that XLA fuses into the one buffer of the
+input gradient, read only once the incoming gradient exists.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
-__all__ = ["depthwise_conv2d_gradient", "xla_gradient_for"]
+__all__ = ["depthwise_conv2d_gradient", "max_pool_gradient", "xla_gradient_for"]
 
 
 def depthwise_conv2d_gradient(op: tf.Operation, grad: tf.Tensor) -> list:
@@ -87,6 +107,82 @@ def depthwise_conv2d_gradient(op: tf.Operation, grad: tf.Tensor) -> list:
     return [dx, tf.cast(tf.stack(rows), w.dtype)]
 
 
+def max_pool_gradient(op: tf.Operation, grad: tf.Tensor) -> list:
+    """Gradient of ``MaxPool`` without XLA's select-and-scatter (see the module docstring).
+
+    Equal to TensorFlow's ``MaxPoolGrad`` kernels: each window's incoming
+    gradient goes to the first position, in row-major order over the window,
+    holding the window's maximum; positions in several windows sum what
+    they receive. (XLA's own lowering may give a window's gradient to
+    another of several equal maxima: a subgradient too.) Static shapes,
+    ``VALID`` or ``SAME`` padding (:func:`xla_gradient_for`).
+    """
+    x, y = op.inputs[0], op.outputs[0]
+    padding = _text(op.get_attr("padding"))
+    ksize, strides = list(op.get_attr("ksize")), list(op.get_attr("strides"))
+    nchw = _text(op.get_attr("data_format")) == "NCHW"
+    if nchw:  # work in NHWC
+        x, y, grad = (tf.transpose(t, [0, 2, 3, 1]) for t in (x, y, grad))
+        ksize = [ksize[0], ksize[2], ksize[3], ksize[1]]
+        strides = [strides[0], strides[2], strides[3], strides[1]]
+    _, kh, kw, _ = ksize
+    _, sh, sw, _ = strides
+    n, in_h, in_w, c = x.shape.as_list()
+    out_h, out_w = grad.shape.as_list()[1:3]
+    if padding == "VALID":
+        top = left = 0
+    else:  # SAME (XLA compiles no max-pool with explicit padding)
+        top = _max0((out_h - 1) * sh + kh - in_h) // 2
+        left = _max0((out_w - 1) * sw + kw - in_w) // 2
+    # The padded input every window lies in: (out - 1) * stride + k rows.
+    span_h, span_w = (out_h - 1) * sh + kh, (out_w - 1) * sw + kw
+    bottom, right = span_h - in_h - top, span_w - in_w - left
+    x_pad = tf.pad(x, [[0, 0], [top, _max0(bottom)], [left, _max0(right)], [0, 0]],
+                   constant_values=tf.constant(-np.inf, x.dtype))
+    zero = tf.zeros([], grad.dtype)
+    taken = None
+    dx_pad = None
+    for i in range(kh):
+        for j in range(kw):
+            at = x_pad[:, i:i + (out_h - 1) * sh + 1:sh, j:j + (out_w - 1) * sw + 1:sw, :]
+            hit = tf.equal(at, y)
+            first = hit if taken is None else tf.logical_and(hit, tf.logical_not(taken))
+            taken = hit if taken is None else tf.logical_or(taken, hit)
+            part = _spread(tf.where(first, grad, zero), sh, sw, i, kh - 1 - i, j, kw - 1 - j)
+            dx_pad = part if dx_pad is None else dx_pad + part
+    # Back to the input's rows and columns (a negative bottom or right: rows
+    # no window reaches, whose gradient is zero).
+    dx_pad = tf.pad(dx_pad, [[0, 0], [0, _max0(-bottom)], [0, _max0(-right)], [0, 0]])
+    dx = dx_pad[:, top:top + in_h, left:left + in_w, :]
+    if nchw:
+        dx = tf.transpose(dx, [0, 3, 1, 2])
+    return [dx]
+
+
+def _spread(g: tf.Tensor, sh: int, sw: int, top: int, bottom: int, left: int, right: int
+            ) -> tf.Tensor:
+    """``g`` (``[n, h, w, c]``) placed at every ``sh``-th row and ``sw``-th column
+    (zeros between), then padded by ``top``, ``bottom``, ``left``, ``right`` zeros."""
+    n, h, w, c = g.shape.as_list()
+    if sh > 1 or sw > 1:
+        g = tf.reshape(g, [n, h, 1, w, 1, c])
+        g = tf.pad(g, [[0, 0], [0, 0], [0, sh - 1], [0, 0], [0, sw - 1], [0, 0]])
+        g = tf.reshape(g, [n, h * sh, w * sw, c])[:, :(h - 1) * sh + 1, :(w - 1) * sw + 1, :]
+    return tf.pad(g, [[0, 0], [top, bottom], [left, right], [0, 0]])
+
+
+def _max_pool_supported(op: tf.Operation) -> bool:
+    x = op.inputs[0]
+    return (x.dtype.is_floating and x.shape.is_fully_defined()
+            and op.outputs[0].shape.is_fully_defined()
+            and _text(op.get_attr("padding")) in ("VALID", "SAME")
+            and _text(op.get_attr("data_format")) in ("NHWC", "NCHW"))
+
+
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
 def _shape(t: tf.Tensor) -> list:
     """The shape of the 4-d ``t``: each known dimension an int, the others scalar tensors."""
     dims = t.shape.with_rank(4).as_list()
@@ -105,4 +201,6 @@ def xla_gradient_for(op: tf.Operation):
     """The gradient function a copy of ``op`` gets under XLA, or None for the stock one."""
     if op.type == "DepthwiseConv2dNative" and all(d == 1 for d in op.get_attr("dilations")):
         return depthwise_conv2d_gradient
+    if op.type == "MaxPool" and _max_pool_supported(op):
+        return max_pool_gradient
     return None

@@ -8,11 +8,14 @@ What these check (see memsave/xla.py for the XLA behaviour behind each):
   does not; every op copy memsave recomputes is still in the compiled step
   (none merged back into the forward pass, the first step's included); a
   recomputed depthwise convolution has no dense channel-by-channel kernel
-  gradient;
+  gradient, and a recomputed max-pool no scatter;
+* memsave's own gradients of the ops it recomputes under XLA (depthwise
+  convolutions, max-pools) equal the stock ones;
 * gradients and updates equal tf.gradients' under XLA on small models with
   batch norm, max-pool and depthwise convolutions;
 * the XLA-only pieces of the planner, TF-free, on hand-built graphs
-  (ordered weights, max-pools differentiated in place, breadth-first order,
+  (ordered weights, which max-pools are differentiated in place and what
+  an original one holds, breadth-first order,
   fused reads, the input a recomputed depthwise convolution's kernel
   gradient reads);
 * in a fresh process (slow): a small CNN's step under XLA keeps the saving
@@ -35,7 +38,7 @@ from memsave.costs import estimate_costs
 from memsave.problem import Problem
 from memsave.schedule import build_schedule
 from memsave.simulate import copies_that_run
-from memsave.xla_gradients import depthwise_conv2d_gradient
+from memsave.xla_gradients import depthwise_conv2d_gradient, max_pool_gradient
 
 from handgraphs import Builder, MiB
 
@@ -72,14 +75,44 @@ def test_ordered_weights_only_under_xla():
     assert all(s.ordered == () for s in plain)
 
 
-def test_max_pool_is_differentiated_in_place_under_xla_only():
+def _with_shapes(fg, shapes: dict):
+    """``fg`` with the static shapes (and float32 itemsize) of some tensors recorded."""
+    tensors = list(fg.tensors)
+    for t, shape in shapes.items():
+        tensors[t] = dataclasses.replace(tensors[t], shape=shape, itemsize=4)
+    return dataclasses.replace(fg, tensors=tuple(tensors))
+
+
+def test_max_pools_memsave_has_no_gradient_for_are_differentiated_in_place_under_xla():
     fg, ids = _conv_chain(3, pool_at=1)
     pool = fg.tensors[ids["pool1:0"]].producer
     ckpt = (ids["relu2:0"],)
+    # Shapes unknown: memsave's own max-pool gradient does not apply.
     assert pool in build_schedule(fg, ckpt).in_place
     steps = build_schedule(fg, ckpt).steps
     assert any(s.kind == "backprop" and pool in s.ops for s in steps)
     assert pool not in build_schedule(dataclasses.replace(fg, xla=False), ckpt).in_place
+    # Static shapes: recomputed like any op, with memsave's gradient.
+    static = _with_shapes(fg, {ids["relu1:0"]: (8, 32, 32, 128), ids["pool1:0"]: (8, 16, 16, 128)})
+    assert pool not in build_schedule(static, ckpt).in_place
+    assert any(s.kind == "recompute" and pool in s.ops for s in build_schedule(static, ckpt).steps)
+    # MaxPool3D has no gradient of memsave's: in place, whatever the shapes.
+    ops = list(static.ops)
+    ops[pool] = dataclasses.replace(ops[pool], type="MaxPool3D")
+    assert pool in build_schedule(dataclasses.replace(static, ops=tuple(ops)), ckpt).in_place
+
+
+def test_xla_model_holds_an_original_max_pools_zeros_and_indices():
+    fg, ids = _conv_chain(3, pool_at=1)
+    # relu1: [8, 32, 32, 128] float32 (4 MiB); pool1: [8, 16, 16, 128] (256 Ki elements, 1 MiB).
+    static = _with_shapes(fg, {ids["relu1:0"]: (8, 32, 32, 128), ids["pool1:0"]: (8, 16, 16, 128)})
+    pool = fg.tensors[ids["pool1:0"]].producer
+    model = xla.XlaModel(static, estimate_costs(static))
+    # The stock gradient's zeros (the input's size) and an s32 index per
+    # dimension per output element (XLA makes both in the forward pass).
+    assert model.early(pool, recomputed=False) == (4 * MiB, 262144 * 4 * 4)
+    # A recomputed copy gets memsave.xla_gradients.max_pool_gradient: neither.
+    assert model.early(pool, recomputed=True) == ()
 
 
 def test_fused_sources_skip_cheap_elementwise_producers():
@@ -276,6 +309,78 @@ def test_depthwise_gradient_equals_the_stock_one(jit, static):
         worst = max(worst, float(tf.reduce_max(tf.abs(rw - ow)) / tf.reduce_max(tf.abs(rw))),
                     float(tf.reduce_max(tf.abs(rx - ox)) / tf.reduce_max(tf.abs(rx))))
     assert worst < 1e-5
+
+
+# -- TF: the max-pool gradient memsave gives its copies -----------------------------------
+
+MAX_POOLS = [((2, 9, 9, 3), 3, 2, "VALID", "NHWC"), ((2, 8, 8, 3), 3, 2, "SAME", "NHWC"),
+             ((2, 7, 10, 3), (2, 3), (1, 2), "SAME", "NHWC"), ((2, 7, 7, 3), 2, 2, "VALID", "NHWC"),
+             ((2, 6, 6, 3), 2, 3, "VALID", "NHWC"), ((1, 5, 5, 2), 3, 1, "SAME", "NHWC"),
+             ((2, 3, 9, 9), 3, 2, "VALID", "NCHW")]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
+def test_max_pool_gradient_equals_the_stock_one(jit):
+    """Outside XLA against TensorFlow's MaxPoolGrad kernel, on inputs full of
+    ties (ReLU zeros, repeated values: the first maximum in row-major order
+    takes a window's gradient); under XLA against XLA's own lowering, on
+    inputs without ties (XLA may give a window's gradient to another of
+    several equal maxima) and in NCHW, which only XLA runs on a CPU."""
+    rs = np.random.RandomState(0)
+    worst = 0.0
+    for shape, k, s, padding, layout in MAX_POOLS:
+        if layout == "NCHW" and not jit:
+            continue
+        if jit:
+            x = rs.randn(*shape).astype(np.float32)
+        else:
+            x = np.maximum(np.round(rs.randn(*shape) * 2) / 2, 0).astype(np.float32)
+
+        @tf.function(jit_compile=jit)
+        def both(x):
+            y = tf.nn.max_pool2d(x, k, s, padding, data_format=layout)
+            g = tf.cos(3.0 * y) + 2.0 * tf.sin(y)
+            return tf.gradients(y, x, g)[0], max_pool_gradient(y.op, g)[0]
+
+        ref, ours = both(tf.constant(x))
+        worst = max(worst, float(tf.reduce_max(tf.abs(ref - ours)) / tf.reduce_max(tf.abs(ref))))
+    assert worst < 1e-6
+
+
+def test_recomputed_max_pool_has_no_scatter_under_xla():
+    rs = np.random.RandomState(0)
+    ws = [tf.Variable(rs.randn(3, 3, 3, 8).astype(np.float32) * 0.3),
+          tf.Variable(rs.randn(3, 3, 8, 8).astype(np.float32) * 0.3)]
+    x = tf.constant(rs.randn(4, 24, 24, 3).astype(np.float32))
+    plans = []
+
+    def step_of(method):
+        @tf.function(jit_compile=True)
+        def step(x):
+            h = tf.nn.relu(tf.nn.conv2d(x, ws[0], 1, "SAME"))
+            h = tf.nn.max_pool2d(h, 3, 2, "VALID")
+            h = tf.nn.relu(tf.nn.conv2d(h, ws[1], 1, "SAME"))
+            loss = tf.reduce_sum(h * h)
+            if method == "plain":
+                grads = tf.gradients(loss, ws)
+            else:
+                # The last ReLU kept: the first segment, max-pool included, recomputed.
+                plans.append(memsave.plan(loss, ws, checkpoints=[h]))
+                grads = memsave.gradients(loss, ws, checkpoints=[h])
+            for v, g in zip(ws, grads):
+                v.assign_sub(LEARNING_RATE * g)
+            return loss
+
+        return step
+
+    scatter = r"= f32\[[0-9,]*\]{[0-9,]*} (scatter|select-and-scatter)\("
+    plain = _optimized_hlo(step_of("plain"), x)
+    ours = _optimized_hlo(step_of("memory"), x)
+    fg, schedule = plans[0].problem.fg, plans[0].schedule
+    assert any(s.kind == "recompute" and any(fg.ops[o].type == "MaxPool" for o in s.ops)
+               for s in schedule.steps)
+    assert re.search(scatter, plain), "XLA no longer lowers MaxPoolGrad to a scatter"
+    assert not re.search(scatter, ours)
 
 
 # -- TF: what the compiled step keeps -------------------------------------------------------
