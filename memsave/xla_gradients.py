@@ -139,36 +139,49 @@ def max_pool_gradient(op: tf.Operation, grad: tf.Tensor) -> list:
     bottom, right = span_h - in_h - top, span_w - in_w - left
     x_pad = tf.pad(x, [[0, 0], [top, _max0(bottom)], [left, _max0(right)], [0, 0]],
                    constant_values=tf.constant(-np.inf, x.dtype))
+    # Each window offset's share of the incoming gradient, on the output grid:
+    # where it holds the window's maximum and no earlier offset does.
     zero = tf.zeros([], grad.dtype)
-    taken = None
-    dx_pad = None
+    shares, taken = {}, None
     for i in range(kh):
         for j in range(kw):
             at = x_pad[:, i:i + (out_h - 1) * sh + 1:sh, j:j + (out_w - 1) * sw + 1:sw, :]
             hit = tf.equal(at, y)
             first = hit if taken is None else tf.logical_and(hit, tf.logical_not(taken))
             taken = hit if taken is None else tf.logical_or(taken, hit)
-            part = _spread(tf.where(first, grad, zero), sh, sw, i, kh - 1 - i, j, kw - 1 - j)
-            dx_pad = part if dx_pad is None else dx_pad + part
-    # Back to the input's rows and columns (a negative bottom or right: rows
-    # no window reaches, whose gradient is zero).
-    dx_pad = tf.pad(dx_pad, [[0, 0], [0, _max0(-bottom)], [0, _max0(-right)], [0, 0]])
+            shares[i, j] = tf.where(first, grad, zero)
+    # Row a * sh + r of the padded input is row r + dp * sh of window a - dp
+    # (columns alike): per residue (r, t), the shares of those offsets
+    # shifted by (dp, dq), summed; then the residues interleaved. Pads and
+    # sums on the output grid and one interleave, which XLA fuses into one
+    # loop writing the input gradient (a scatter of each offset's share,
+    # by interior padding, left a buffer per offset).
+    taps_h, taps_w = -(-kh // sh), -(-kw // sw)
+    rows, cols = out_h - 1 + taps_h, out_w - 1 + taps_w
+    by_row = []
+    for r in range(sh):
+        by_col = []
+        for t in range(sw):
+            total = None
+            # Earlier windows first, as the stock kernels add them up.
+            for dp in reversed(range(taps_h)):
+                for dq in reversed(range(taps_w)):
+                    i, j = r + dp * sh, t + dq * sw
+                    if i >= kh or j >= kw:
+                        continue
+                    part = tf.pad(shares[i, j], [[0, 0], [dp, rows - out_h - dp],
+                                                 [dq, cols - out_w - dq], [0, 0]])
+                    total = part if total is None else total + part
+            by_col.append(tf.zeros([n, rows, cols, c], grad.dtype) if total is None else total)
+        by_row.append(tf.stack(by_col, axis=3))  # [n, rows, cols, sw, c]
+    dx_pad = tf.reshape(tf.stack(by_row, axis=2), [n, rows * sh, cols * sw, c])
+    # Back to the input's rows and columns (rows no window reaches get zero).
+    dx_pad = tf.pad(dx_pad, [[0, 0], [0, _max0(top + in_h - rows * sh)],
+                             [0, _max0(left + in_w - cols * sw)], [0, 0]])
     dx = dx_pad[:, top:top + in_h, left:left + in_w, :]
     if nchw:
         dx = tf.transpose(dx, [0, 3, 1, 2])
     return [dx]
-
-
-def _spread(g: tf.Tensor, sh: int, sw: int, top: int, bottom: int, left: int, right: int
-            ) -> tf.Tensor:
-    """``g`` (``[n, h, w, c]``) placed at every ``sh``-th row and ``sw``-th column
-    (zeros between), then padded by ``top``, ``bottom``, ``left``, ``right`` zeros."""
-    n, h, w, c = g.shape.as_list()
-    if sh > 1 or sw > 1:
-        g = tf.reshape(g, [n, h, 1, w, 1, c])
-        g = tf.pad(g, [[0, 0], [0, 0], [0, sh - 1], [0, 0], [0, sw - 1], [0, 0]])
-        g = tf.reshape(g, [n, h * sh, w * sw, c])[:, :(h - 1) * sh + 1, :(w - 1) * sw + 1, :]
-    return tf.pad(g, [[0, 0], [top, bottom], [left, right], [0, 0]])
 
 
 def _max_pool_supported(op: tf.Operation) -> bool:
