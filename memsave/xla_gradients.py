@@ -39,9 +39,15 @@ MiB). :func:`max_pool_gradient` computes the same gradient without them:
 for each offset of the window, in the order the select-and-scatter scans
 it, the positions holding the window's maximum that no earlier offset
 holds (the first maximum takes the gradient, as in the stock kernels)
-receive the incoming gradient, spread back over the input by padding;
-elementwise ops, slices and pads that XLA fuses into the one buffer of the
-input gradient, read only once the incoming gradient exists.
+receive the incoming gradient; summed back onto the input per residue of
+the stride and interleaved. Elementwise ops, slices, pads and one
+interleave, which XLA fuses into the one buffer of the input gradient,
+read only once the incoming gradient exists. (Spreading each offset's
+share over the input by padding, then summing, left XLA:CPU a buffer of
+the input's size per offset: 9 for a 3x3 window.) On a CNN with a ResNet
+stem (64x64, batch 8, tests/test_xla.py) ``'memory'``'s XLA step held 13.9
+MiB above the resident bytes, against 31.9 MiB with the max-pool
+differentiated in place and 36.0 MiB for tf.gradients.
 """
 
 from __future__ import annotations
