@@ -321,30 +321,43 @@ MAX_POOLS = [((2, 9, 9, 3), 3, 2, "VALID", "NHWC"), ((2, 8, 8, 3), 3, 2, "SAME",
              ((2, 3, 9, 9), 3, 2, "VALID", "NCHW")]
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
-def test_max_pool_gradient_equals_the_stock_one(jit):
+#: A ResNet stem's max-pool: many positions hold the maximum of two to four
+#: windows, whose shares round when added in float16.
+STEM_POOL = ((8, 34, 34, 64), 3, 2, "VALID", "NHWC")
+
+
+@pytest.mark.parametrize("jit, dtype", [(False, np.float32), (True, np.float32), (True, np.float16)],
+                         ids=["graph", "xla", "xla-half"])
+def test_max_pool_gradient_equals_the_stock_one(jit, dtype):
     """Outside XLA against TensorFlow's MaxPoolGrad kernel, on inputs full of
     ties (ReLU zeros, repeated values: the first maximum in row-major order
-    takes a window's gradient); under XLA against XLA's own lowering, on
+    takes a window's gradient). Under XLA against XLA's own lowering, on
     inputs without ties (XLA may give a window's gradient to another of
-    several equal maxima) and in NCHW, which only XLA runs on a CPU."""
+    several equal maxima) and in NCHW, which only XLA runs on a CPU; in
+    float16 on a stem's pool, where only adding the windows' shares in the
+    stock order gives the same roundings (its ReLU zeros tie as the stock
+    lowering breaks them)."""
     rs = np.random.RandomState(0)
     worst = 0.0
-    for shape, k, s, padding, layout in MAX_POOLS:
+    for shape, k, s, padding, layout in [STEM_POOL] if dtype == np.float16 else MAX_POOLS:
         if layout == "NCHW" and not jit:
             continue
-        if jit:
-            x = rs.randn(*shape).astype(np.float32)
+        if dtype == np.float16:
+            x = np.maximum(rs.randn(*shape), 0).astype(dtype)
+        elif jit:
+            x = rs.randn(*shape).astype(dtype)
         else:
-            x = np.maximum(np.round(rs.randn(*shape) * 2) / 2, 0).astype(np.float32)
+            x = np.maximum(np.round(rs.randn(*shape) * 2) / 2, 0).astype(dtype)
 
         @tf.function(jit_compile=jit)
         def both(x):
             y = tf.nn.max_pool2d(x, k, s, padding, data_format=layout)
-            g = tf.cos(3.0 * y) + 2.0 * tf.sin(y)
+            # Not a function of y: windows sharing a maximum get different shares.
+            g = tf.reshape(tf.math.floormod(tf.range(tf.size(y)) * 7919, 1009), tf.shape(y))
+            g = tf.cast(g, y.dtype) / 97.0 - 5.0
             return tf.gradients(y, x, g)[0], max_pool_gradient(y.op, g)[0]
 
-        ref, ours = both(tf.constant(x))
+        ref, ours = (tf.cast(t, tf.float32) for t in both(tf.constant(x)))
         worst = max(worst, float(tf.reduce_max(tf.abs(ref - ours)) / tf.reduce_max(tf.abs(ref))))
     assert worst < 1e-6
 
