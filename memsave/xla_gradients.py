@@ -63,11 +63,9 @@ def depthwise_conv2d_gradient(op: tf.Operation, grad: tf.Tensor) -> list:
     x, w = op.inputs[0], op.inputs[1]
     strides = list(op.get_attr("strides"))
     dilations = list(op.get_attr("dilations"))
-    padding = op.get_attr("padding")
-    padding = padding.decode() if isinstance(padding, bytes) else padding
+    padding = _text(op.get_attr("padding"))
     explicit = list(op.get_attr("explicit_paddings"))
-    data_format = op.get_attr("data_format")
-    data_format = data_format.decode() if isinstance(data_format, bytes) else data_format
+    data_format = _text(op.get_attr("data_format"))
     dx = tf.raw_ops.DepthwiseConv2dNativeBackpropInput(
         input_sizes=tf.shape(x), filter=w, out_backprop=grad, strides=strides, padding=padding,
         explicit_paddings=explicit, data_format=data_format, dilations=dilations)
@@ -160,8 +158,8 @@ def max_pool_gradient(op: tf.Operation, grad: tf.Tensor) -> list:
     # (columns alike): per residue (r, t), the shares of those offsets
     # shifted by (dp, dq), summed; then the residues interleaved. Pads and
     # sums on the output grid and one interleave, which XLA fuses into one
-    # loop writing the input gradient (a scatter of each offset's share,
-    # by interior padding, left a buffer per offset).
+    # loop writing the input gradient (each offset's share spread over the
+    # input and then summed left a buffer per offset).
     taps_h, taps_w = -(-kh // sh), -(-kw // sw)
     rows, cols = out_h - 1 + taps_h, out_w - 1 + taps_w
     by_row = []
