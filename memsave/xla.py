@@ -69,19 +69,13 @@ def in_place_ops(fg: ForwardGraph) -> frozenset[int]:
     :func:`memsave.xla_gradients.xla_gradient_for`); none outside XLA."""
     if not fg.xla:
         return frozenset()
-    return frozenset(op.index for op in fg.ops if op.type in MAX_POOL_TYPES
-                     and not (op.type == "MaxPool" and _static(fg, op)))
+    return frozenset(op.index for op in fg.ops if op.type in MAX_POOL_TYPES and not (
+        op.type == "MaxPool" and all(fg.tensors[t].size_known for t in (*op.inputs, *op.outputs))))
 
 
 #: Bytes of one ``s32`` index (a max-pool gradient's window maxima, see
 #: :data:`MAX_POOL_TYPES`).
 _INDEX_BYTES = 4
-
-
-def _static(fg: ForwardGraph, op) -> bool:
-    """Whether every input and output of ``op`` has a fully known shape."""
-    return all(fg.tensors[t].shape is not None and None not in fg.tensors[t].shape
-               for t in (*op.inputs, *op.outputs))
 
 
 def feeds_x(fg: ForwardGraph, t: int) -> bool:

@@ -77,41 +77,39 @@ def test_ordered_weights_only_under_xla():
     assert all(s.ordered == () for s in plain)
 
 
-def _with_shapes(fg, shapes: dict):
-    """``fg`` with the static shapes (and float32 itemsize) of some tensors recorded."""
-    tensors = list(fg.tensors)
-    for t, shape in shapes.items():
-        tensors[t] = dataclasses.replace(tensors[t], shape=shape, itemsize=4)
-    return dataclasses.replace(fg, tensors=tuple(tensors))
+def _with_unknown_sizes(fg, tensors):
+    """``fg`` with the sizes of ``tensors`` marked unknown (a dimension None)."""
+    nodes = list(fg.tensors)
+    for t in tensors:
+        nodes[t] = dataclasses.replace(nodes[t], size_known=False)
+    return dataclasses.replace(fg, tensors=tuple(nodes))
 
 
 def test_max_pools_memsave_has_no_gradient_for_are_differentiated_in_place_under_xla():
     fg, ids = _conv_chain(3, pool_at=1)
     pool = fg.tensors[ids["pool1:0"]].producer
     ckpt = (ids["relu2:0"],)
-    # Shapes unknown: memsave's own max-pool gradient does not apply.
-    assert pool in build_schedule(fg, ckpt).in_place
-    steps = build_schedule(fg, ckpt).steps
-    assert any(s.kind == "backprop" and pool in s.ops for s in steps)
-    assert pool not in build_schedule(dataclasses.replace(fg, xla=False), ckpt).in_place
     # Static shapes: recomputed like any op, with memsave's gradient.
-    static = _with_shapes(fg, {ids["relu1:0"]: (8, 32, 32, 128), ids["pool1:0"]: (8, 16, 16, 128)})
-    assert pool not in build_schedule(static, ckpt).in_place
-    assert any(s.kind == "recompute" and pool in s.ops for s in build_schedule(static, ckpt).steps)
+    assert pool not in build_schedule(fg, ckpt).in_place
+    assert any(s.kind == "recompute" and pool in s.ops for s in build_schedule(fg, ckpt).steps)
+    # A shape unknown: memsave's own max-pool gradient does not apply.
+    unknown = _with_unknown_sizes(fg, [ids["pool1:0"]])
+    assert pool in build_schedule(unknown, ckpt).in_place
+    assert any(s.kind == "backprop" and pool in s.ops for s in build_schedule(unknown, ckpt).steps)
+    assert pool not in build_schedule(dataclasses.replace(unknown, xla=False), ckpt).in_place
     # MaxPool3D has no gradient of memsave's: in place, whatever the shapes.
-    ops = list(static.ops)
+    ops = list(fg.ops)
     ops[pool] = dataclasses.replace(ops[pool], type="MaxPool3D")
-    assert pool in build_schedule(dataclasses.replace(static, ops=tuple(ops)), ckpt).in_place
+    assert pool in build_schedule(dataclasses.replace(fg, ops=tuple(ops)), ckpt).in_place
 
 
 def test_xla_model_holds_an_original_max_pools_zeros_and_indices():
     fg, ids = _conv_chain(3, pool_at=1)
-    # relu1: [8, 32, 32, 128] float32 (4 MiB); pool1: [8, 16, 16, 128] (256 Ki elements, 1 MiB).
-    static = _with_shapes(fg, {ids["relu1:0"]: (8, 32, 32, 128), ids["pool1:0"]: (8, 16, 16, 128)})
     pool = fg.tensors[ids["pool1:0"]].producer
-    model = xla.XlaModel(static, estimate_costs(static))
-    # The stock gradient's zeros (the input's size) and an s32 index per
-    # dimension per output element (XLA makes both in the forward pass).
+    model = xla.XlaModel(fg, estimate_costs(fg))
+    # The stock gradient's zeros (the input's size, 4 MiB) and an s32 index
+    # per dimension (4-d, as shapes are not recorded here) per float32 output
+    # element (1 MiB: 256 Ki elements); XLA makes both in the forward pass.
     assert model.early(pool, recomputed=False) == (4 * MiB, 262144 * 4 * 4)
     # A recomputed copy gets memsave.xla_gradients.max_pool_gradient: neither.
     assert model.early(pool, recomputed=True) == ()
@@ -687,7 +685,6 @@ def test_xla_train_step_keeps_the_saving(fresh):
     assert abs(error) <= FORECAST_TOLERANCE, (
         f"memsave.plan forecast {ours['forecast']:,} bytes for a measured {ours['peak']:,} "
         f"({error:+.0%}; allowed {FORECAST_TOLERANCE:.0%})")
-
 
 
 @pytest.mark.slow
