@@ -358,6 +358,49 @@ def test_greedy_answers_the_same_without_simulating_what_the_floor_rules_out(nam
     assert fewer < every, (fewer, every)
 
 
+#: Graphs where some of 'memory''s candidate plans have floors above the
+#: peak limit of a tolerance tried below (on FLOOR_GRAPHS' U-Net none has).
+CANDIDATE_GRAPHS = {
+    "chain": FLOOR_GRAPHS["chain"][0],
+    "residual convs": FLOOR_GRAPHS["residual convs"][0],
+    "dag": FLOOR_GRAPHS["dag"][0],
+    "conv chain": lambda: H.conv_chain(random.Random(2), 24),
+}
+
+
+@pytest.mark.parametrize("name", list(CANDIDATE_GRAPHS))
+def test_memory_candidates_answer_the_same_without_simulating_what_the_floor_rules_out(
+        name, monkeypatch):
+    # 'memory''s first stage simulates its candidate plans in increasing
+    # floor and stops at the first floor above the peak limit: the answer
+    # (the plan, the limit, the plans within it) is the one simulating every
+    # candidate gives, for a tight and a loose tolerance. The floor is below
+    # each candidate's forecast peak under both models, gradients kept or not.
+    from memsave.planners.strategies import candidate_plan
+
+    fg = CANDIDATE_GRAPHS[name]()
+    check = Problem(fg)
+    for chosen in check.memory_plans():
+        sched = check.schedule(chosen)
+        for model in (check.model, check.judge):
+            floor = check.peak_floor(sched, model=model)
+            assert floor <= check.peak(sched, model=model, gradients_kept=False), chosen
+
+    def answers():
+        out, simulated = [], 0
+        for tolerance in (0.0, 0.05, 0.3):
+            problem = Problem(fg)
+            out.append(candidate_plan(problem, peak_tolerance=tolerance))
+            simulated += len(problem._forecasts)  # pylint: disable=protected-access
+        return out, simulated
+
+    with_floor, fewer = answers()
+    monkeypatch.setattr(Problem, "peak_floor", lambda self, schedule, model=None: 0)
+    without_floor, every = answers()
+    assert with_floor == without_floor
+    assert fewer < every, (fewer, every)
+
+
 def test_stored_segments_trade_memory_for_recompute():
     # On a tanh chain, a bigger budget buys less recomputation, down to none.
     p = _problem(H.chain(10, ), random.Random(0), 5)
