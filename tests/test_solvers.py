@@ -324,6 +324,7 @@ def test_the_peak_floor_is_below_every_simulated_peak_and_close_to_it(name):
                 peak = space.evaluate(d).peak_bytes
                 assert floor <= peak, (d, floor)
                 assert floor <= problem.peak(sched, model=space.model, gradients_kept=False), d
+                assert space.turn_bound(d) <= peak, d  # the seeds of large ys counted too
                 above_turn_bound += floor > space.turn_bound(d)
                 if sched is not None:
                     closest = min(closest, floor / peak)

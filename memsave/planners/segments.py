@@ -570,7 +570,8 @@ class StepBounds:
 
 class TurnBound:
     """The at-turn lower bound on a decision's forecast peak: the buffers
-    certainly alive when the forward pass ends. The resident bytes; what
+    certainly alive when the forward pass ends. The resident bytes and the
+    seeds (the ys' incoming gradients, made before any gradient runs); what
     the gradients of stored segments read (their backprop steps run after
     the turn); and every kept tensor (candidate or expensive output) that an
     op of a recomputed segment reads (the proxy of its recompute step reads
@@ -612,7 +613,11 @@ class TurnBound:
         for t in ({r for s in self.seg_reads for r in s} | {c[0] for c in self.cand if c}
                   | {c[0] for es in self.inner for c in es if c}):
             self.counted[t] = counted(costs.tensor_bytes[t])
-        self.resident = space.problem.extra_resident_bytes + sum(
+        # The ys' seeds (their grad_ys) are made before any gradient runs,
+        # beside the resident bytes (as in Problem.peak_floor; not under XLA,
+        # whose order interleaves the forward and backward passes).
+        seeds = 0 if fg.xla else sum(counted(costs.tensor_bytes[y]) for y in dict.fromkeys(fg.ys))
+        self.resident = space.problem.extra_resident_bytes + seeds + sum(
             counted(costs.tensor_bytes[t.id]) for t in fg.tensors if t.kind != "internal")
 
     def alive(self, stored, kept=(), expensive=()) -> set[int]:
