@@ -11,10 +11,11 @@ The bound is a fractional knapsack. Plain backprop holds every activation
 a gradient reads (``Costs.gradient_reads``) at the end of the forward pass;
 a plan whose peak is ``f`` times plain's holds at most ``f`` times plain's
 peak there, less the resident bytes, so it drops the rest of those
-activations, and each byte it drops is recomputed at least once: the tensor's producer runs again, with the producers of its inputs
-that plain does not keep either (a ReLU's batch norm: plain frees the
-batch norm's output, so the ReLU cannot run again without it), each at
-its forecast recompute seconds (``OpSeconds.recompute``). Taking the
+activations, and each byte it drops is recomputed at least once: the
+tensor's producer runs again, with the producers of its inputs that plain
+does not keep either (a ReLU's batch norm: plain frees the batch norm's
+output, so the ReLU cannot run again without it), each at its forecast
+recompute seconds (``OpSeconds.recompute``). Taking the
 tensors in decreasing bytes per second until enough bytes are freed gives
 the least recompute time; the rewrite's gates, the tensors recomputation
 holds while it runs and the graph's constraints (a recomputed segment

@@ -375,7 +375,7 @@ def test_memory_candidates_answer_the_same_without_simulating_what_the_floor_rul
     # 'memory''s first stage simulates its candidate plans in increasing
     # floor and stops at the first floor above the peak limit: the answer
     # (the plan, the limit, the plans within it) is the one simulating every
-    # candidate gives, for a tight and a loose tolerance. The floor is below
+    # candidate gives, for three tolerances. The floor is below
     # each candidate's forecast peak under both models, gradients kept or not.
     from memsave.planners.strategies import candidate_plan
 
