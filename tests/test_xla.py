@@ -423,10 +423,10 @@ def _optimized_hlo(step, *args) -> str:
     return step.experimental_get_compiler_ir(*args)(stage="optimized_hlo")
 
 
-def _conv_net(depth=8, seed=0):
+def _conv_net(depth=8, seed=0, dtype=np.float32):
     rs = np.random.RandomState(seed)
-    ws = [tf.Variable(rs.randn(3, 3, CHANNELS, CHANNELS).astype(np.float32) * 0.1) for _ in range(depth)]
-    x = tf.constant(rs.randn(8, 32, 32, CHANNELS).astype(np.float32))
+    ws = [tf.Variable((rs.randn(3, 3, CHANNELS, CHANNELS) * 0.1).astype(dtype)) for _ in range(depth)]
+    x = tf.constant(rs.randn(8, 32, 32, CHANNELS).astype(dtype))
 
     def build(x):
         h = x
@@ -473,6 +473,49 @@ def test_every_recomputed_copy_survives_compilation():
     # No copy merged back into an original (the first step's included, whose
     # gradient is the constant seed): one forward convolution per copy more.
     assert ours.count('op_type="Conv2D"') == plain.count('op_type="Conv2D"') + copied_convs
+
+
+#: Gradients equal tf.gradients' up to this fraction of the largest (about
+#: ten times the dtype's epsilon; float32's are equal).
+DTYPE_RTOL = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 8e-2}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_ordered_gates_are_computed_once_in_a_float16_step(dtype):
+    """float16 training needs a loss scale, whose finite check holds every
+    update to the step's end: a weight's ordered gate fused into its update
+    would hold what the step's gradients are computed from until then, so
+    in a float16 step it is computed once (``gate_once``, as the recompute
+    steps' gates are); in float32 and bfloat16 (no loss scale) it stays
+    fused into the updates (memsave.rewrite._ordered_after_step)."""
+    build, ws, x = _conv_net(dtype=tf.as_dtype(dtype).as_numpy_dtype)
+    plans, grads = [], {}
+
+    @tf.function(jit_compile=True)
+    def step(x):
+        loss = build(x)
+        plans.append(memsave.plan(loss, ws, checkpoints="memory"))
+        grads["ours"] = memsave.gradients(loss, ws, checkpoints=plans[-1])
+        grads["ref"] = tf.gradients(loss, ws)
+        for v, g in zip(ws, grads["ours"]):
+            v.assign_sub(LEARNING_RATE * g)
+        return [tf.cast(g, tf.float32) for g in grads["ours"] + grads["ref"]]
+
+    values = [g.numpy() for g in step(x)]
+    schedule = plans[0].schedule
+    assert any(s.ordered for s in schedule.steps if s.kind == "recompute"), "no weight is ordered"
+    once = [op.name for op in step.get_concrete_function(x).graph.get_operations()
+            if op.type == "Sqrt" and "gate_once" in op.name]
+    assert any("recompute_" in name for name in once), "the rewrite made no recompute gate"
+    ordered_once = [name for name in once if "recompute_" not in name]
+    if dtype == "float16":
+        assert ordered_once, once
+    else:
+        assert not ordered_once, ordered_once
+    ours, ref = values[:len(ws)], values[len(ws):]
+    top = max(float(np.abs(r).max()) for r in ref)
+    for g, r in zip(ours, ref):
+        assert float(np.abs(g - r).max()) <= DTYPE_RTOL[dtype] * top
 
 
 def _depthwise_net(seed=0, channels=64):
