@@ -128,24 +128,8 @@ def _gate(grads: Sequence, *, once: bool = False) -> tf.Tensor | None:
     every earlier step's gate chained into the same fusions; with ``sqrt``,
     the step's peak was 69.8 MB instead of 79.7 MB. (XLA's optimization
     barrier does not do it: XLA:CPU removes it before fusion.) The weights'
-    ordered gates (:func:`_ordered_after_step`) stay fused: computed apart,
-    the gate is one more level of XLA's breadth-first schedule, and on
-    ResNet50 (SGD) the weight updates ran later, each holding its old kernel
-    and its gradient longer: the step's peak 259.2 MB instead of 242.4 (on
-    MobileNetV2 under ``mixed_float16``, whose updates wait for the loss
-    scale's finite check anyway, it went the other way, 73.3 MB instead of
-    91.4). What a fused ordered gate costs there: XLA computes the first
-    element of each of the step's gradients inside every weight update's
-    fusion, from what the gradient is computed from, so under a loss scale
-    (the updates run at the step's end) block 1's 13.4 MB input gradient
-    and 12.6 MB kept expand output live to the end. Reading every element
-    (``max |g|``, which no slice can reach) instead of the first, for the
-    ordered gates, saved less there and still cost the SGD step
-    (experiments/xla_train.py, custom loop, 'memory', at 9f7ca14, MiB
-    above the resident bytes): MobileNetV2 loss-scaled 72.3 instead of
-    77.7 (computed once: 60.4), ResNet50 SGD 138.2 instead of 120.9.
-    Where the forward graph computes in float16 (a loss scale),
-    :func:`_ordered_after_step` computes the ordered gates once.
+    ordered gates are computed once only in float16 steps
+    (:func:`_ordered_after_step` says why).
     """
     op = _tf_private.raw_op
     bits = []
@@ -418,15 +402,25 @@ def _ordered_after_step(step: Step, grads: list, *, once: bool) -> list:
 
     ``once``: the gate computed once (see :func:`_gate`) rather than fused
     into the updates; :func:`rewrite` asks for it where the forward graph
-    computes in float16. Training in float16 needs a loss scale, whose
-    finite check holds every update to the step's end, and a fused gate
-    would hold what the step's gradients are computed from until then.
-    Measured with experiments/xla_train.py (custom loop, 'memory',
-    ``keras.optimizers.LossScaleOptimizer`` under ``mixed_float16``, MiB
-    above the resident bytes): MobileNetV2 77.7 -> 60.4, ResNet50 196.5 ->
-    182.9, the same losses. (Deciding per step, on whether the step's own
-    gradients are float16, left MobileNetV2 at 74.8: its batch norms
-    compute in float32, and so do the gradients of their inputs.)
+    computes in float16. Fused, XLA computes the first element of each of
+    the step's gradients inside every weight update's fusion, from what the
+    gradient is computed from. That costs nothing where each update runs
+    as soon as its gradient exists; computed apart, the gate is one more
+    level of XLA's breadth-first schedule and the updates run later, each
+    holding its old kernel and its gradient longer (ResNet50, float32 SGD:
+    the step's peak 259.2 MB instead of 242.4). But training in float16
+    needs a loss scale, whose finite check holds every update to the step's
+    end, and a fused gate then holds what it is computed from until then
+    (on MobileNetV2, block 1's 13.4 MB input gradient and 12.6 MB kept
+    expand output). Measured with experiments/xla_train.py (custom loop,
+    'memory', ``keras.optimizers.LossScaleOptimizer`` under
+    ``mixed_float16``, MiB above the resident bytes): MobileNetV2 77.7 ->
+    60.4, ResNet50 196.5 -> 182.9, the same losses. Tried and not kept: a
+    gate over every element (``max |g|``, which no slice can reach) for
+    every dtype: MobileNetV2 loss-scaled 72.3, ResNet50 float32 SGD 138.2
+    instead of 120.9; deciding per step, on whether the step's own
+    gradients are float16: MobileNetV2 74.8 (its batch norms compute in
+    float32, and so do the gradients of their inputs).
     """
     ordered = set(step.ordered)
     gate = _gate([g for g in grads if g is not None], once=once)
