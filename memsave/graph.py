@@ -331,6 +331,18 @@ class ForwardGraph:
         node = self.tensors[t]
         return node.trainable and node.kind != "external"
 
+    def computes_in_float16(self) -> bool:
+        """Whether a tensor of the graph is float16. Training in float16
+        needs a loss scale, whose finite check holds every weight update to
+        the step's end; under XLA the rewrite (``rewrite._ordered_after_step``)
+        and the forecast (:attr:`memsave.MemoryModel.xla_update_in_step`)
+        act on it. Computed once per graph."""
+        found = self.__dict__.get("_float16")
+        if found is None:
+            found = any(t.dtype == "float16" for t in self.tensors)
+            object.__setattr__(self, "_float16", found)  # a cache, not a field
+        return found
+
     def captured(self) -> frozenset[int]:
         """Internal tensors a gradient reads as the forward pass made them,
         whichever copy of its op it differentiates (``GradientUse.captured``:

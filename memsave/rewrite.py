@@ -245,7 +245,7 @@ def rewrite(
     xla = ex.fg.xla
     # A float16 step updates its weights after a loss scale's finite check,
     # at the step's end: its ordered gates are computed once (_ordered_after_step).
-    half = xla and any(t.dtype == "float16" for t in fg.tensors)
+    half = xla and fg.computes_in_float16()
     previous: list = []
     # Per step, the boundary tensors whose gradients later steps take
     # further (their heads); the others' gradients are leaves (weights, inputs).

@@ -233,11 +233,14 @@ class XlaModel:
     at the first blocks' gradients: the strided depthwise gradient's padded
     input and dilated gradient (13.4 MB each) beside a kept 12.6 MB
     convolution output and its ReLU6 gradient; the forecast is 8% under
-    (custom loop; 17% in ``fit``), 37-41% under in mixed_float16, whose
-    updates wait for the loss scale's check (see ``memsave.rewrite._gate``
-    on the weights' ordered gates) and where XLA recomputes the first
-    layers while block 1's gradient buffers (its dilated gradient and
-    transposed input, 26 MB) are still alive.
+    (custom loop; 17% in ``fit``). In mixed_float16 with a loss scale,
+    XLA's temporaries at its peak (60.4 MiB, one allocation: the step's
+    measured bytes above the resident ones) were four float32 buffers of
+    block 1 (its kept expand output, the dilated gradient of the strided
+    depthwise convolution after it and two more of its gradient: 48.8
+    MiB), 7 MiB of weight gradients held for the loss scale's
+    finite check (:attr:`memsave.MemoryModel.xla_update_in_step`) and 2.6
+    MiB of buffers under 256 KiB; the forecast is 9% under.
     """
 
     def __init__(self, fg: ForwardGraph, costs) -> None:
