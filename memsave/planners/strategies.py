@@ -427,12 +427,11 @@ def memory(
     Under XLA (a ``jit_compile`` function) there is no trade: among the
     candidate plans within :data:`XLA_PEAK_TIE` of the lowest peak, the
     lowest working memory, then the fewest checkpoints. There the forecast
-    peak is the same for plans whose
-    measured peaks differ (XLA's buffer assignment keeps what the
-    executor's order would free): on test_memory's XLA convolution chain
-    the fastest plan within 5% (every convolution's output kept) measured
-    0.63x of tf.gradients' peak above the resident tensors, the plan of
-    least working memory 0.45x.
+    peak is the same for plans whose measured peaks differ (XLA's buffer
+    assignment keeps what the executor's order would free): on
+    test_memory's XLA convolution chain the fastest plan within 5% (every
+    convolution's output kept) measured 0.63x of tf.gradients' peak above
+    the resident tensors, the plan of least working memory 0.45x.
 
     References
     ----------
