@@ -1329,7 +1329,8 @@ def _traced(forward: ForwardProgram, schedule, timeline, gradients_kept, extra_r
     p, _, backward_start = _build_program(forward, schedule)
     if forward.fg.xla:
         # With the update in the compiled step, each gradient is consumed by
-        # its update (MemoryModel.xla_update_in_step): as gradients_kept=False.
+        # its update (MemoryModel.xla_update_in_step): as gradients_kept=False;
+        # a float16 graph's loss scale holds them to the end by default.
         consumed = forward.model.xla_updates_consume_gradients(forward.fg.computes_in_float16())
         trace = _replay_xla(forward, p, backward_start, timeline,
                             gradients_kept and not consumed, extra_resident_bytes)

@@ -523,8 +523,9 @@ def test_a_float16_steps_forecast_holds_the_gradients_to_the_end(dtype):
     """A float16 step's updates wait for its loss scale's finite check, so
     under XLA the forecast holds the xs' gradients to the step's end
     (MemoryModel.xla_update_in_step resolves to False); float32 and bfloat16
-    steps update each weight as its gradient is complete. Wide weights and
-    a small batch, so that the gradients make the peak."""
+    steps update each weight as its gradient is complete. A test of the
+    forecast of whatever plan 'memory' keeps; wide weights and a small
+    batch, so that the gradients make the peak."""
     rs = np.random.RandomState(0)
     np_dtype = tf.as_dtype(dtype).as_numpy_dtype
     ws = [tf.Variable((rs.randn(512, 512) * 0.05).astype(np_dtype)) for _ in range(6)]
@@ -789,8 +790,8 @@ def measure_small_mlp(method: str) -> dict:
 def test_xla_temporaries_count_however_small(fresh):
     """The forecast of an XLA step counts every temporary (a test of the
     forecast, whatever plan 'memory' keeps): measured 640 KiB above the
-    resident bytes, forecast 640 KiB; about 0 when small buffers were left
-    out as the CPU allocator leaves out its own."""
+    resident bytes, forecast 640 KiB; 0 bytes when small buffers were left
+    out as the CPU allocator leaves out its own (9c4e46c)."""
     r = fresh.call(measure_small_mlp, "memory")
     above = r["peak"] - r["resident"]
     assert above >= 256 * 1024, f"the step allocates {above:,} bytes: the case tests nothing"
