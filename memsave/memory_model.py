@@ -15,14 +15,15 @@ is a module global to toggle.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from memsave.errors import OptionsError
 
 __all__ = ["Allocator", "CPU_ONEDNN", "BFC", "MemoryModel", "half_conv2d_gradient_scratch",
-           "half_matmul_scratch"]
+           "half_matmul_scratch", "onednn_takes_float16"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +160,34 @@ def cpu_threads() -> int:
         return os.cpu_count() or 1
 
 
+def onednn_takes_float16(flags: Collection[str] | None = None) -> bool:
+    """Whether oneDNN runs float16 kernels on a CPU with these feature flags.
+
+    TensorFlow's ``IsDataTypeSupportedByOneDNNOnThisCPU(DT_HALF)``: AVX512BW
+    with AVX512-FP16 or AMX-FP16, or AVX-NE-CONVERT. ``flags`` are Linux's
+    names (``/proc/cpuinfo``); None reads this machine's, and where they
+    cannot be read (not Linux) answers False: the forecast then counts the
+    float16 kernels' scratch, the larger answer.
+    """
+    if flags is None:
+        flags = _cpu_flags()
+    flags = set(flags)
+    return ("avx512bw" in flags and bool({"avx512_fp16", "amx_fp16"} & flags)) \
+        or "avx_ne_convert" in flags
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryModel:
     """The settings of the memory model (see the module docstring).
@@ -208,9 +237,12 @@ class MemoryModel:
         im2col buffers of up to 30 MiB (:func:`half_conv2d_gradient_scratch`)
         and a ``MatMul`` computes in float32 copies of its operands and
         result (:func:`half_matmul_scratch`). None (the default): on the CPU
-        allocator (:data:`CPU_ONEDNN`), that is on a CPU; pass False for a
-        CPU with AVX512-FP16 (not measured). Not read under XLA, which
-        compiles its own kernels.
+        allocator (:data:`CPU_ONEDNN`) of a CPU whose features oneDNN
+        does not run float16 on (:func:`onednn_takes_float16`). Measured
+        on a CPU with AVX512-FP16 (tests/test_mixed_precision.py's float16
+        conv net): no buffer, and counting them forecast tf.gradients' step
+        at 3.3x its measured peak. Not read under XLA, which compiles its
+        own kernels.
     """
 
     allocator: Allocator = CPU_ONEDNN
@@ -224,7 +256,7 @@ class MemoryModel:
     def runs_float16_without_onednn(self) -> bool:
         """:attr:`float16_without_onednn`, its default resolved."""
         if self.float16_without_onednn is None:
-            return self.allocator == CPU_ONEDNN
+            return self.allocator == CPU_ONEDNN and not onednn_takes_float16()
         return self.float16_without_onednn
 
     def xla_updates_consume_gradients(self, computes_in_float16: bool) -> bool:

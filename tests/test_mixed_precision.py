@@ -10,7 +10,9 @@ activations, two 15 MiB buffers per gradient) runs in a fresh process
 models (``measure_step``: tf.gradients and 'memory', median of REPEATS
 steps, against ``memsave.plan``'s forecast). Without the buffers in the
 model the forecasts were 68% (tf.gradients) and 79% ('memory') under the
-measured peaks.
+measured peaks. On a CPU where oneDNN takes float16 (AVX512-FP16) the
+same measured test checks the other side: no buffer is held there, and
+counting them forecast tf.gradients' step at 3.3x its measured peak.
 
 A float16 ``MatMul`` on such a CPU computes in float32 copies of its
 operands and result (:func:`memsave.memory_model.half_matmul_scratch`),
@@ -77,7 +79,8 @@ def test_simulator_holds_both_buffers_while_the_gradient_runs():
     import dataclasses
 
     from handgraphs import Builder
-    from memsave.memory_model import BFC, MemoryModel, cpu_threads, half_conv2d_gradient_scratch
+    from memsave.memory_model import (BFC, MemoryModel, cpu_threads, half_conv2d_gradient_scratch,
+                                      onednn_takes_float16)
     from memsave.problem import Problem
 
     # x (float16, [8, 32, 32, 64]) -> conv(w) -> y: the input and the kernel get gradients.
@@ -98,9 +101,25 @@ def test_simulator_holds_both_buffers_while_the_gradient_runs():
         threads=cpu_threads())
     assert len(expected) == 2 and min(expected) > 10 * MiB
     assert with_buffers - without == sum(expected)
-    # The default: on with the CPU allocator, off with the BFC allocator of a GPU.
-    assert MemoryModel().runs_float16_without_onednn
+    # The default: on with the CPU allocator of a CPU oneDNN runs no float16
+    # on, off with the BFC allocator of a GPU.
+    assert MemoryModel().runs_float16_without_onednn == (not onednn_takes_float16())
     assert not MemoryModel(allocator=BFC).runs_float16_without_onednn
+
+
+@pytest.mark.parametrize("flags,takes", [
+    ({"avx2", "fma", "f16c"}, False),
+    ({"avx512f", "avx512bw", "avx512_bf16"}, False),  # bfloat16 only
+    ({"avx512f", "avx512bw", "avx512_fp16"}, True),
+    ({"avx512f", "avx512bw", "amx_fp16"}, True),
+    ({"avx512f", "avx512_fp16"}, False),  # TensorFlow also asks for AVX512BW
+    ({"avx2", "avx_ne_convert"}, True),
+    (set(), False),
+])
+def test_onednn_takes_float16_as_tensorflow_decides(flags, takes):
+    from memsave.memory_model import onednn_takes_float16
+
+    assert onednn_takes_float16(flags) is takes
 
 
 def test_simulator_holds_a_float16_matmuls_float32_temporaries():
