@@ -212,23 +212,28 @@ def _not_rewritable(ex: Extraction, xs, graph: tf.Graph) -> str:
 def device_model(allocator: Allocator | None = None) -> MemoryModel:
     """The memory model of the device the step runs on: a GPU's BFC allocator
     when a GPU is visible, else oneDNN's CPU allocator (or ``allocator``).
-    Warns once when that is oneDNN's and this process runs without oneDNN."""
+    Warns once when that is oneDNN's and this process runs without oneDNN;
+    float16 kernels then run without it whatever the CPU
+    (:attr:`MemoryModel.float16_without_onednn`)."""
     if allocator is None:
         allocator = BFC if tf.config.list_logical_devices("GPU") else CPU_ONEDNN
         if allocator == CPU_ONEDNN:
             _warn_if_onednn_is_off()
+    if allocator == CPU_ONEDNN and not _tf_private.onednn_enabled():
+        return MemoryModel(allocator=allocator, float16_without_onednn=True)
     return MemoryModel(allocator=allocator)
 
 
 @functools.cache
 def _warn_if_onednn_is_off() -> None:
-    if not _tf_private.onednn_enabled():
-        logger.warning(
-            "memsave: TensorFlow runs this process without oneDNN (its default on CPUs without "
-            "AVX-512): memsave's CPU forecasts count buffers as oneDNN's allocator does (none under "
-            "256 KiB), and tf.config.experimental.get_memory_info('CPU:0') has no statistics to "
-            "check them against. Set TF_ENABLE_ONEDNN_OPTS=1 before importing TensorFlow to run "
-            "with the allocator the forecasts describe.")
+    if _tf_private.onednn_enabled():
+        return
+    logger.warning(
+        "memsave: TensorFlow runs this process without oneDNN (its default on CPUs without "
+        "AVX-512): memsave's CPU forecasts count buffers as oneDNN's allocator does (none under "
+        "256 KiB), and tf.config.experimental.get_memory_info('CPU:0') has no statistics to "
+        "check them against. Set TF_ENABLE_ONEDNN_OPTS=1 before importing TensorFlow to run "
+        "with the allocator the forecasts describe.")
 
 
 def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options, *,

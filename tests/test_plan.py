@@ -250,7 +250,10 @@ with tf.Graph().as_default():
     for _ in range(4):
         h = tf.tanh(h @ w)
     for _ in range(2):
-        memsave.plan(tf.reduce_sum(h), [w], checkpoints="memory")
+        p = memsave.plan(tf.reduce_sum(h), [w], checkpoints="memory")
+from memsave.memory_model import onednn_takes_float16
+print("float16 without oneDNN:", p.problem.model.runs_float16_without_onednn,
+      "takes float16:", onednn_takes_float16())
 """
 
 
@@ -258,11 +261,15 @@ with tf.Graph().as_default():
 def test_a_process_without_onednn_is_told_the_cpu_forecast_is_onednns(fresh, onednn):
     """Without oneDNN (TensorFlow's default on CPUs without AVX-512) the CPU
     allocator is another, with no statistics to check a forecast against:
-    memsave says so once per process, and only then."""
+    memsave says so once per process, and only then. Its float16 kernels
+    then run without oneDNN, which the model knows whatever the CPU."""
     env = dict(fresh.env(), TF_ENABLE_ONEDNN_OPTS=onednn)
     proc = fresh.run([sys.executable, "-c", _ONEDNN_SCRIPT], env=env, timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.count("without oneDNN") == (1 if onednn == "0" else 0), proc.stderr[-2000:]
+    takes = "takes float16: True" in proc.stdout
+    expected = onednn == "0" or not takes
+    assert f"float16 without oneDNN: {expected}" in proc.stdout, proc.stdout
 
 
 # -- a Plan given to memsave.gradients ---------------------------------------------------
