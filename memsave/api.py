@@ -226,14 +226,13 @@ def device_model(allocator: Allocator | None = None) -> MemoryModel:
 
 @functools.cache
 def _warn_if_onednn_is_off() -> None:
-    if _tf_private.onednn_enabled():
-        return
-    logger.warning(
-        "memsave: TensorFlow runs this process without oneDNN (its default on CPUs without "
-        "AVX-512): memsave's CPU forecasts count buffers as oneDNN's allocator does (none under "
-        "256 KiB), and tf.config.experimental.get_memory_info('CPU:0') has no statistics to "
-        "check them against. Set TF_ENABLE_ONEDNN_OPTS=1 before importing TensorFlow to run "
-        "with the allocator the forecasts describe.")
+    if not _tf_private.onednn_enabled():
+        logger.warning(
+            "memsave: TensorFlow runs this process without oneDNN (its default on CPUs without "
+            "AVX-512): memsave's CPU forecasts count buffers as oneDNN's allocator does (none under "
+            "256 KiB), and tf.config.experimental.get_memory_info('CPU:0') has no statistics to "
+            "check them against. Set TF_ENABLE_ONEDNN_OPTS=1 before importing TensorFlow to run "
+            "with the allocator the forecasts describe.")
 
 
 def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options, *,
