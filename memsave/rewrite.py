@@ -111,10 +111,14 @@ def aggregate(grads: Sequence, *, dense: bool):
 def _gate(grads: Sequence, *, once: bool = False) -> tf.Tensor | None:
     """A float32 zero that cannot be computed before ``grads`` are.
 
-    ``where(b == b, 0, nan)`` with ``b`` the sum of each gradient's first
+    ``where(b == b, -0.0, nan)`` with ``b`` the sum of each gradient's first
     element, NaN replaced by 0 (a NaN in a gradient must not spread to every
-    tensor the gate touches): always 0.0, but no compiler can prove it
-    without the gradients' values. Built from raw ops (``_tf_private.raw_op``).
+    tensor the gate touches): always -0.0, but no compiler can prove it
+    without the gradients' values. Negative zero because ``t + -0.0`` is
+    ``t`` for every ``t`` (``-0.0 + 0.0`` is ``+0.0``: a kept -0.0 read
+    through a +0.0 gate would come back as +0.0, and ``atan2`` or ``1/x`` of
+    it would differ from the forward pass's). Built from raw ops
+    (``_tf_private.raw_op``).
 
     ``once`` (a recompute step's gate under XLA): the zero goes through
     ``sqrt`` (``sqrt(0) = 0``, ``sqrt(nan) = nan``), an op XLA counts as
@@ -163,9 +167,9 @@ def _gate(grads: Sequence, *, once: bool = False) -> tf.Tensor | None:
             "AddN", bits, [tf.float32], {"N": len(bits), "T": tf.float32}, "bits").outputs[0]
         same = op("Equal", [b, b], [tf.bool], {"T": tf.float32,
                                                 "incompatible_shape_error": True}, "same").outputs[0]
-        gate = op("SelectV2", [same, c(tf.float32, 0.0), c(tf.float32, float("nan"))],
+        gate = op("SelectV2", [same, c(tf.float32, -0.0), c(tf.float32, float("nan"))],
                   [tf.float32], {"T": tf.float32}, "gate").outputs[0]
-        if once:
+        if once:  # sqrt(-0.0) is -0.0
             gate = op("Sqrt", [gate], [tf.float32], {"T": tf.float32}, "gate_once").outputs[0]
         return gate
 
@@ -194,7 +198,9 @@ _CONSTANTS: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDiction
 def _proxy(t: tf.Tensor, gate: tf.Tensor | None, gates: dict | None = None) -> tf.Tensor:
     """``t`` read through the gate (``t + gate``), or through an identity without one.
 
-    ``gates`` caches the gate cast to each dtype, for one step.
+    ``gates`` caches the gate cast to each dtype, for one step. A complex
+    gate is ``complex(gate, gate)``: -0.0 in both parts, so that ``t + gate``
+    is ``t`` in both (a cast would make the imaginary part +0.0).
     """
     if gate is None:
         return _tf_private.identity(t, name="proxy")
@@ -204,8 +210,13 @@ def _proxy(t: tf.Tensor, gate: tf.Tensor | None, gates: dict | None = None) -> t
         if cast is None and gates is not None:
             cast = gates.get(dt)
         if cast is None:
-            cast = _tf_private.raw_op("Cast", [gate], [dt], {"SrcT": tf.float32, "DstT": dt,
-                                                             "Truncate": False}, "gate").outputs[0]
+            part = dt.real_dtype if dt.is_complex else dt
+            cast = gate if part == tf.float32 else _tf_private.raw_op(
+                "Cast", [gate], [part], {"SrcT": tf.float32, "DstT": part, "Truncate": False},
+                "gate").outputs[0]
+            if dt.is_complex:
+                cast = _tf_private.raw_op("Complex", [cast, cast], [dt], {"T": part, "Tout": dt},
+                                          "gate").outputs[0]
             if gates is not None:
                 gates[dt] = cast
         return _tf_private.raw_op("AddV2", [t, cast], [dt], {"T": dt}, "gated").outputs[0]

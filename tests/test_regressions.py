@@ -359,3 +359,34 @@ def test_stop_gradients_hold_in_a_segment_differentiated_in_place(graph, session
                                    [r for r in ref if r is not None]])
     for g, r in zip(ours_v, ref_v):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "complex64"])
+def test_a_kept_negative_zero_is_recomputed_from_as_negative_zero(graph, session, rng, dtype):
+    """A recompute step reads a kept tensor through ``t + gate``. The gate
+    was +0.0, and ``-0.0 + 0.0`` is ``+0.0``: a kept -0.0 came back as +0.0
+    and ``atan2(0, c)`` gave 0 instead of pi (the gradients below the
+    copies off by twice their size, sign flipped). The gate is now -0.0, in
+    both parts of a complex gate."""
+    complex_ = dtype.startswith("complex")
+    real = tf.float32 if complex_ else tf.as_dtype(dtype)
+    ws = [tf.Variable(tf.constant(rng.randn(8, 8) / 3, dtype=real)) for _ in range(3)]
+    h = tf.tanh(tf.constant(rng.randn(4, 8), dtype=real) @ ws[0])
+    z = -tf.abs(h) * 0.0  # -0.0 everywhere, on a path from ws[0]
+    if complex_:
+        c = tf.complex(z, z)
+        turn = tf.math.angle(c)  # atan2(-0.0, -0.0) = -pi
+    else:
+        c = z
+        turn = tf.math.atan2(tf.zeros_like(c), c)  # atan2(0, -0.0) = pi
+    h2 = tf.tanh((h * tf.cos(turn)) @ ws[1])  # cos(pi) = -1
+    loss = tf.reduce_sum(tf.tanh(h2 @ ws[2]))
+    ref = tf.gradients(loss, ws)
+    ours = memsave.gradients(loss, ws, checkpoints=[c, h2])
+    recomputed = {op.type for op in graph.get_operations()
+                  if re.search(r"/recompute_\d+/[^/]+$", op.name)}
+    assert ("Angle" if complex_ else "Atan2") in recomputed, recomputed
+    ref_v, ours_v = _run(session, [ref, ours])
+    assert np.abs(ref_v[1]).max() > 0.1
+    for g, r in zip(ours_v, ref_v):
+        np.testing.assert_array_equal(g, r)
