@@ -55,6 +55,10 @@ def _itemsize(dtype: tf.DType) -> int:
     return dtype.size if dtype not in (tf.resource, tf.variant, tf.string) else 0
 
 
+def _dims(t: tf.Tensor) -> list | None:
+    return t.shape.as_list() if t.shape.rank is not None else None
+
+
 def _size(dims: list | None, dtype: tf.DType) -> tuple[int, bool]:
     """Bytes of a tensor of these dimensions (None: unknown rank), unknown ones
     counted as 1, and whether all were known."""
@@ -170,7 +174,7 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
         else:
             kind = "external"
         dtype = t.dtype
-        dims = t.shape.as_list() if t.shape.rank is not None else None
+        dims = _dims(t)
         size, known = _size(dims, dtype)
         tensors.append(t)
         nodes.append(TensorNode(
@@ -281,13 +285,14 @@ def _read_body(op: tf.Operation, cache: dict, external: frozenset = frozenset()
     if read is None:
         return None, None
     (fg, saved, stored, reads_inputs, reads_outputs, invariant, state, kept, input_ids,
-     stored_outputs, stored_state) = read
+     stored_outputs, stored_state, once) = read
     loop = op.type in _tf_private.WHILE_OP_TYPES
     trips, known = (_while_trips(op) if loop else (1, True))
     no_gradient = tuple(sorted(input_ids[j] for j in invariant
                                if j in external and input_ids[j] is not None)) if loop else ()
     body = Body(fg=fg, trips=trips, trips_known=known, saved=saved, stored=stored, loop=loop,
-                invariant=invariant, state=state if loop else (), kept=kept if loop else (),
+                invariant=invariant, state=state if loop else (), kept_bytes=kept if loop else (),
+                once=once if loop else "",
                 read_lists_bytes=_read_lists_bytes(op, [j for j in invariant if j not in external])
                 if loop else 0,
                 no_gradient=no_gradient,
@@ -340,7 +345,9 @@ def _read_function(op: tf.Operation, cache: dict):
         else:
             out_root.setdefault(r, k)
     saved, reads_inputs, reads_outputs = {}, set(), set()
-    stored, kept = {}, {}
+    stored = {}
+    kept: dict = {}  # ref -> a draw stored each trip (loops)
+    draws = _Draws()
     # A body's backward runs apart from its forward (a function's backward
     # function, the gradient loop): what early gradient values are computed
     # from is what it keeps, as the costs count it by default.
@@ -356,8 +363,13 @@ def _read_function(op: tf.Operation, cache: dict):
             if tn.kind != "internal":
                 j = position.get(r)
                 if j is None:
-                    if loop and _tf_private.runs_once(sub.tensors[r].op):
-                        kept[r] = r  # a random draw's value: kept each trip
+                    drawn = draws.behind(sub.tensors[r]) if loop else None
+                    if drawn:
+                        # Made from a random draw (a dropout mask): while_v2
+                        # accumulates it; a gradient that recomputes trips,
+                        # the draw.
+                        saved[r] = r
+                        kept.update(drawn)
                     continue
                 if not loop or j in invariant:
                     reads_inputs.add(j)
@@ -390,9 +402,48 @@ def _read_function(op: tf.Operation, cache: dict):
     input_ids = [None] * len(inputs)
     for i, j in position.items():
         input_ids[j] = i
+    once = next((o.name for o in func.get_operations() if _tf_private.runs_once(o)), "")
     return (fg, saved_ids, stored_ids, tuple(sorted(reads_inputs)), tuple(sorted(reads_outputs)),
-            tuple(sorted(invariant)), state, tuple(sorted(kept)), tuple(input_ids),
-            stored_outputs, stored_state)
+            tuple(sorted(invariant)), state,
+            tuple(_size(_dims(t), t.dtype)[0] for t in kept.values()), tuple(input_ids),
+            stored_outputs, stored_state, once if loop else "")
+
+
+class _Draws:
+    """The outputs of ops that must not run twice (random draws) that a
+    body's tensors are computed from.
+
+    A gradient that recomputes a loop's trips (:mod:`memsave._tf_while`)
+    stops there: it stores the draw each trip and computes what the
+    gradient reads (a dropout mask) from it again.
+    """
+
+    def __init__(self):
+        self._of_op: dict = {}  # op -> {ref: tensor} of the draws behind its outputs
+
+    def behind(self, t: tf.Tensor) -> dict:
+        """``{ref: tensor}`` of the draws ``t`` is computed from (its own op's
+        outputs if that op is one), within its function."""
+        op = t.op
+        if op in self._of_op:
+            return self._of_op[op]
+        order, stack = [], [op]
+        while stack:  # every op behind ``op`` not yet known, producers last
+            o = stack.pop()
+            if o in self._of_op or o in order:
+                continue
+            order.append(o)
+            if not _tf_private.runs_once(o):
+                stack.extend(i.op for i in o.inputs)
+        for o in reversed(order):  # producers first
+            if _tf_private.runs_once(o):
+                self._of_op[o] = {out.ref(): out for out in o.outputs}
+            else:
+                found: dict = {}
+                for i in o.inputs:
+                    found.update(self._of_op.get(i.op, {}))
+                self._of_op[o] = found
+        return self._of_op[op]
 
 
 

@@ -200,10 +200,17 @@ class Body:
         change from trip to trip and hold data (not TensorLists, resources or
         the counter). What a per-step gradient stores each trip
         (:mod:`memsave.loopmodel`).
-    kept : tuple of int
-        Body tensor ids the gradient reads that an op which must not run
-        twice made (a random draw inside the body): stored each trip
-        whatever the choice.
+    kept_bytes : tuple of int
+        Bytes of each value of an op that must not run twice (a random draw
+        inside the body) that the gradient reads, itself or through what is
+        computed from it (a dropout mask): stored each trip whatever the
+        choice.
+    once : str
+        The name of an op of the loop's body that must not run twice (a
+        random draw, an assignment, a print), "" when none: chunked
+        gradients would run it again, so only plain and per step are
+        weighed (:func:`memsave.loopmodel.candidates`), as
+        :func:`memsave.loops.prepare` applies them.
     read_lists_bytes : int
         Bytes of the TensorLists the loop reads items from and passes
         through (a Keras RNN's unstacked input sequence) that need a
@@ -234,7 +241,8 @@ class Body:
     loop: bool = False
     invariant: tuple[int, ...] = ()
     state: tuple[int, ...] = ()
-    kept: tuple[int, ...] = ()
+    kept_bytes: tuple[int, ...] = ()
+    once: str = ""
     read_lists_bytes: int = 0
     no_gradient: tuple[int, ...] = ()
     stored_outputs: tuple[int, ...] = ()

@@ -191,7 +191,7 @@ def trip_bytes(body: "Body", model: "MemoryModel") -> TripBytes:
     return TripBytes(
         saved_bytes=sum(counted(size[t]) for t in body.saved),
         state_bytes=sum(counted(size[t]) for t in body.state),
-        kept_bytes=sum(counted(size[t]) for t in body.kept),
+        kept_bytes=sum(counted(b) for b in body.kept_bytes),
         read_lists_bytes=counted(body.read_lists_bytes),
     )
 
@@ -255,8 +255,7 @@ def figures(body: "Body", choice: LoopChoice, model: "MemoryModel", *,
     per = trip_bytes(body, model)
     trips = body.trips
     if choice.kind == "plain":
-        # while_v2 also keeps the values of random draws (not in ``saved``).
-        return dataclasses.replace(plain, saved_bytes=plain.saved_bytes + trips * per.kept_bytes)
+        return plain
     one_trip = max(0, per.saved_bytes - per.state_bytes)  # a trip's recomputed intermediates
     if choice.kind == "per_step" or per.kept_bytes:
         saved_bytes = trips * (per.state_bytes + per.kept_bytes) + per.read_lists_bytes
@@ -419,12 +418,13 @@ def chunk_size(body: "Body", model: "MemoryModel", *, inner: str = "per_step") -
 def candidates(body: "Body", model: "MemoryModel") -> list[LoopChoice]:
     """The choices worth forecasting for ``body``: plain, per step, and, when
     the loop makes more than a few trips and nothing in it must not run
-    twice, the chunk sizes :func:`chunk_size` gives (both inner schedules)
-    and the tapered chunks of :func:`slot_count`."""
+    twice (``body.once``: :func:`memsave.loops.prepare` stores such a loop
+    per step), the chunk sizes :func:`chunk_size` gives (both inner
+    schedules) and the tapered chunks of :func:`slot_count`."""
     if not body.loop:
         return [LoopChoice.plain()]
     out = [LoopChoice.plain(), LoopChoice.per_step()]
-    if body.trips >= MIN_TRIPS_TO_CHUNK and not body.kept:
+    if body.trips >= MIN_TRIPS_TO_CHUNK and not body.once:
         for inner in ("per_step", "store"):
             k = chunk_size(body, model, inner=inner)
             if 1 < k < body.trips:

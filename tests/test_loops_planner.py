@@ -471,3 +471,44 @@ def test_unknown_trip_count_is_planned_per_step_at_most():
     (d,) = plans[-1].loops
     assert not d.trips_known
     assert {f.choice.kind for f in d.forecasts} == {"plain", "per_step"}
+
+
+def _while_lstm_dropout(x, W, U):
+    """The LSTM with ``tf.nn.dropout`` on h in the body: a draw each trip,
+    which the gradient reads only through the mask made from it."""
+    steps = x.shape[0]
+
+    def body(t, h, c):
+        h, c = _lstm_cell(x[t], h, c, W, U)
+        return t + 1, tf.nn.dropout(h, 0.2, seed=1), c
+
+    zeros = tf.zeros([B, H])
+    return tf.while_loop(lambda t, h, c: t < steps, body, [0, zeros, zeros],
+                         maximum_iterations=steps)[1]
+
+
+@pytest.mark.parametrize("budget", [None, 0.6])
+def test_a_draw_in_the_body_is_planned_as_it_is_built(graph, caplog, budget):
+    """memsave.loops.prepare stores a loop per step when its body has an op
+    that must not run twice (chunks would draw again). The planner offered
+    chunks all the same when the gradient read the draw only through a
+    dropout mask: 'memory' chose chunk(k=3, inner=store), forecast 16.0 MiB,
+    and the build, per step, measured 25.8 MiB (T=32, B=1024, H=64); a
+    budget was exceeded the same way. Now only plain and per step are
+    weighed, and per step's forecast stores the draws (one [B, H] float32
+    each trip) beside the state."""
+    x, W, U = (tf.constant(v) for v in _values())
+    Wv, Uv = tf.Variable(W), tf.Variable(U)
+    loss = _loss(_while_lstm_dropout, x, Wv, Uv)
+    kwargs = {"checkpoints": "memory"} if budget is None else {"memory_budget": budget}
+    plan = memsave.plan(loss, [Wv, Uv], **kwargs)
+    (d,) = plan.loops
+    assert {f.choice.kind for f in d.forecasts} == {"plain", "per_step"}
+    assert d.choice.kind == "per_step"
+    per_step = next(f for f in d.forecasts if f.choice.kind == "per_step")
+    assert per_step.kept_bytes == T * (d.state_bytes + B * H * 4)
+    with caplog.at_level(logging.WARNING, logger="memsave"):
+        memsave.gradients(loss, [Wv, Uv], checkpoints=plan)
+    assert "instead" not in caplog.text, caplog.text  # built as planned
+    (op,) = loops.find_loops([loss])
+    assert _tf_while.marked(op) is not None
