@@ -80,7 +80,8 @@ def _describe(t) -> str:
     return repr(t)
 
 
-def _graph_of(values: Sequence, what: str, *, outer_ok: bool = False) -> tf.Graph | None:
+def _graph_of(values: Sequence, what: str, *, outer_ok: bool = False,
+              api: str = "memsave.gradients") -> tf.Graph | None:
     """The graph of ``values[0]``; raise if another value is elsewhere.
 
     With ``outer_ok``, a value from a graph enclosing the first one's (a
@@ -95,7 +96,7 @@ def _graph_of(values: Sequence, what: str, *, outer_ok: bool = False) -> tf.Grap
             graph = g
         elif g is not graph and not (outer_ok and g in _enclosing_graphs(graph)):
             raise GraphMismatchError(
-                f"memsave.gradients: {what} {_describe(v)} is in another graph than the ys; "
+                f"{api}: {what} {_describe(v)} is in another graph than the ys; "
                 "build ys, xs, grad_ys and checkpoints in one graph (or one tf.function)"
             )
     return graph
@@ -110,23 +111,30 @@ def _enclosing_graphs(graph: tf.Graph) -> list:
     return out
 
 
-def _normalize(ys, xs, grad_ys, stop_gradients, checkpoints) -> tuple:
+def _normalize(ys, xs, grad_ys, stop_gradients, checkpoints,
+               api: str = "memsave.gradients") -> tuple:
     ys = _as_list(ys)
     xs = _as_list(xs)
     if not ys:
-        raise ArgumentError("memsave.gradients: ys is empty; pass at least one tensor")
+        raise ArgumentError(f"{api}: ys is empty; pass at least one tensor")
+    for y in ys:
+        if isinstance(y, (list, tuple)):
+            raise ArgumentError(
+                f"{api}: ys is a nested list ({y!r} inside it); pass a tensor or a flat list of "
+                "tensors (tf.stack or tf.add_n them first)"
+            )
     for y in ys:
         if _is_eager(y):
             raise EagerExecutionError(
-                f"memsave.gradients: y {y!r} is an eager tensor. Like tf.gradients, memsave "
+                f"{api}: y {y!r} is an eager tensor. Like tf.gradients, memsave "
                 "rewrites a graph: call it inside a tf.function (or a tf.compat.v1 Graph); "
                 "in eager code use tf.GradientTape"
             )
     ys = [tf.convert_to_tensor(y) if _tf_private.is_resource_variable(y) else y for y in ys]
-    graph = _graph_of(ys, "y")
+    graph = _graph_of(ys, "y", api=api)
     if graph is None:
         raise EagerExecutionError(
-            "memsave.gradients: ys are not graph tensors; call it inside a tf.function "
+            f"{api}: ys are not graph tensors; call it inside a tf.function "
             "or a tf.compat.v1 Graph, or use tf.GradientTape in eager code"
         )
     with graph.as_default():
@@ -134,25 +142,25 @@ def _normalize(ys, xs, grad_ys, stop_gradients, checkpoints) -> tuple:
     for x in xs:
         if _is_eager(x):
             raise EagerExecutionError(
-                f"memsave.gradients: x {x!r} is an eager tensor; differentiate with respect to "
+                f"{api}: x {x!r} is an eager tensor; differentiate with respect to "
                 "tensors or variables used inside the same tf.function or graph"
             )
-    _graph_of(ys + list(xs), "x", outer_ok=True)
+    _graph_of(ys + list(xs), "x", outer_ok=True, api=api)
     if grad_ys is None:
         grad_ys = [None] * len(ys)
     else:
         grad_ys = _as_list(grad_ys)
         if len(grad_ys) != len(ys):
             raise ArgumentError(
-                f"memsave.gradients: passed {len(grad_ys)} grad_ys for {len(ys)} ys; "
+                f"{api}: passed {len(grad_ys)} grad_ys for {len(ys)} ys; "
                 "pass one per y (None for the default ones)"
             )
         _graph_of(ys + [g for g in grad_ys if g is not None and not _is_eager(g)], "grad_y",
-                  outer_ok=True)
+                  outer_ok=True, api=api)
     stop_gradients = _as_list(stop_gradients)
-    _graph_of(ys + stop_gradients, "stop_gradients tensor", outer_ok=True)
+    _graph_of(ys + stop_gradients, "stop_gradients tensor", outer_ok=True, api=api)
     if not isinstance(checkpoints, str):
-        _graph_of(ys + _as_list(checkpoints), "checkpoint")
+        _graph_of(ys + _as_list(checkpoints), "checkpoint", api=api)
     return ys, xs, grad_ys, stop_gradients, graph
 
 
@@ -160,19 +168,20 @@ def _is_eager(t) -> bool:
     return isinstance(t, tf.Tensor) and not tf.is_symbolic_tensor(t)
 
 
-def _validate_list(checkpoints: Sequence, ex: Extraction, ys, xs) -> tuple[int, ...]:
+def _validate_list(checkpoints: Sequence, ex: Extraction, ys, xs,
+                   api: str = "memsave.gradients") -> tuple[int, ...]:
     y_refs = {y.ref() for y in ys}
     x_refs = {x.ref() for x in xs}
     chosen = []
     for c in checkpoints:
         if not isinstance(c, tf.Tensor) or _is_eager(c):
             raise CheckpointError(
-                f"memsave.gradients: checkpoints must be graph tensors, got {c!r} "
+                f"{api}: checkpoints must be graph tensors, got {c!r} "
                 f"({type(c).__name__}); pass the output tensor (e.g. op.outputs[0])"
             )
         if c.ref() in y_refs:
             raise CheckpointError(
-                f"memsave.gradients: checkpoint {_describe(c)} is one of the ys; keeping a y "
+                f"{api}: checkpoint {_describe(c)} is one of the ys; keeping a y "
                 "saves nothing: remove it from checkpoints"
             )
         if c.ref() in x_refs:
@@ -181,7 +190,7 @@ def _validate_list(checkpoints: Sequence, ex: Extraction, ys, xs) -> tuple[int, 
         i = ex.id_of(c)
         if i is None or ex.fg.tensors[i].kind != "internal":
             raise CheckpointError(
-                f"memsave.gradients: checkpoint {_describe(c)} is not between xs and ys "
+                f"{api}: checkpoint {_describe(c)} is not between xs and ys "
                 "(no differentiable path from an x through it to a y, or stop_gradients cuts "
                 "every such path); remove it, or check that it is computed from the xs and "
                 "used by the ys"
@@ -243,7 +252,8 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options, *,
 
     ``args`` are ``(ys, xs, grad_ys, stop_gradients, graph)`` as tf.gradients takes them.
     """
-    ys, xs, grad_ys, stop_gradients, graph = _normalize(ys, xs, grad_ys, stop_gradients, checkpoints)
+    ys, xs, grad_ys, stop_gradients, graph = _normalize(ys, xs, grad_ys, stop_gradients,
+                                                        checkpoints, api)
     if isinstance(checkpoints, str):
         planners.get(checkpoints, api=api)  # an unknown name fails before the graph is read
         name = checkpoints
@@ -283,7 +293,7 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options, *,
     if name == "plan":
         return args, ex, _validate_plan(checkpoints, ex, api)
     if name == "list":
-        return args, ex, given(problem, _validate_list(checkpoints, ex, ys, xs))
+        return args, ex, given(problem, _validate_list(checkpoints, ex, ys, xs, api))
     return args, ex, planners.run(name, problem, budget=memory_budget, options=strategy_options,
                                   api=api)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from memsave import _tf_private
+from memsave import _tf_private, planners
 from memsave.errors import PatchError
 from memsave.api import gradients as _memsave_gradients
 
@@ -142,7 +142,15 @@ def patch(checkpoints="memory", *, strategy_options: Mapping[str, Any] | None = 
     to plan for where the graph's batch dimension is unknown (a
     ``placeholder`` of shape ``[None, ...]``), without which memsave plans
     for a batch of 1 and saves little.
+
+    Raises
+    ------
+    UnknownStrategyError
+        ``checkpoints`` names no registered strategy (here, not at the
+        first patched call).
     """
+    if isinstance(checkpoints, str):
+        planners.get(checkpoints, api="memsave.patch")
     return Patch(checkpoints, strategy_options, memory_budget, batch_size)
 
 

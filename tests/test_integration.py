@@ -344,6 +344,35 @@ def test_unknown_strategy_lists_the_known_ones():
             memsave.gradients(y, [x], checkpoints="fastest")
 
 
+def test_an_unknown_strategy_fails_when_patching_not_at_the_first_call():
+    saved = tf.gradients
+    with pytest.raises(memsave.UnknownStrategyError, match="memsave.patch: .*'fastest'"):
+        memsave.patch("fastest")
+    assert tf.gradients is saved  # nothing was patched
+
+
+def test_nested_ys_get_an_error_that_says_so():
+    """tf.gradients packs ``[[y]]`` into a tensor; memsave asks for a flat
+    list (it said the ys were not graph tensors, inside a graph)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4])
+        y = tf.reduce_sum(tf.tanh(x))
+        with pytest.raises(memsave.errors.ArgumentError, match="nested list.*flat list"):
+            memsave.gradients([[y]], [x], checkpoints="memory")
+
+
+def test_errors_of_plan_name_memsave_plan():
+    with pytest.raises(memsave.EagerExecutionError, match=r"^memsave\.plan: y .* eager"):
+        memsave.plan(tf.ones([2]), [tf.Variable(1.0)])
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4])
+        y = tf.reduce_sum(tf.tanh(x))
+        with pytest.raises(memsave.CheckpointError, match=r"^memsave\.plan: checkpoint .* one of"):
+            memsave.plan(y, [x], checkpoints=[y])
+
+
 def test_grad_ys_of_wrong_length_raises():
     g = tf.Graph()
     with g.as_default():
