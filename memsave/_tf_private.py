@@ -293,6 +293,29 @@ def is_recomputable(op: tf.Operation) -> bool:
     return all(_fdef_read_only(f, op.graph) for f in fdefs)
 
 
+#: Ops that run functions :func:`copy_op` rebuilds from their FunctionDefs.
+_REBUILT_TYPES = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "Case",
+                            "StatelessCase"})
+
+
+def is_copyable(op: tf.Operation) -> bool:
+    """Whether :func:`copy_op` makes a copy of ``op`` that tf.gradients
+    differentiates as it does ``op``.
+
+    Not a While, If or Case with control flow in its functions (a loop or
+    cond in a loop body): the copy's functions are rebuilt from their
+    FunctionDefs, and the gradient of the control flow inside them, built
+    from those, was wrong: exact zeros for every weight the inner loop of a
+    copied loop reads, and "a variable without handle data" for a cond in
+    a copied loop's body. Such an op is kept, never recomputed.
+    """
+    if op.type not in _REBUILT_TYPES:
+        return True
+    fdefs = _function_defs(op)
+    return fdefs is not None and not any(
+        node.op in _REBUILT_TYPES for f in fdefs for node in f.node_def)
+
+
 def runs_once(op: tf.Operation) -> bool:
     """Whether running ``op`` again would give another value or repeat an
     effect (a random draw, an assignment): stateful and not a read of state."""

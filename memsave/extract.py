@@ -202,7 +202,7 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
             gradient = _gradient_use(op, node_def)
         op_nodes.append(OpNode(
             index=i, name=op.name, type=op.type, inputs=inputs, outputs=outputs,
-            recomputable=_tf_private.is_recomputable(op),
+            recomputable=_tf_private.is_recomputable(op) and _tf_private.is_copyable(op),
             flops=_tf_private.op_flops(op, node_def), gradient=gradient, body=body,
         ))
     x_ids = tuple(tensor_id(x) for x in xs)

@@ -390,3 +390,47 @@ def test_a_kept_negative_zero_is_recomputed_from_as_negative_zero(graph, session
     assert np.abs(ref_v[1]).max() > 0.1
     for g, r in zip(ours_v, ref_v):
         np.testing.assert_array_equal(g, r)
+
+
+def _loop_with_control_flow_inside(rng, inner):
+    """A while RNN whose body runs a 2-trip inner while loop or a cond, then
+    four tanh layers; the weights the body reads come first."""
+    T, B, H = 4, 8, 8
+    x = tf.constant(rng.randn(T, B, H).astype(np.float32))
+    wi, wr = (tf.Variable(rng.randn(H, H).astype(np.float32) * 0.3) for _ in range(2))
+    ws = [tf.Variable(rng.randn(H, H).astype(np.float32) * 0.3) for _ in range(4)]
+
+    def body(t, h):
+        if inner == "while":
+            h = tf.while_loop(lambda k, g: k < 2,
+                              lambda k, g: (k + 1, tf.tanh(x[t] @ wi + g @ wr)), [0, h])[1]
+        else:
+            h = tf.cond(tf.equal(t % 2, 0), lambda: tf.tanh(x[t] @ wi + h @ wr), lambda: tf.tanh(h @ wr))
+        return t + 1, h
+
+    h = tf.while_loop(lambda t, h: t < T, body, [0, tf.zeros([B, H])], maximum_iterations=T)[1]
+    hidden = []
+    for w in ws:
+        h = tf.tanh(h @ w)
+        hidden.append(h)
+    return tf.reduce_sum(h ** 2), [wi, wr, *ws], hidden
+
+
+@pytest.mark.parametrize("inner", ["while", "cond"])
+def test_a_loop_with_control_flow_in_its_body_is_kept_not_copied(graph, session, rng, inner):
+    """A copy of a While gets its body rebuilt from the FunctionDef; a loop
+    or cond inside that body was then differentiated wrongly: every weight
+    the inner loop reads got an exact zero gradient, silently, and a cond
+    raised "a variable without handle data". Such a loop is now kept (its
+    outputs are checkpoints), never copied; the layers after it are still
+    recomputed."""
+    loss, ws, hidden = _loop_with_control_flow_inside(rng, inner)
+    ref = tf.gradients(loss, ws)
+    ours = memsave.gradients(loss, ws, checkpoints=[hidden[1]])
+    copies = [op for op in graph.get_operations() if re.search(r"/recompute_\d+/[^/]+$", op.name)]
+    assert any(op.type == "Tanh" for op in copies), "nothing was recomputed"
+    assert not any(op.type in ("While", "StatelessWhile") for op in copies)
+    ref_v, ours_v = _run(session, [ref, ours])
+    assert np.abs(ref_v[0]).max() > 1e-3  # the inner loop's weight gets a gradient
+    for g, r in zip(ours_v, ref_v):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
