@@ -267,6 +267,12 @@ def _batch_specs(model) -> tuple:
                 f"model {model.name!r}: input {t.name!r} has shape {tuple(t.shape)}, with unknown "
                 "dimensions besides the batch; use memsave.keras.max_batch_size with a batch")
     x = [tf.TensorSpec((1, *t.shape[1:]), t.dtype) for t in inputs]
+    try:
+        structure = model.input  # a dict for keras.Model({"a": ...}, ...): fed by name
+    except (AttributeError, ValueError):
+        structure = None
+    if isinstance(structure, dict):
+        x = {name: tf.TensorSpec((1, *t.shape[1:]), t.dtype) for name, t in structure.items()}
     losses = model.loss if isinstance(model.loss, (list, tuple)) else [model.loss] * len(outputs)
     if isinstance(model.loss, dict):
         losses = [model.loss.get(_output_name(t)) for t in outputs]
@@ -278,7 +284,7 @@ def _batch_specs(model) -> tuple:
             y.append(tf.TensorSpec((1, *t.shape[1:-1]), tf.int32))
         else:
             y.append(tf.TensorSpec((1, *t.shape[1:]), keras.config.floatx()))
-    return (x[0] if len(x) == 1 else x), (y[0] if len(y) == 1 else y)
+    return (x[0] if isinstance(x, list) and len(x) == 1 else x), (y[0] if len(y) == 1 else y)
 
 
 def _output_name(t) -> str:
@@ -343,7 +349,9 @@ def _table(r: dict) -> str:
     def shapes(specs):
         return ", ".join(f"[{', '.join(map(str, s['shape']))}] {s['dtype']}" for s in specs)
 
-    change = ours["peak_bytes"] / max(plain["peak_bytes"], 1) - 1
+    # (A plain peak of 0 bytes: every buffer under the allocator's counting threshold.)
+    change = (f"({ours['peak_bytes'] / plain['peak_bytes'] - 1:+.1%})" if plain["peak_bytes"]
+              else "(n/a)")
     passes = ours["recompute_flops"] / max(ours["forward_flops"], 1)
     budget = "" if r["memory_budget"] is None else f", memory budget {r['memory_budget']}"
     lines = [
@@ -353,7 +361,7 @@ def _table(r: dict) -> str:
         "",
         f"  {'':22}{'plain fit':>18}{'memsave':>18}",
         f"  {'forecast peak':22}{_mib(plain['peak_bytes']):>18}{_mib(ours['peak_bytes']):>18}"
-        f"  ({change:+.1%})",
+        f"  {change}",
         f"  {'resident':22}{_mib(r['resident_bytes']):>18}{_mib(r['resident_bytes']):>18}"
         "  (weights, optimizer slots, metrics, the batch)",
         f"  {'recompute':22}{'-':>18}{f'{passes:.2f} fwd passes':>18}"

@@ -67,6 +67,13 @@ def files(tmp_path_factory):
         def uncompiled():
             return keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
 
+        def by_name():
+            z, a = keras.Input((32,), name="z"), keras.Input((16,), name="a")
+            h = keras.layers.Concatenate()([keras.layers.Dense(8)(z), keras.layers.Dense(8)(a)])
+            m = keras.Model({"z": z, "a": a}, keras.layers.Dense(1)(h))
+            m.compile(optimizer="sgd", loss="mse")
+            return m
+
         def fails():
             raise RuntimeError("cannot build\\nthis model")
 
@@ -131,6 +138,24 @@ def test_module_function(files, capsys, monkeypatch):
         code, out, err = _run(capsys, "plan", spec, "--json")
         assert code == 0, err
         assert json.loads(out)["targets"] == [{"shape": [32, 3], "dtype": "float32"}]
+
+
+def test_a_model_fed_by_name(files, capsys, monkeypatch):
+    """Inputs given as a dict, its keys not in sorted order: the batch is
+    fed by name (it was a list, which Keras refused, with a traceback).
+    Every buffer of this model is under the CPU allocator's counting
+    threshold: both peaks are 0 bytes, and the change is n/a (it read
+    -100.0%)."""
+    monkeypatch.syspath_prepend(str(files))
+    code, out, err = _run(capsys, "plan", "factories:by_name", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert sorted(map(str, r["inputs"])) == sorted(map(str, [
+        {"shape": [32, 32], "dtype": "float32"}, {"shape": [32, 16], "dtype": "float32"}]))
+    code, out, err = _run(capsys, "plan", "factories:by_name")
+    assert code == 0, err
+    peak_row = next(line for line in out.splitlines() if "forecast peak" in line)
+    assert r["plain"]["peak_bytes"] == 0 and peak_row.endswith("(n/a)"), peak_row
 
 
 def test_without_memory_there_is_no_batch_search(files, capsys):
