@@ -254,6 +254,33 @@ def test_each_combination_of_loop_choices_takes_a_share_of_the_search(graph, nam
     assert alone.recompute_seconds == plan.recompute_seconds
 
 
+def test_a_budget_plans_each_combination_of_loop_choices_with_a_share(graph, monkeypatch):
+    """A budget weighs every combination of loop choices (here 2 loops, 25
+    combinations): each with the greedy bounded by its share of the search,
+    the chosen one again with the whole (``'auto'``: dp or milp on a graph
+    this small). With the whole search for each, milp ran to its 30 s time
+    limit on every combination of a Keras Embedding -> LSTM -> GRU fit step,
+    and planning did not end within 5 minutes."""
+    from memsave.planners import budget as budget_module
+
+    shares = {name: [] for name in budget_module.CORES}
+    for name, core in list(budget_module.CORES.items()):
+        def counted(space, *a, name=name, core=core, **k):
+            shares[name].append(space.problem.search_share)
+            return core(space, *a, **k)
+        monkeypatch.setitem(budget_module.CORES, name, counted)
+    x = tf.constant(_values()[0])
+    weights = [tf.Variable(v) for v in (*_values()[1:], *_values()[1:])]
+    loss = _loss(_while_lstm, x, *weights[:2]) + _loss(_while_lstm, x * 2.0, *weights[2:])
+    plan = memsave.plan(loss, weights, memory_budget=0.5)
+    assert len(plan.loops) == 2 and plan.feasible
+    assert plan.problem.search_share == 1.0
+    exact = shares["dp"] + shares["milp"]
+    assert exact and all(s == 1.0 for s in exact), shares  # the chosen combination only
+    assert len(exact) <= 2  # the articulation points, and the wider cuts
+    assert sum(s < 1.0 for s in shares["greedy"]) >= 20, shares
+
+
 def test_budget_takes_the_least_recompute_that_fits(graph):
     x, W, U = (tf.constant(v) for v in _values())
     Wv, Uv = tf.Variable(W), tf.Variable(U)

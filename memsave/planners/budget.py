@@ -224,6 +224,18 @@ def solve(problem: Problem, memory_budget, *, solver: str = "auto",
     # Planning builds and keeps many schedules (tuples, no cycles): paused,
     # the collector does not walk the process's TensorFlow objects again and
     # again (measured: a fifth of the time on a 10,000-op graph).
+    if solver == "auto" and max_simulations is None and problem.search_share < 1.0:
+        # One of the combinations of loop choices memsave.planners.loops
+        # weighs: the greedy, bounded by the problem's share of a preset's
+        # search; the chosen combination is planned again with the whole.
+        # Measured on a Keras Embedding -> LSTM -> GRU fit step (batch 256,
+        # T=24, memory_budget=0.6): with the whole search for each of its
+        # 25 combinations, milp ran to its 30 s time limit on each, and
+        # planning did not end within 5 minutes; bounded, it refused the
+        # budget in 1.3 s.
+        from memsave.planners.strategies import search_simulations
+
+        solver, max_simulations = "greedy", search_simulations(problem)
     with paused_gc():
         return _solve(problem, memory_budget, solver, time_limit_s, api, model, strategy,
                       include, max_simulations)

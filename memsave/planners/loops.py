@@ -137,9 +137,15 @@ def run(planner: Callable, problem: Problem, *, budget=None, options: Mapping | 
         # fraction but not as bytes.)
         return _with_decisions(planner(problem, budget=budget, **options), loops)
     lowest = [None]  # the smallest infeasible peak found, and its choices
+    # As without a budget, each combination's plan takes a share of the
+    # search (solver 'auto' is then the bounded greedy:
+    # memsave.planners.budget.solve), and the chosen one is
+    # planned again with all of it.
+    share = 1.0 / _evaluations(loops)
 
-    def evaluate_budgeted(choices):
+    def evaluate_budgeted(choices, share=share):
         variant = problem.with_loops(choices)
+        variant.search_share = share
         try:
             plan = planner(variant, budget=budget_bytes, **options)
         except MemoryBudgetError as e:
@@ -150,6 +156,8 @@ def run(planner: Callable, problem: Problem, *, budget=None, options: Mapping | 
         return plan, variant.peak(plan.schedule), plan.recompute_seconds, _order(loops, choices)
 
     best = _search(loops, evaluate_budgeted, _least_recompute)
+    if best is not None and share < 1.0:
+        best = evaluate_budgeted(best[0].problem.loop_choices, 1.0) or best
     if best is None:
         low, choices = lowest[0] if lowest[0] is not None else (None, {})
         said = ", ".join(f"{d.name} {choices.get(d.op, LoopChoice.plain())}" for d in loops)

@@ -32,7 +32,8 @@ from memsave.planners import register
 from memsave.problem import Problem
 from memsave.record import Plan
 
-__all__ = ["collection", "memory", "speed", "given", "worth_it", "candidate_plan",
+__all__ = ["collection", "memory", "speed", "given", "worth_it", "search_simulations",
+           "candidate_plan",
            "EXPENSIVE_OP_TYPES",
            "MIN_SAVING_FRACTION", "MEMORY_PEAK_TOLERANCE", "SPEED_BUDGET_FRACTION",
            "MEMORY_SEARCH_OPS", "MEMORY_SEARCH_PLANS"]
@@ -283,7 +284,7 @@ def speed(problem: Problem, *, budget=None, budget_fraction: float = SPEED_BUDGE
         plan = _budget.solve(problem, target, solver=_search_solver(problem, solver),
                              time_limit_s=time_limit_s, api=api,
                              model=problem.judge, strategy="speed",
-                             max_simulations=_search_simulations(problem))
+                             max_simulations=search_simulations(problem))
     except MemoryBudgetError as e:
         return problem.plan("speed", (), {}, note=(
             f"no plan memsave found holds under budget_fraction={budget_fraction:g} of "
@@ -320,7 +321,7 @@ def _speed_loop_budget(problem: Problem, options, api: str) -> int:
 speed.loop_budget_bytes = _speed_loop_budget
 
 
-def _search_simulations(problem: Problem, most: int | None = None) -> int:
+def search_simulations(problem: Problem, most: int | None = None) -> int:
     """How many plans a preset's search for time may simulate
     (:data:`MEMORY_SEARCH_OPS` over the graph's ops, at most ``most``;
     times the problem's ``search_share``)."""
@@ -495,7 +496,7 @@ def memory(
         fast = _budget.solve(problem, limit, solver=_search_solver(problem, solver),
                              time_limit_s=time_limit_s, api=api, model=judge, strategy="memory",
                              include=sorted({t for c in within for t in c}),
-                             max_simulations=_search_simulations(problem, MEMORY_SEARCH_PLANS))
+                             max_simulations=search_simulations(problem, MEMORY_SEARCH_PLANS))
     except MemoryBudgetError:
         fast = None  # the solvers' candidates cannot reach the limit
     if fast is not None and fast.schedule is not None \
