@@ -181,9 +181,15 @@ def checkpointed(
         call :func:`memsave.gradients` in your own train step instead).
     UnknownStrategyError
         When ``checkpoints`` names no registered strategy.
+    OptionsError
+        When ``strategy_options`` are not options of that strategy.
+    MemoryBudgetError
+        When ``memory_budget`` is neither bytes (an int > 0) nor a fraction
+        in (0, 1]. (A budget below every plan is refused when ``fit``
+        traces the step, which is when memsave plans.)
     CheckpointError
-        When a listed layer is not in the model, or ``checkpoints`` is
-        neither a name nor layers.
+        When a listed layer is not in the model, ``checkpoints`` is neither
+        a name nor layers, or a list of layers comes with a budget.
     EagerExecutionError
         When the model is compiled with ``run_eagerly=True`` (here, or from
         ``fit`` if it is compiled so later): memsave rewrites graphs.
@@ -216,6 +222,7 @@ def checkpointed(
             **({} if memory_budget is None else {"memory_budget": memory_budget}),
         ),
     )
+    _check_planning(checkpoints, strategy_options, memory_budget)
     if _private.compiled(model) and model.run_eagerly:
         raise EagerExecutionError(_EAGER_MESSAGE.format(name=model.name))
     _check_batch_size(batch_size, "memsave.keras.checkpointed", "fit's arguments")
@@ -345,6 +352,7 @@ def plan(
             **({} if memory_budget is None else {"memory_budget": memory_budget}),
         ),
     )
+    _check_planning(checkpoints, strategy_options, memory_budget, api)
     data = _batch_spec((x, y) if y is not None else (x,), batch_size, api)
     _private.build_as_fit_does(model, data)
     if not model.trainable_weights:
@@ -740,6 +748,19 @@ def _check_checkpoints(checkpoints, api: str = "memsave.keras.checkpointed") -> 
         "the step: tag them with tf.compat.v1.add_to_collection('checkpoints', t) in the "
         "model's call and use checkpoints='collection'"
     )
+
+
+def _check_planning(checkpoints, options, memory_budget,
+                    api: str = "memsave.keras.checkpointed") -> None:
+    """Refuse now what memsave.gradients would refuse when fit traces the
+    step: options the strategy does not take, a budget that is neither
+    bytes nor a fraction, a budget beside a list of layers."""
+    if isinstance(checkpoints, str):
+        planners.check(checkpoints, budget=memory_budget, options=options, api=api)
+    elif memory_budget is not None:
+        raise CheckpointError(
+            f"{api}: memory_budget= plans the checkpoints itself; it cannot be combined with a "
+            "list of layers. Pass one or the other")
 
 
 def _check_strategy_options(options, checkpoints, api: str = "memsave.keras.checkpointed") -> dict | None:

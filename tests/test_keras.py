@@ -389,6 +389,24 @@ def test_unknown_strategy_raises_at_wrap_time():
     assert not memsave.keras.is_checkpointed(model)
 
 
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"memory_budget": -1}, memsave.MemoryBudgetError, "must be > 0"),
+    ({"memory_budget": 1.5}, memsave.MemoryBudgetError, r"in \(0, 1\]"),
+    ({"memory_budget": "half"}, memsave.MemoryBudgetError, "pass an int"),
+    ({"strategy_options": {"bogus": 1}}, memsave.OptionsError, r"\['bogus'\] are not options"),
+    ({"checkpoints": ["dense"], "memory_budget": 0.5}, memsave.CheckpointError, "list of layers"),
+])
+def test_bad_planning_arguments_raise_at_wrap_time(kwargs, error, match):
+    """They were accepted, and raised only when fit traced the step, naming
+    memsave.gradients."""
+    model = functional_model()
+    if kwargs.get("checkpoints") == ["dense"]:
+        kwargs["checkpoints"] = [model.layers[1].name]
+    with pytest.raises(error, match=f"^memsave.keras.checkpointed: .*{match}"):
+        memsave.keras.checkpointed(model, **kwargs)
+    assert not memsave.keras.is_checkpointed(model)
+
+
 @pytest.mark.parametrize("checkpoints", [[], [3], "no_such_layer"])
 def test_bad_layer_checkpoints_raise(checkpoints):
     model = functional_model()

@@ -36,7 +36,7 @@ from typing import Any
 from memsave.errors import ArgumentError, OptionsError, UnknownStrategyError
 from memsave.simulate import paused_gc
 
-__all__ = ["Planner", "register", "unregister", "get", "available", "run"]
+__all__ = ["Planner", "register", "unregister", "get", "available", "run", "check"]
 
 Planner = Callable[..., Any]  # (problem, *, budget=None, **options) -> Plan
 
@@ -100,15 +100,8 @@ def run(name: str | Planner, problem, *, budget=None, options: Mapping[str, Any]
     planner = get(name, api=api) if isinstance(name, str) else name
     name = name if isinstance(name, str) else getattr(planner, "__name__", "planner")
     options = dict(options or {})
-    accepted = _keywords(planner)
-    if accepted is not None:
-        unknown = sorted(set(options) - accepted - {"budget"})
-        if unknown:
-            raise OptionsError(
-                f"{api}: strategy_options {unknown} are not options of {name!r}; it takes "
-                f"{sorted(accepted - {'budget', 'api'}) or 'none'}")
-        if "api" in accepted:
-            options["api"] = api
+    if _check_options(planner, name, options, api):
+        options["api"] = api
     # A planner builds and keeps many schedules (tuples, no cycles): paused,
     # the collector does not walk the process's TensorFlow objects again and
     # again (see memsave.simulate.paused_gc).
@@ -121,6 +114,32 @@ def run(name: str | Planner, problem, *, budget=None, options: Mapping[str, Any]
             return _loops.run(planner, problem, budget=budget, options=options, api=api,
                               within_bytes=within)
         return planner(problem, budget=budget, **options)
+
+
+def check(name: str, *, budget=None, options: Mapping[str, Any] | None = None,
+          api: str = "memsave.gradients") -> None:
+    """What :func:`run` checks before it reads a graph: ``name`` is
+    registered, ``options`` are its options and ``budget`` is bytes or a
+    fraction. For callers that plan later (``memsave.keras.checkpointed``
+    plans when ``fit`` traces the step) and want a mistake reported now."""
+    planner = get(name, api=api)
+    _check_options(planner, name, dict(options or {}), api)
+    if budget is not None:
+        _budget.check_budget(budget, api=api)
+
+
+def _check_options(planner: Planner, name: str, options: Mapping[str, Any], api: str) -> bool:
+    """Raise :class:`OptionsError` for an option ``planner`` does not take;
+    return whether it takes ``api``."""
+    accepted = _keywords(planner)
+    if accepted is None:
+        return False
+    unknown = sorted(set(options) - accepted - {"budget"})
+    if unknown:
+        raise OptionsError(
+            f"{api}: strategy_options {unknown} are not options of {name!r}; it takes "
+            f"{sorted(accepted - {'budget', 'api'}) or 'none'}")
+    return "api" in accepted
 
 
 def _keywords(fn) -> set[str] | None:

@@ -57,7 +57,7 @@ from memsave.problem import Problem
 from memsave.record import Budget, Plan
 from memsave.simulate import paused_gc
 
-__all__ = ["solve", "resolve_budget", "choose", "is_chain", "CORES", "DP_MAX_CUTS",
+__all__ = ["solve", "resolve_budget", "check_budget", "choose", "is_chain", "CORES", "DP_MAX_CUTS",
            "DP_PROBES_PER_CUT_SQUARED", "MILP_MAX_CUTS", "MAX_CUTS", "FEW_POINTS"]
 
 Core = Callable[..., Outcome]
@@ -101,6 +101,15 @@ MAX_CUTS = 96
 
 def resolve_budget(memory_budget, baseline_peak_bytes: int, *, api: str) -> int:
     """Bytes of ``memory_budget``: an int as is, a float in (0, 1] times the plain peak."""
+    check_budget(memory_budget, api=api)
+    if isinstance(memory_budget, numbers.Integral):
+        return int(memory_budget)
+    return int(memory_budget * baseline_peak_bytes)
+
+
+def check_budget(memory_budget, *, api: str) -> None:
+    """Raise :class:`MemoryBudgetError` unless ``memory_budget`` is an int
+    > 0 (bytes) or a float in (0, 1] (a fraction of the plain peak)."""
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Real):
         raise MemoryBudgetError(
             f"{api}: memory_budget={memory_budget!r}; pass an int (bytes) or a float in "
@@ -109,13 +118,11 @@ def resolve_budget(memory_budget, baseline_peak_bytes: int, *, api: str) -> int:
     if isinstance(memory_budget, numbers.Integral):
         if memory_budget <= 0:
             raise MemoryBudgetError(f"{api}: memory_budget={memory_budget!r} bytes must be > 0")
-        return int(memory_budget)
-    if not 0.0 < memory_budget <= 1.0:
+    elif not 0.0 < memory_budget <= 1.0:
         raise MemoryBudgetError(
             f"{api}: memory_budget={memory_budget!r}: a float is a fraction of the plain peak "
             "and must be in (0, 1]; pass bytes as an int"
         )
-    return int(memory_budget * baseline_peak_bytes)
 
 
 def least_fraction(peak_bytes: int, baseline_peak_bytes: int) -> str:
