@@ -427,15 +427,19 @@ class _Draws:
         op = t.op
         if op in self._of_op:
             return self._of_op[op]
-        order, stack = [], [op]
-        while stack:  # every op behind ``op`` not yet known, producers last
-            o = stack.pop()
-            if o in self._of_op or o in order:
+        order, seen, stack = [], set(), [(op, False)]
+        while stack:  # every op behind ``op`` not yet known, producers first
+            o, expanded = stack.pop()
+            if expanded:
+                order.append(o)
                 continue
-            order.append(o)
+            if o in self._of_op or o in seen:
+                continue
+            seen.add(o)
+            stack.append((o, True))
             if not _tf_private.runs_once(o):
-                stack.extend(i.op for i in o.inputs)
-        for o in reversed(order):  # producers first
+                stack.extend((i.op, False) for i in o.inputs)
+        for o in order:
             if _tf_private.runs_once(o):
                 self._of_op[o] = {out.ref(): out for out in o.outputs}
             else:

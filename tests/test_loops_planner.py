@@ -539,3 +539,17 @@ def test_a_draw_in_the_body_is_planned_as_it_is_built(graph, caplog, budget):
     assert "instead" not in caplog.text, caplog.text  # built as planned
     (op,) = loops.find_loops([loss])
     assert _tf_while.marked(op) is not None
+
+
+def test_the_draws_behind_a_tensor_are_found_through_every_path(graph):
+    """memsave.extract._Draws walks producers before consumers: ``c`` reads
+    ``b`` first and ``a`` second, and ``b`` is computed from ``a``."""
+    from memsave.extract import _Draws
+
+    r = tf.random.uniform([4])
+    a = tf.identity(r) * 2.0
+    b = a + 1.0
+    draws = _Draws()
+    assert list(draws.behind(tf.add(b, a))) == [r.ref()]
+    assert list(draws.behind(tf.add(a, b))) == [r.ref()]
+    assert draws.behind(tf.constant(1.0) * 2.0) == {}
