@@ -395,6 +395,7 @@ def test_unknown_strategy_raises_at_wrap_time():
     ({"memory_budget": "half"}, memsave.MemoryBudgetError, "pass an int"),
     ({"strategy_options": {"bogus": 1}}, memsave.OptionsError, r"\['bogus'\] are not options"),
     ({"checkpoints": ["dense"], "memory_budget": 0.5}, memsave.CheckpointError, "list of layers"),
+    ({"checkpoints": "speed", "memory_budget": 0.5}, memsave.CheckpointError, "'speed'"),
 ])
 def test_bad_planning_arguments_raise_at_wrap_time(kwargs, error, match):
     """They were accepted, and raised only when fit traced the step, naming

@@ -125,6 +125,8 @@ def check(name: str, *, budget=None, options: Mapping[str, Any] | None = None,
     planner = get(name, api=api)
     _check_options(planner, name, dict(options or {}), api)
     if budget is not None:
+        if getattr(planner, "refuses_budget", False):
+            raise _strategies.budget_refused(name, api)
         _budget.check_budget(budget, api=api)
 
 

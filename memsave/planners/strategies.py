@@ -33,7 +33,7 @@ from memsave.problem import Problem
 from memsave.record import Plan
 
 __all__ = ["collection", "memory", "speed", "given", "worth_it", "search_simulations",
-           "candidate_plan",
+           "candidate_plan", "budget_refused",
            "EXPENSIVE_OP_TYPES",
            "MIN_SAVING_FRACTION", "MEMORY_PEAK_TOLERANCE", "SPEED_BUDGET_FRACTION",
            "MEMORY_SEARCH_OPS", "MEMORY_SEARCH_PLANS"]
@@ -259,9 +259,7 @@ def speed(problem: Problem, *, budget=None, budget_fraction: float = SPEED_BUDGE
     saves under ``min_saving_fraction`` (:func:`worth_it`).
     """
     if budget is not None:
-        raise CheckpointError(
-            f"{api}: memory_budget= plans the checkpoints itself; it cannot be combined with "
-            "checkpoints='speed'. Pass one or the other")
+        raise budget_refused("speed", api)
     _check_fraction("min_saving_fraction", min_saving_fraction, api)
     if op_types is not None:
         _no_solver_options(solver, time_limit_s, "'speed' with op_types", api)
@@ -319,6 +317,16 @@ def _speed_loop_budget(problem: Problem, options, api: str) -> int:
 
 
 speed.loop_budget_bytes = _speed_loop_budget
+#: 'speed' plans to its own budget: :func:`memsave.planners.check` refuses
+#: a memory_budget= beside it before a graph is read.
+speed.refuses_budget = True
+
+
+def budget_refused(name: str, api: str) -> CheckpointError:
+    """The error of a ``memory_budget=`` given with a strategy that refuses one."""
+    return CheckpointError(
+        f"{api}: memory_budget= plans the checkpoints itself; it cannot be combined with "
+        f"checkpoints={name!r}. Pass one or the other")
 
 
 def search_simulations(problem: Problem, most: int | None = None) -> int:
