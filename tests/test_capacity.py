@@ -296,6 +296,25 @@ def test_no_batch_fits_says_what_batch_1_needs(mlp):
     assert e.value.memory_bytes == 4 * MiB
 
 
+def test_no_batch_fits_where_the_weights_alone_do_not():
+    """Every buffer of this model at small batches is under the CPU
+    allocator's 256 KiB, so its forecast peak there is 0 bytes: memory=1
+    byte was answered with batch 511. The weights must fit too, every
+    buffer counted."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((128,))]
+                             + [keras.layers.Dense(128, activation="relu") for _ in range(16)]
+                             + [keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.zeros((1, 128), np.float32), np.zeros((1, 1), np.float32)
+    weights = sum(int(np.prod(w.shape)) * 4 for w in model.weights)
+    for checkpoints in (None, "memory"):
+        with pytest.raises(NoBatchFitsError, match="the weights and the batch alone hold") as e:
+            memsave.keras.max_batch_size(model, x, y, memory=weights // 2, checkpoints=checkpoints)
+        assert e.value.batch_1_peak_bytes == 0  # the allocator's forecast counts none of them
+    assert memsave.keras.max_batch_size(model, x, y, memory="64MiB", checkpoints=None) > 511
+
+
 def test_x_without_a_batch_dimension(mlp):
     with pytest.raises(CapacityError, match="no leading batch dimension"):
         memsave.keras.max_batch_size(mlp, np.float32(1.0), np.zeros((1,), np.int32), memory="1GiB")
