@@ -405,7 +405,8 @@ def _loop_with_control_flow_inside(rng, inner):
             h = tf.while_loop(lambda k, g: k < 2,
                               lambda k, g: (k + 1, tf.tanh(x[t] @ wi + g @ wr)), [0, h])[1]
         else:
-            h = tf.cond(tf.equal(t % 2, 0), lambda: tf.tanh(x[t] @ wi + h @ wr), lambda: tf.tanh(h @ wr))
+            h = tf.cond(tf.equal(t % 2, 0), lambda: tf.tanh(x[t] @ wi + h @ wr),
+                        lambda: tf.tanh(h @ wr))
         return t + 1, h
 
     h = tf.while_loop(lambda t, h: t < T, body, [0, tf.zeros([B, H])], maximum_iterations=T)[1]

@@ -57,8 +57,8 @@ from memsave.problem import Problem
 from memsave.record import Budget, Plan
 from memsave.simulate import paused_gc
 
-__all__ = ["solve", "resolve_budget", "check_budget", "choose", "is_chain", "CORES", "DP_MAX_CUTS",
-           "DP_PROBES_PER_CUT_SQUARED", "MILP_MAX_CUTS", "MAX_CUTS", "FEW_POINTS"]
+__all__ = ["solve", "resolve_budget", "check_budget", "choose", "is_chain", "CORES",
+           "DP_MAX_CUTS", "DP_PROBES_PER_CUT_SQUARED", "MILP_MAX_CUTS", "MAX_CUTS", "FEW_POINTS"]
 
 Core = Callable[..., Outcome]
 
