@@ -542,8 +542,10 @@ def test_a_draw_in_the_body_is_planned_as_it_is_built(graph, caplog, budget):
 
 
 def test_the_draws_behind_a_tensor_are_found_through_every_path(graph):
-    """memsave.extract._Draws walks producers before consumers: ``c`` reads
-    ``b`` first and ``a`` second, and ``b`` is computed from ``a``."""
+    """memsave.extract._Draws walks producers before consumers: ``add(b,
+    a)`` reads ``b`` first and ``a`` second, and ``b`` is computed from
+    ``a``. A walk that reached ``a`` first answered ``b`` before ``a`` and
+    cached it with no draw behind it."""
     from memsave.extract import _Draws
 
     r = tf.random.uniform([4])
@@ -551,5 +553,6 @@ def test_the_draws_behind_a_tensor_are_found_through_every_path(graph):
     b = a + 1.0
     draws = _Draws()
     assert list(draws.behind(tf.add(b, a))) == [r.ref()]
+    assert list(draws.behind(b)) == [r.ref()]  # answered on the way
     assert list(draws.behind(tf.add(a, b))) == [r.ref()]
     assert draws.behind(tf.constant(1.0) * 2.0) == {}
