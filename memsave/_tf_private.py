@@ -293,6 +293,14 @@ def is_recomputable(op: tf.Operation) -> bool:
     return all(_fdef_read_only(f, op.graph) for f in fdefs)
 
 
+#: The value of every gate (a zero computed from the incoming gradients,
+#: added to what a recomputation reads): negative zero, because ``t + -0.0``
+#: is ``t`` for every ``t``, and ``-0.0 + 0.0`` is ``+0.0`` (a kept -0.0
+#: read through a +0.0 gate came back as +0.0, and ``atan2`` or ``1/x`` of
+#: it differed from the forward pass's). Read by :mod:`memsave.rewrite` and
+#: the per-step loop gradients of :mod:`memsave._tf_while`.
+GATE_ZERO = -0.0
+
 #: Ops that run functions :func:`copy_op` rebuilds from their FunctionDefs.
 _REBUILT_TYPES = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "Case",
                             "StatelessCase"})

@@ -30,7 +30,7 @@ producing op into the backward body*, reading its inputs through the same
 rule, recursively. The walk stops at loop inputs, which are accumulated
 (the loop state: one entry per trip) and then *gated*: ``state + gate``,
 with ``gate`` a float32 zero computed from that trip's incoming gradient
-(its first element, NaN-proofed, ``where(b == b, 0, nan)``), a data
+(its first element, NaN-proofed, ``where(b == b, -0.0, nan)``), a data
 dependency that neither Grappler nor XLA removes. Every copy also waits for
 the gate (a control edge), so nothing of trip t's recomputation runs before
 trip t's gradient arrives, whatever ``parallel_iterations`` allows. So the
@@ -590,8 +590,11 @@ class _RecomputingGradGraph(while_v2._WhileBodyGradFuncGraph):  # pylint: disabl
                 return
             firsts = tf.concat([tf.cast(tf.reshape(g, [-1])[:1], tf.float32) for g in floats], 0)
             firsts = tf.where(tf.math.is_nan(firsts), tf.zeros_like(firsts), firsts)
-            # Always 0.0, but no compiler can prove it without the values.
-            self.gate = tf.where(tf.reduce_all(tf.equal(firsts, firsts)), tf.constant(0.0),
+            # Always -0.0 (_tf_private.GATE_ZERO: negative, so that a -0.0
+            # state comes back as -0.0), but no compiler can prove it
+            # without the values.
+            self.gate = tf.where(tf.reduce_all(tf.equal(firsts, firsts)),
+                                 tf.constant(_tf_private.GATE_ZERO),
                                  tf.constant(float("nan")), name="recompute_gate")
             self._waits.append(self.gate.op)
 

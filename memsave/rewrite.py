@@ -113,12 +113,9 @@ def _gate(grads: Sequence, *, once: bool = False) -> tf.Tensor | None:
 
     ``where(b == b, -0.0, nan)`` with ``b`` the sum of each gradient's first
     element, NaN replaced by 0 (a NaN in a gradient must not spread to every
-    tensor the gate touches): always -0.0, but no compiler can prove it
-    without the gradients' values. Negative zero because ``t + -0.0`` is
-    ``t`` for every ``t`` (``-0.0 + 0.0`` is ``+0.0``: a kept -0.0 read
-    through a +0.0 gate would come back as +0.0, and ``atan2`` or ``1/x`` of
-    it would differ from the forward pass's). Built from raw ops
-    (``_tf_private.raw_op``).
+    tensor the gate touches): always -0.0 (``_tf_private.GATE_ZERO`` says
+    why negative), but no compiler can prove it without the gradients'
+    values. Built from raw ops (``_tf_private.raw_op``).
 
     ``once`` (a recompute step's gate under XLA): the zero goes through
     ``sqrt`` (``sqrt(0) = 0``, ``sqrt(nan) = nan``), an op XLA counts as
@@ -167,7 +164,7 @@ def _gate(grads: Sequence, *, once: bool = False) -> tf.Tensor | None:
             "AddN", bits, [tf.float32], {"N": len(bits), "T": tf.float32}, "bits").outputs[0]
         same = op("Equal", [b, b], [tf.bool], {"T": tf.float32,
                                                 "incompatible_shape_error": True}, "same").outputs[0]
-        gate = op("SelectV2", [same, c(tf.float32, -0.0), c(tf.float32, float("nan"))],
+        gate = op("SelectV2", [same, c(tf.float32, _tf_private.GATE_ZERO), c(tf.float32, float("nan"))],
                   [tf.float32], {"T": tf.float32}, "gate").outputs[0]
         if once:  # sqrt(-0.0) is -0.0
             gate = op("Sqrt", [gate], [tf.float32], {"T": tf.float32}, "gate_once").outputs[0]

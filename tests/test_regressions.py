@@ -435,3 +435,44 @@ def test_a_loop_with_control_flow_in_its_body_is_kept_not_copied(graph, session,
     assert np.abs(ref_v[0]).max() > 1e-3  # the inner loop's weight gets a gradient
     for g, r in zip(ours_v, ref_v):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+def _loop_reading_a_negative_zero_state(rng, prepare):
+    """Gradients of a while loop whose state ``c`` is -0.0 after the first
+    trip, read through ``atan2(0, c)`` (pi); ``prepare``: the loop gets
+    memsave's per-step gradient (memsave.loops), else while_v2's."""
+    from memsave import loops
+    from memsave.loopmodel import LoopChoice
+
+    T, B, H = 5, 4, 8
+    x = tf.constant(rng.randn(T, B, H).astype(np.float32))
+    w = tf.Variable(rng.randn(H, H).astype(np.float32) * 0.3)
+
+    def body(t, h, c):
+        turn = tf.math.atan2(tf.zeros_like(c), c)  # pi once c is -0.0
+        h = tf.tanh(x[t] @ w + h * tf.cos(turn))
+        return t + 1, h, tf.stop_gradient(-tf.abs(h) * 0.0)
+
+    zeros = tf.zeros([B, H])
+    h = tf.while_loop(lambda t, h, c: t < T, body, [0, zeros, zeros], maximum_iterations=T)[1]
+    loss = tf.reduce_sum(h ** 2)
+    if prepare:
+        (op,) = loops.find_loops([loss])
+        assert loops.prepare(op, LoopChoice.per_step(), xs=[w]).applied.kind == "per_step"
+    return tf.gradients(loss, [w])
+
+
+def test_a_negative_zero_loop_state_is_recomputed_from_as_negative_zero(rng):
+    """A per-step loop gradient reads each trip's stored state through
+    ``state + gate``; the gate was +0.0, as the rewrite's was (see the test
+    above), and a -0.0 state came back as +0.0."""
+    got = {}
+    for prepare in (False, True):
+        graph = tf.Graph()
+        with graph.as_default():
+            grads = _loop_reading_a_negative_zero_state(np.random.RandomState(0), prepare)
+            with tf.compat.v1.Session(graph=graph) as s:
+                s.run(tf.compat.v1.global_variables_initializer())
+                got[prepare] = s.run(grads)[0]
+    assert np.abs(got[False]).max() > 0.1
+    np.testing.assert_array_equal(got[True], got[False])
