@@ -57,13 +57,23 @@ from memsave.problem import Problem
 from memsave.record import Budget, Plan
 from memsave.simulate import paused_gc
 
-__all__ = ["solve", "resolve_budget", "check_budget", "choose", "is_chain", "CORES",
-           "DP_MAX_CUTS", "DP_PROBES_PER_CUT_SQUARED", "MILP_MAX_CUTS", "MAX_CUTS", "FEW_POINTS"]
+__all__ = ["solve", "resolve_budget", "check_budget", "search_simulations", "choose",
+           "is_chain", "CORES", "MEMORY_SEARCH_OPS", "DP_MAX_CUTS", "DP_PROBES_PER_CUT_SQUARED",
+           "MILP_MAX_CUTS", "MAX_CUTS", "FEW_POINTS"]
 
 Core = Callable[..., Outcome]
 
 #: The solver cores by name (each also a planner: :mod:`memsave.planners`).
 CORES: dict[str, Core] = {"dp": dp, "milp": milp, "greedy": greedy}
+
+#: Work a preset's ('memory', 'speed') search for time may take, in simulated ops (plans
+#: simulated times the graph's ops: ``greedy``'s ``max_simulations`` is
+#: this over the graph's ops), beyond the candidate plans: under its tight
+#: peak limit most plans do not fit, and simulating them all took 2.5 s of
+#: CPU on experiments/bench_planner.py's 1000-op DAG (0.5 s with this
+#: bound). When the search stops without a plan that fits, 'memory' keeps
+#: its fastest candidate plan.
+MEMORY_SEARCH_OPS = 40_000
 
 #: ``auto`` uses ``dp`` on chains with at most this many candidate cuts: its
 #: probe simulations grow like cuts squared (:data:`DP_PROBES_PER_CUT_SQUARED`,
@@ -123,6 +133,16 @@ def check_budget(memory_budget, *, api: str) -> None:
             f"{api}: memory_budget={memory_budget!r}: a float is a fraction of the plain peak "
             "and must be in (0, 1]; pass bytes as an int"
         )
+
+
+def search_simulations(problem: Problem, most: int | None = None) -> int:
+    """How many plans a preset's search for time may simulate
+    (:data:`MEMORY_SEARCH_OPS` over the graph's ops, at most ``most``;
+    times the problem's ``search_share``)."""
+    plans = MEMORY_SEARCH_OPS / max(1, len(problem.fg.ops))
+    if most is not None:
+        plans = min(plans, most)
+    return max(1, int(plans * problem.search_share))
 
 
 def least_fraction(peak_bytes: int, baseline_peak_bytes: int) -> str:
@@ -228,21 +248,22 @@ def solve(problem: Problem, memory_budget, *, solver: str = "auto",
             time_limit_s, numbers.Real) or not time_limit_s > 0):
         raise OptionsError(
             f"{api}: time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
+    if solver == "auto" and problem.search_share < 1.0:
+        # One of the combinations of loop choices memsave.planners.loops
+        # weighs (the chosen one is planned again with the whole search):
+        # the greedy, bounded by the problem's share of a preset's search.
+        # dp simulates about 6 m^2 plans of m cuts (measured: 311 a plan on
+        # three LSTM scans with a projection between them, 0.35 s of
+        # profiled CPU for each of the eight combinations), and milp may run
+        # to its time limit: on a Keras Embedding -> LSTM -> GRU fit step
+        # (batch 256, T=24, memory_budget=0.6), 30 s on each of its 25
+        # combinations, and planning did not end within 5 minutes; bounded,
+        # it refused the budget in 1.3 s.
+        solver = "greedy"
+        max_simulations = max_simulations or search_simulations(problem)
     # Planning builds and keeps many schedules (tuples, no cycles): paused,
     # the collector does not walk the process's TensorFlow objects again and
     # again (measured: a fifth of the time on a 10,000-op graph).
-    if solver == "auto" and max_simulations is None and problem.search_share < 1.0:
-        # One of the combinations of loop choices memsave.planners.loops
-        # weighs: the greedy, bounded by the problem's share of a preset's
-        # search; the chosen combination is planned again with the whole.
-        # Measured on a Keras Embedding -> LSTM -> GRU fit step (batch 256,
-        # T=24, memory_budget=0.6): with the whole search for each of its
-        # 25 combinations, milp ran to its 30 s time limit on each, and
-        # planning did not end within 5 minutes; bounded, it refused the
-        # budget in 1.3 s.
-        from memsave.planners.strategies import search_simulations
-
-        solver, max_simulations = "greedy", search_simulations(problem)
     with paused_gc():
         return _solve(problem, memory_budget, solver, time_limit_s, api, model, strategy,
                       include, max_simulations)

@@ -28,12 +28,13 @@ from collections.abc import Callable, Iterable
 from memsave.candidates import CUT_REASON, SEGMENT_LIVE_FRACTION, SMALL_TENSOR_FRACTION, spread
 from memsave.errors import CheckpointError, MemoryBudgetError, OptionsError
 from memsave.planners import budget as _budget
+from memsave.planners.budget import MEMORY_SEARCH_OPS, search_simulations
 from memsave.planners import register
 from memsave.problem import Problem
 from memsave.record import Plan
 
-__all__ = ["collection", "memory", "speed", "given", "worth_it", "search_simulations",
-           "candidate_plan", "budget_refused",
+__all__ = ["collection", "memory", "speed", "given", "worth_it", "candidate_plan",
+           "budget_refused",
            "EXPENSIVE_OP_TYPES",
            "MIN_SAVING_FRACTION", "MEMORY_PEAK_TOLERANCE", "SPEED_BUDGET_FRACTION",
            "MEMORY_SEARCH_OPS", "MEMORY_SEARCH_PLANS"]
@@ -93,15 +94,6 @@ MEMORY_PEAK_TOLERANCE = 0.05
 #: in the step) a plan of 7 checkpoints forecast 512 bytes below one of 6
 #: and measured 72.8 MiB above the resident bytes against 60.4.
 XLA_PEAK_TIE = 0.01
-
-#: Work a preset's ('memory', 'speed') search for time may take, in simulated ops (plans
-#: simulated times the graph's ops: ``greedy``'s ``max_simulations`` is
-#: this over the graph's ops), beyond the candidate plans: under its tight
-#: peak limit most plans do not fit, and simulating them all took 2.5 s of
-#: CPU on experiments/bench_planner.py's 1000-op DAG (0.5 s with this
-#: bound). When the search stops without a plan that fits, 'memory' keeps
-#: its fastest candidate plan.
-MEMORY_SEARCH_OPS = 40_000
 
 #: The most plans ``'memory'``'s search for time may simulate, however small
 #: the graph: a simulation's cost is proportional to the graph, and so is
@@ -279,7 +271,7 @@ def speed(problem: Problem, *, budget=None, budget_fraction: float = SPEED_BUDGE
     base = problem.base.peak(None, model=problem.judge)
     floor = problem.base.floor(model=problem.judge)
     try:
-        plan = _budget.solve(problem, target, solver=_search_solver(problem, solver),
+        plan = _budget.solve(problem, target, solver=solver,
                              time_limit_s=time_limit_s, api=api,
                              model=problem.judge, strategy="speed",
                              max_simulations=search_simulations(problem))
@@ -327,29 +319,6 @@ def budget_refused(name: str, api: str) -> CheckpointError:
     return CheckpointError(
         f"{api}: memory_budget= plans the checkpoints itself; it cannot be combined with "
         f"checkpoints={name!r}. Pass one or the other")
-
-
-def search_simulations(problem: Problem, most: int | None = None) -> int:
-    """How many plans a preset's search for time may simulate
-    (:data:`MEMORY_SEARCH_OPS` over the graph's ops, at most ``most``;
-    times the problem's ``search_share``)."""
-    plans = MEMORY_SEARCH_OPS / max(1, len(problem.fg.ops))
-    if most is not None:
-        plans = min(plans, most)
-    return max(1, int(plans * problem.search_share))
-
-
-def _search_solver(problem: Problem, solver: str) -> str:
-    """The budget solver of a preset's search for time: ``solver``, but on a
-    share of the search (``problem.search_share`` < 1: one of many
-    combinations of loop choices, :mod:`memsave.planners.loops`) ``'auto'``
-    is the bounded ``greedy``: ``dp`` simulates about 6 m^2 plans of m cuts
-    (measured: 311 a plan on three LSTM scans with a projection between
-    them, 0.35 s of profiled CPU for each of the eight combinations). The
-    chosen combination is planned again with the whole search, where
-    ``'auto'`` uses ``dp`` only if its probes fit the search's cap
-    (:func:`memsave.planners.budget.choose`)."""
-    return "greedy" if solver == "auto" and problem.search_share < 1.0 else solver
 
 
 def _relabel(problem: Problem, plan: Plan, name: str, reason: Callable[[int], str] | None = None
@@ -501,7 +470,7 @@ def memory(
     if problem.fg.xla:
         return worth_it(problem, plan, min_saving_fraction=min_saving_fraction, who="'memory'")
     try:
-        fast = _budget.solve(problem, limit, solver=_search_solver(problem, solver),
+        fast = _budget.solve(problem, limit, solver=solver,
                              time_limit_s=time_limit_s, api=api, model=judge, strategy="memory",
                              include=sorted({t for c in within for t in c}),
                              max_simulations=search_simulations(problem, MEMORY_SEARCH_PLANS))
