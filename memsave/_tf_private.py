@@ -330,6 +330,12 @@ def runs_once(op: tf.Operation) -> bool:
     return op.type not in READ_ONLY_STATEFUL_TYPES and not is_recomputable(op)
 
 
+def first_run_once(graph: tf.Graph) -> tf.Operation | None:
+    """An op of ``graph`` (a loop's body) that must not run twice
+    (:func:`runs_once`), or None."""
+    return next((op for op in graph.get_operations() if runs_once(op)), None)
+
+
 def custom_gradient_arguments(op: tf.Operation, node_def=None) -> tuple[int, ...] | None:
     """Input positions of a ``tf.custom_gradient``'s arguments, or None for other ops.
 

@@ -402,11 +402,11 @@ def _read_function(op: tf.Operation, cache: dict):
     input_ids = [None] * len(inputs)
     for i, j in position.items():
         input_ids[j] = i
-    once = next((o.name for o in func.get_operations() if _tf_private.runs_once(o)), "")
+    once = _tf_private.first_run_once(func) if loop else None
     return (fg, saved_ids, stored_ids, tuple(sorted(reads_inputs)), tuple(sorted(reads_outputs)),
             tuple(sorted(invariant)), state,
             tuple(_size(_dims(t), t.dtype)[0] for t in kept.values()), tuple(input_ids),
-            stored_outputs, stored_state, once if loop else "")
+            stored_outputs, stored_state, "" if once is None else once.name)
 
 
 class _Draws:

@@ -154,7 +154,7 @@ def prepare(op: tf.Operation, choice: LoopChoice, *, xs: Sequence | None = None,
         _tf_while.mark(op, mode="per_step", skip=skip)
         return Prepared(choice, choice)
     if choice.kind in ("chunk", "slots"):
-        once = _runs_once(op)
+        once = _tf_private.first_run_once(_tf_while.function_graphs(op)[1])
         if once is not None:
             reason = (f"{choice} would run the trips of a chunk again, and its body has "
                       f"{once.type} op {once.name!r}, whose effect or value must not repeat; "
@@ -210,13 +210,6 @@ def _refusal(op: tf.Operation) -> str:
         return ("its gradient was already built (its body pushes accumulators); prepare it "
                 "before tf.gradients differentiates it")
     return ""
-
-
-def _runs_once(op: tf.Operation) -> tf.Operation | None:
-    """An op of ``op``'s body that must not run twice (a random draw, an
-    assignment), or None. Reads of variables may run again."""
-    body = _tf_while.function_graphs(op)[1]
-    return next((inner for inner in body.get_operations() if _tf_private.runs_once(inner)), None)
 
 
 def _without_gradient(op: tf.Operation, positions, xs) -> tuple[int, ...]:
