@@ -922,7 +922,8 @@ def read_sequences_in_place(op: tf.Operation, positions) -> tuple[int, ...]:
     op._add_outputs([x.dtype for x in added], [x.shape for x in added])
     op._set_attr("_num_original_outputs", attr_value_pb2.AttrValue(i=len(op.outputs)))
     op._cond_graph, op._body_graph = cond_graph, body_graph
-    with op.graph.as_default(), util.clear_control_inputs():
+    with op.graph.as_default(), util.clear_control_inputs(), \
+            op.graph.colocate_with(op, ignore_existing=True):
         for j, x, axis, _, _ in found:
             # Unset items: read (by an op TensorFlow did not prune) as zeros.
             item = _list_item(op.inputs[j])

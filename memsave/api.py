@@ -46,7 +46,7 @@ from memsave.memory_model import BFC, CPU_ONEDNN, Allocator, MemoryModel
 from memsave.planners.strategies import given
 from memsave.problem import Problem
 from memsave.record import Plan
-from memsave.rewrite import aggregate, rewrite
+from memsave.rewrite import aggregate, colocated, rewrite
 from memsave.simulate import paused_gc
 
 __all__ = [
@@ -376,7 +376,7 @@ def gradients(
     checkpoints: Checkpoints = "collection",
     *,
     name: str | None = "gradients",
-    colocate_gradients_with_ops: bool = False,
+    colocate_gradients_with_ops: bool = True,
     gate_gradients: bool = False,
     aggregation_method=None,
     stop_gradients=None,
@@ -395,6 +395,11 @@ def gradients(
 
     Parameters
     ----------
+    colocate_gradients_with_ops : bool
+        True, as TF2's ``tf.gradients`` always has it: each gradient op runs
+        on its forward op's device (model parallelism keeps its placement).
+        False (``tf.compat.v1.gradients``' default): the caller's device
+        scope places them.
     checkpoints : str or list of tf.Tensor
         ``'collection'`` (tensors added with
         ``tf.compat.v1.add_to_collection('checkpoints', t)``), ``'memory'``
@@ -567,14 +572,15 @@ def _build_gradients(ys, xs, grad_ys, checkpoints, *, name, colocate_gradients_w
             "recomputation's data dependencies, and the forecast is the executor's "
             "(compile the step with jit_compile=True for XLA's forecast; see memsave.xla)")
     with graph.as_default(), tf.name_scope(name or "gradients"):
-        grad_ys = [
-            tf.ones_like(y) if g is None else tf.convert_to_tensor(g, dtype=y.dtype)
-            for y, g in zip(ys, grad_ys)
-        ]
-        received = rewrite(ex, p.schedule, grad_ys, stop_gradients=stop_gradients, **stock)
+        seeds = []
+        for y, g in zip(ys, grad_ys):
+            with colocated(y.op, colocate_gradients_with_ops):
+                seeds.append(tf.ones_like(y) if g is None
+                             else tf.convert_to_tensor(g, dtype=y.dtype))
+        received = rewrite(ex, p.schedule, seeds, stop_gradients=stop_gradients, **stock)
         out = []
         for x, grads in zip(xs, received):
-            g = aggregate(grads, dense=False)
+            g = aggregate(grads, dense=False, near=x.op if colocate_gradients_with_ops else None)
             if g is None and unconnected is tf.UnconnectedGradients.ZERO:
                 g = _tf_private.zeros_like_gradient(x)
             out.append(g)

@@ -53,7 +53,8 @@ def _wrappers(checkpoints, strategy_options, memory_budget=None, batch_size=None
     def gradients_v2(ys, xs, grad_ys=None, name="gradients", gate_gradients=False,
                      aggregation_method=None, stop_gradients=None,
                      unconnected_gradients=tf.UnconnectedGradients.NONE):
-        return gradients_v1(ys, xs, grad_ys, name, False, gate_gradients, aggregation_method,
+        # TF2's tf.gradients always colocates each gradient op with its forward op.
+        return gradients_v1(ys, xs, grad_ys, name, True, gate_gradients, aggregation_method,
                             stop_gradients, unconnected_gradients)
 
     gradients_v1.memsave_checkpoints = checkpoints

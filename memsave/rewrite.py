@@ -33,6 +33,13 @@ Finally each x's gradient is the sum of what it received: dense gradients
 with ``add_n``, IndexedSlices concatenated (kept sparse), a mix densified, as
 tf.gradients aggregates them.
 
+Devices: copies run on their originals' devices and proxies beside the
+tensor they pass on. With ``colocate_gradients_with_ops`` (TF2's
+``tf.gradients`` always sets it) the stock calls put each gradient op with
+its forward op, and memsave puts its own ops in their place the same way:
+the seeds with their y, each sum of a tensor's gradients with the tensor's
+op. Without it they take the caller's device scope, as tf.gradients' do.
+
 No shared inputs across steps
 -----------------------------
 A recompute step reads the gradients it receives through proxies of its own
@@ -70,6 +77,7 @@ value XLA cannot predict: it stays, one elementwise add per step.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import weakref
 from collections.abc import Sequence
@@ -91,10 +99,20 @@ def _gateable(dtype: tf.DType) -> bool:
     return dtype.is_floating or dtype.is_complex
 
 
-def aggregate(grads: Sequence, *, dense: bool):
-    """Sum gradients of one tensor; IndexedSlices stay sparse unless ``dense``."""
+def colocated(op: tf.Operation, colocate: bool):
+    """``colocate_with(op)`` when ``colocate`` (``colocate_gradients_with_ops``), else nothing."""
+    return op.graph.colocate_with(op, ignore_existing=True) if colocate \
+        else contextlib.nullcontext()
+
+
+def aggregate(grads: Sequence, *, dense: bool, near: tf.Operation | None = None):
+    """Sum gradients of one tensor; IndexedSlices stay sparse unless ``dense``.
+    ``near``: the op the sum is colocated with (the tensor's producer)."""
     if not grads:
         return None
+    if near is not None and len(grads) > 1:
+        with colocated(near, True):
+            return aggregate(grads, dense=dense)
     sparse = [isinstance(g, tf.IndexedSlices) for g in grads]
     if all(sparse) and not dense:
         if len(grads) == 1:
@@ -199,10 +217,10 @@ def _proxy(t: tf.Tensor, gate: tf.Tensor | None, gates: dict | None = None) -> t
     gate is ``complex(gate, gate)``: -0.0 in both parts, so that ``t + gate``
     is ``t`` in both (a cast would make the imaginary part +0.0).
     """
-    if gate is None:
-        return _tf_private.identity(t, name="proxy")
-    dt = t.dtype
     with t.graph.colocate_with(t.op, ignore_existing=True):
+        if gate is None:
+            return _tf_private.identity(t, name="proxy")
+        dt = t.dtype
         cast = gate if dt == tf.float32 else None
         if cast is None and gates is not None:
             cast = gates.get(dt)
@@ -227,7 +245,7 @@ def rewrite(
     stop_gradients: Sequence = (),
     gate_gradients: bool = False,
     aggregation_method=None,
-    colocate_gradients_with_ops: bool = False,
+    colocate_gradients_with_ops: bool = True,
 ) -> list:
     """Build the checkpointed backward graph; return one gradient list per x.
 
@@ -243,7 +261,8 @@ def rewrite(
     # Under XLA the seeds wait for the ys by a data dependency (see _after_forward).
     y_gate = _gate(y_values) if fg.xla else None
     for y, gy in zip(fg.ys, grad_ys):
-        received[y].append(_after_forward(gy, [t.op for t in y_values], y_gate))
+        with colocated(ex.tensors[y].op, colocate_gradients_with_ops):
+            received[y].append(_after_forward(gy, [t.op for t in y_values], y_gate))
     stock = dict(
         gate_gradients=gate_gradients,
         aggregation_method=aggregation_method,
@@ -273,7 +292,8 @@ def rewrite(
             # are (what tf.gradients would build, without a call per step).
             previous = _pass_through(fg, step, received)
             continue
-        head_grads = [aggregate(received[h], dense=True) for h in heads]
+        head_grads = [aggregate(received[h], dense=True, near=ex.tensors[h].op
+                                if colocate_gradients_with_ops else None) for h in heads]
         deep = [b in deeper[k] for b in step.boundary]
         with tf.name_scope(f"{step.kind}_{k}"):
             if step.kind == "recompute":
