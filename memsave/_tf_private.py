@@ -21,7 +21,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import backprop_util, record
 from tensorflow.python.framework import indexed_slices, op_def_registry
-from tensorflow.python.ops import control_flow_util, control_flow_util_v2, gradients_impl, gradients_util
+from tensorflow.python.ops import cond_v2, control_flow_util, control_flow_util_v2, gradients_impl, gradients_util
 from tensorflow.python.ops import handle_data_util
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.util import deprecation
@@ -817,6 +817,20 @@ def _traced_graph(op: tf.Operation):
             return getattr(func, "_cached_graph", None)
         g = getattr(g, "outer_graph", None)
     return None
+
+
+#: Functional conditionals (cond_v2, tf.switch_case): input 0 picks a branch.
+COND_OP_TYPES = frozenset({"If", "StatelessIf", "Case", "StatelessCase"})
+
+
+def branch_graphs(op: tf.Operation) -> list:
+    """The FuncGraphs of an If's or Case's branches, as its gradient will
+    read them (cond_v2's own when it still holds them), or [] when they
+    cannot be read."""
+    try:
+        return list(cond_v2.get_func_graphs(op))
+    except Exception:  # noqa: BLE001 - a branch that cannot be read holds no loop we can prepare
+        return []
 
 
 def cond_graph(op: tf.Operation):

@@ -141,9 +141,23 @@ def mark(op: tf.Operation, *, mode: str, steps: int = 1, bound: int = 0,
     op._set_attr(MODE_ATTR, attr_value_pb2.AttrValue(s=mode.encode()))  # pylint: disable=protected-access
     op._set_attr(STEPS_ATTR, attr_value_pb2.AttrValue(i=steps))  # pylint: disable=protected-access
     op._set_attr(BOUND_ATTR, attr_value_pb2.AttrValue(i=bound))  # pylint: disable=protected-access
+    set_skip(op, skip)
+    op._set_attr(TAPER_ATTR, attr_value_pb2.AttrValue(i=taper))  # pylint: disable=protected-access
+
+
+def set_skip(op: tf.Operation, skip: tuple[int, ...]) -> None:
+    """Change which loop-invariant inputs of a marked ``op`` get no gradient."""
     op._set_attr(SKIP_ATTR, attr_value_pb2.AttrValue(  # pylint: disable=protected-access
         list=attr_value_pb2.AttrValue.ListValue(i=list(skip))))
-    op._set_attr(TAPER_ATTR, attr_value_pb2.AttrValue(i=taper))  # pylint: disable=protected-access
+
+
+def chunk_loops(op: tf.Operation) -> list[tf.Operation]:
+    """The inner loops :func:`nest_in_chunks` put in ``op``'s body (marked by memsave)."""
+    body = getattr(op, "_body_graph", None)
+    if body is None:
+        return []
+    return [inner for inner in body.get_operations()
+            if inner.type in _tf_private.WHILE_OP_TYPES and marked(inner) is not None]
 
 
 def marked(op: tf.Operation) -> tuple[str, int, int, tuple[int, ...], int] | None:

@@ -26,6 +26,7 @@ so that the tape can differentiate the gradients further.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Mapping, Sequence
@@ -521,19 +522,35 @@ def _build_gradients(ys, xs, grad_ys, checkpoints, *, name, colocate_gradients_w
         colocate_gradients_with_ops=colocate_gradients_with_ops,
     )
     budget = memory_budget if p.budget is None else p.budget_bytes  # (a Plan given: its own)
-    if p.loops or planners.decides_loops(p.strategy, budget, strategy_options):
-        with graph.as_default():
-            prepared = loops.apply(p.loops, graph, xs=xs, ops=[op.name for op in ex.fg.ops])
-        if p.schedule is None and any(r.applied.kind != "plain" for r in prepared.values()):
+    with contextlib.ExitStack() as loops_prepared:
+        # The loops' inputs that depend on no x get no gradient in this call only.
+        prepared = {}
+        if p.loops or planners.decides_loops(p.strategy, budget, strategy_options):
             with graph.as_default():
-                return _tf_private.original_gradients(
-                    ys, xs, grad_ys, name=name, stop_gradients=stop_gradients,
-                    unconnected_gradients=unconnected, **stock)
+                prepared = loops_prepared.enter_context(loops.applied(
+                    p.loops, graph, xs=xs, ops=[op.name for op in ex.fg.ops]))
+        return _build_prepared(p, ex, (ys, xs, grad_ys, stop_gradients, graph), prepared,
+                               name=name, stock=stock, unconnected=unconnected)
+
+
+def _build_prepared(p: Plan, ex: Extraction, args, prepared: dict, *, name, stock,
+                    unconnected) -> list:
+    """:func:`_build_gradients` once the loops are prepared (``prepared``:
+    :func:`memsave.loops.apply`'s answer)."""
+    ys, xs, grad_ys, stop_gradients, graph = args
+    colocate = stock["colocate_gradients_with_ops"]
+    if p.schedule is None and any(r.applied.kind != "plain" for r in prepared.values()):
+        with graph.as_default():
+            return _tf_private.original_gradients(
+                ys, xs, grad_ys, name=name, stop_gradients=stop_gradients,
+                unconnected_gradients=unconnected, **stock)
     if p.schedule is None:
+        refused = [f"loop {n} keeps while_v2's gradient ({r.reason})"
+                   for n, r in prepared.items() if r.reason]
         logger.warning(
             "memsave.gradients(checkpoints=%r): nothing to checkpoint, so no memory is saved "
             "and the gradients are tf.gradients' own: %s%s",
-            p.strategy, p.note or "no tensor between xs and ys",
+            p.strategy, "; ".join(refused) or p.note or "no tensor between xs and ys",
             f" (assumed: {'; '.join(p.assumptions)})" if p.assumptions else "",
         )
         with graph.as_default():
@@ -574,13 +591,13 @@ def _build_gradients(ys, xs, grad_ys, checkpoints, *, name, colocate_gradients_w
     with graph.as_default(), tf.name_scope(name or "gradients"):
         seeds = []
         for y, g in zip(ys, grad_ys):
-            with colocated(y.op, colocate_gradients_with_ops):
+            with colocated(y.op, colocate):
                 seeds.append(tf.ones_like(y) if g is None
                              else tf.convert_to_tensor(g, dtype=y.dtype))
         received = rewrite(ex, p.schedule, seeds, stop_gradients=stop_gradients, **stock)
         out = []
         for x, grads in zip(xs, received):
-            g = aggregate(grads, dense=False, near=x.op if colocate_gradients_with_ops else None)
+            g = aggregate(grads, dense=False, near=x.op if colocate else None)
             if g is None and unconnected is tf.UnconnectedGradients.ZERO:
                 g = _tf_private.zeros_like_gradient(x)
             out.append(g)

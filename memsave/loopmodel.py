@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import weakref
 from typing import TYPE_CHECKING, Literal
 
@@ -116,6 +117,7 @@ class LoopChoice:
                 f"LoopChoice.chunk: inner={self.inner!r}; expected 'per_step' or 'store'")
         if self.kind == "slots" and self.inner != "per_step":
             raise LoopChoiceError("LoopChoice.slots: inner must be 'per_step'")
+        object.__setattr__(self, "k", int(self.k))  # a numpy integer compares and prints as one
 
     @classmethod
     def plain(cls) -> "LoopChoice":
@@ -159,7 +161,8 @@ class LoopChoice:
 
 
 def _is_count(k) -> bool:
-    return isinstance(k, int) and not isinstance(k, bool)
+    """An integer (a numpy one too), not a bool."""
+    return isinstance(k, numbers.Integral) and not isinstance(k, bool)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,6 +39,7 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -49,7 +50,7 @@ from memsave import _tf_private, _tf_while
 from memsave.errors import LoopChoiceError
 from memsave.loopmodel import LoopChoice
 
-__all__ = ["LoopChoice", "Prepared", "prepare", "apply", "find_loops", "accumulators"]
+__all__ = ["LoopChoice", "Prepared", "prepare", "apply", "applied", "find_loops", "accumulators"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,10 @@ def prepare(op: tf.Operation, choice: LoopChoice, *, xs: Sequence | None = None,
         inputs that depend on none of them (a Keras RNN's input sequence,
         when the xs are the weights) get no gradient: while_v2 would build
         one anyway, a T-long TensorList filled trip by trip. None: every
-        input may need one.
+        input may need one. This holds for every gradient built through
+        ``op`` afterwards, until ``prepare`` is called on it again (which
+        changes only this: a loop keeps the gradient it was first given);
+        :func:`applied` limits it to the gradients built in a block.
     skip_inputs : sequence of int, optional
         The same, given directly as input positions of ``op`` (what a
         planner that knows which inputs carry no gradient passes); only
@@ -135,6 +139,8 @@ def prepare(op: tf.Operation, choice: LoopChoice, *, xs: Sequence | None = None,
         raise LoopChoiceError(
             f"memsave.loops.prepare: choice={choice!r}; expected a LoopChoice, e.g. "
             "LoopChoice.per_step() or LoopChoice.chunk(32)")
+    if _tf_while.marked(op) is not None:
+        return _prepared_before(op, choice, _skip(op, xs, skip_inputs))
     if choice.kind == "plain":
         return Prepared(choice, choice)
     refused = _refusal(op)
@@ -142,11 +148,7 @@ def prepare(op: tf.Operation, choice: LoopChoice, *, xs: Sequence | None = None,
         logger.warning("memsave: loop %s keeps while_v2's gradient (%s requested): %s",
                        op.name, choice, refused)
         return Prepared(choice, LoopChoice.plain(), reason=refused)
-    invariant = _tf_while.invariant_positions(op)
-    if skip_inputs is not None:
-        skip = tuple(sorted(j for j in set(skip_inputs) if j in invariant))
-    else:
-        skip = _without_gradient(op, invariant, xs)
+    skip = _skip(op, xs, skip_inputs)
     _tf_while.set_parallel_iterations(op, parallel_iterations)
     skip += _tf_while.read_sequences_in_place(op, skip)
     _readers_wait_for_every_output(op)
@@ -178,6 +180,62 @@ def prepare(op: tf.Operation, choice: LoopChoice, *, xs: Sequence | None = None,
         "or slots")
 
 
+def _skip(op: tf.Operation, xs, skip_inputs) -> tuple[int, ...]:
+    """The loop-invariant input positions of ``op`` that get no gradient
+    (see :func:`prepare`'s ``xs`` and ``skip_inputs``)."""
+    invariant = _tf_while.invariant_positions(op)
+    if skip_inputs is not None:
+        return tuple(sorted(j for j in set(skip_inputs) if j in invariant))
+    return _without_gradient(op, invariant, xs)
+
+
+def _prepared_before(op: tf.Operation, choice: LoopChoice, skip: tuple[int, ...]) -> Prepared:
+    """A loop an earlier :func:`prepare` changed: it keeps that gradient (its
+    forward pass already stores for it); only which inputs get no gradient
+    is this call's (``skip``)."""
+    for loop in (op, *_tf_while.chunk_loops(op)):
+        _tf_while.set_skip(loop, skip)
+    kept = _marked_choice(op)
+    if kept == choice:
+        return Prepared(choice, kept)
+    reason = f"an earlier memsave.loops.prepare gave it the {kept} gradient, which it keeps"
+    logger.warning("memsave: loop %s keeps the %s gradient an earlier call gave it (%s "
+                   "requested)", op.name, kept, choice)
+    return Prepared(choice, kept, reason=reason)
+
+
+def _marked_choice(op: tf.Operation) -> LoopChoice:
+    """The LoopChoice :func:`prepare` applied to the marked ``op``."""
+    mode, steps, _, _, taper = _tf_while.marked(op)
+    inner = _tf_while.chunk_loops(op)
+    if not inner:
+        return LoopChoice.per_step() if mode == "per_step" else LoopChoice.plain()
+    if taper:
+        return LoopChoice.slots(steps)
+    return LoopChoice.chunk(steps, inner="store" if _tf_while.marked(inner[0])[0] == "store"
+                            else "per_step")
+
+
+@contextlib.contextmanager
+def applied(decisions: Sequence, graph: tf.Graph, *, xs: Sequence | None = None,
+            ops: Sequence[str] = ()):
+    """:func:`apply` for the gradients built inside the ``with`` block
+    (what :func:`memsave.gradients` does): on leaving it, every loop it
+    prepared gives every input a gradient again. The inputs that depend on
+    none of the ``xs`` get none in this call only; a later gradient through
+    the loop (``tf.gradients`` of the same loss with respect to the input
+    sequence, another optimizer's variables) gets its own."""
+    done = apply(decisions, graph, xs=xs, ops=ops)
+    try:
+        yield done
+    finally:
+        for name, prepared in done.items():
+            if prepared.applied.kind != "plain":
+                op = graph.get_operation_by_name(name)
+                for loop in (op, *_tf_while.chunk_loops(op)):
+                    _tf_while.set_skip(loop, ())
+
+
 def _readers_wait_for_every_output(op: tf.Operation) -> None:
     """Make the readers of ``op``'s outputs wait for the whole loop to end
     (a control edge from ``op``).
@@ -200,8 +258,6 @@ def _readers_wait_for_every_output(op: tf.Operation) -> None:
 
 def _refusal(op: tf.Operation) -> str:
     """Why ``op``'s gradient cannot be changed ('' if it can)."""
-    if _tf_while.marked(op) is not None:
-        return "memsave.loops.prepare was already called on it"
     try:
         _tf_while.function_graphs(op)
     except Exception as e:  # noqa: BLE001 - a loop that cannot be read keeps its gradient
@@ -300,16 +356,18 @@ def apply(decisions: Sequence, graph: tf.Graph, *, xs: Sequence | None = None,
     chosen = {d.name for d in decisions}
     for name in ops:
         outer = graph.get_operation_by_name(name)
-        if outer.type not in _tf_private.WHILE_OP_TYPES and outer.type not in _tf_private.CALL_OP_TYPES:
+        if not _runs_functions(outer):
             continue
         for inner in _inner_loops(outer):
             if inner.name in chosen or _tf_while.marked(inner) is not None:
                 continue
-            where = "the body of loop" if outer.type in _tf_private.WHILE_OP_TYPES else "function call"
+            where = ("the body of loop" if outer.type in _tf_private.WHILE_OP_TYPES else
+                     "a branch of" if outer.type in _tf_private.COND_OP_TYPES else "function call")
+            where = f"function {inner.graph.name}, in {where}"
             logger.warning(
                 "memsave: loop %s (in %s %s) keeps while_v2's gradient: the planner chooses "
                 "per-step or chunked gradients for the loops of the graph it differentiates, "
-                "not for loops nested in a loop body or a called function (forecast as "
+                "not for loops nested in a loop body, a called function or a branch (forecast as "
                 "while_v2's). To change it, call memsave.loops.prepare on it before the "
                 "gradients are built (memsave.loops.find_loops(ys, nested=True) lists it)",
                 inner.name, where, outer.name)
@@ -322,8 +380,8 @@ def find_loops(tensors: Sequence[tf.Tensor], *, nested: bool = False) -> list[tf
 
     With ``nested=False``, those of the graph the tensors live in. With
     ``nested=True`` also the loops inside the functions those ops call
-    (PartitionedCall, StatefulPartitionedCall, While bodies), each listed
-    after the op that runs it: :func:`prepare` handles them too, when called
+    (PartitionedCall, StatefulPartitionedCall, While bodies, the branches of
+    an If or Case), each listed after the op that runs it: :func:`prepare` handles them too, when called
     before the gradient of the op that runs them is built.
     """
     seen, found = set(), []
@@ -345,26 +403,36 @@ def find_loops(tensors: Sequence[tf.Tensor], *, nested: bool = False) -> list[tf
         out.append(op)
         out.extend(_inner_loops(op))
     for op in sorted(seen, key=_tf_private.op_creation_index):
-        if op.type in _tf_private.CALL_OP_TYPES:
+        if op.type in _tf_private.CALL_OP_TYPES or op.type in _tf_private.COND_OP_TYPES:
             out.extend(_inner_loops(op))
     return out
 
 
+def _runs_functions(op: tf.Operation) -> bool:
+    """Whether ``op`` runs functions that may hold loops: a loop, a call, a conditional."""
+    return op.type in _tf_private.WHILE_OP_TYPES or op.type in _tf_private.CALL_OP_TYPES \
+        or op.type in _tf_private.COND_OP_TYPES
+
+
 def _inner_loops(op: tf.Operation) -> list[tf.Operation]:
-    """While ops in the functions ``op`` runs (recursively), creation order."""
+    """While ops in the functions ``op`` runs (loop bodies, called functions,
+    cond and case branches; recursively), creation order within each."""
     out, stack, seen = [], [op], set()
     while stack:
         outer = stack.pop()
-        func = _tf_private.body_graph(outer)
-        if func is None or id(func) in seen:
-            continue
-        seen.add(id(func))
-        for inner in func.get_operations():
-            if inner.type in _tf_private.WHILE_OP_TYPES:
-                out.append(inner)
-                stack.append(inner)
-            elif inner.type in _tf_private.CALL_OP_TYPES:
-                stack.append(inner)
+        if outer.type in _tf_private.COND_OP_TYPES:
+            funcs = _tf_private.branch_graphs(outer)
+        else:
+            funcs = [_tf_private.body_graph(outer)]
+        for func in funcs:
+            if func is None or id(func) in seen:
+                continue
+            seen.add(id(func))
+            for inner in func.get_operations():
+                if inner.type in _tf_private.WHILE_OP_TYPES:
+                    out.append(inner)
+                if _runs_functions(inner):
+                    stack.append(inner)
     return out
 
 

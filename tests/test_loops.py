@@ -269,6 +269,114 @@ def test_loop_inside_a_called_function(evaluate, mode, choice):
     assert_grads_equal(got, ref)
 
 
+# -- a loop an earlier gradient call prepared -----------------------------------------
+
+#: Sizes at which 'memory' gives the while RNN a per-step or chunked gradient.
+_BIG = dict(T=24, B=64, F=16, H=64)
+
+
+def _big_rnn_setup():
+    rng = np.random.RandomState(0)
+    t, b, f, h = (_BIG[k] for k in "TBFH")
+    values = (rng.randn(t, b, f).astype(np.float32), rng.randn(f, h).astype(np.float32) * 0.3,
+              rng.randn(h, h).astype(np.float32) * 0.3)
+    return lambda: (tf.constant(values[0]), tf.Variable(values[1]), tf.Variable(values[2]))
+
+
+def _big_rnn_loss(x, W, U):
+    b, h = _BIG["B"], _BIG["H"]
+
+    def body(i, state):
+        return i + 1, _cell(x[i], state, W, U)
+
+    out = tf.while_loop(lambda i, s: i < _BIG["T"], body, [0, tf.zeros([b, h])],
+                        maximum_iterations=_BIG["T"])[1]
+    return tf.reduce_sum(out * out) + tf.reduce_sum(x)  # x also reaches the loss outside the loop
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("second", ["memsave", "tf.gradients"])
+def test_a_later_gradient_through_a_prepared_loop_gets_every_input(evaluate, mode, second):
+    """memsave.gradients(loss, [W]) prepares the loop so that the inputs
+    depending on no x (U's handle, the input sequence) get no gradient.
+    That holds for its own call only: a later gradient of the same loss with
+    respect to U or x (a second optimizer, an input gradient) through the
+    same loop gets theirs (it got None for U, and x's gradient without the
+    loop's share, before)."""
+    import memsave
+
+    prepared = []
+
+    def body(s, calls):
+        x, W, U = s
+        loss = _big_rnn_loss(x, W, U)
+        (op,) = loops.find_loops([loss])
+        out = []
+        for i, xs in enumerate([[W], [U], [x]]):
+            if calls == "reference":
+                out += tf.gradients(loss, xs)
+                continue
+            if i == 0 or second == "memsave":
+                out += memsave.gradients(loss, xs, checkpoints="memory")
+            else:
+                out += tf.gradients(loss, xs)
+            if i == 0:
+                prepared.append(_tf_while.marked(op))
+        return out
+
+    setup = _big_rnn_setup()
+    ref = evaluate(mode, setup, functools.partial(body, calls="reference"))
+    got = evaluate(mode, setup, functools.partial(body, calls="memsave"))
+    assert prepared and prepared[0] is not None, "memsave did not change the loop's gradient"
+    assert all(g is not None for g in got)
+    assert_grads_equal(got, ref)
+
+
+def test_prepare_again_reports_the_gradient_the_loop_keeps(caplog):
+    """A second prepare cannot change what the forward loop stores: it says
+    which gradient the loop keeps, and why the request is not applied."""
+    g = tf.Graph()
+    with g.as_default():
+        xv, Wv, Uv = _rnn_values()
+        x, W, U = tf.constant(xv), tf.Variable(Wv), tf.Variable(Uv)
+        (op,) = loops.find_loops([_while_rnn(x, W, U)])
+        assert loops.prepare(op, LoopChoice.chunk(3)).applied == LoopChoice.chunk(3)
+        with caplog.at_level(logging.WARNING, logger="memsave.loops"):
+            again = loops.prepare(op, PER_STEP)
+            same = loops.prepare(op, LoopChoice.chunk(3))
+    assert again.applied == LoopChoice.chunk(3) and "earlier" in again.reason
+    assert "keeps the chunk(k=3) gradient an earlier call gave it" in caplog.text
+    assert same.applied == LoopChoice.chunk(3) and not same.reason
+
+
+def test_loops_in_cond_branches_are_found_and_named(caplog):
+    """A loop in a tf.cond branch keeps while_v2's gradient under memsave's
+    planner, with a warning naming it; find_loops(nested=True) lists it, so
+    that prepare can reach it."""
+    import memsave
+
+    g = tf.Graph()
+    with g.as_default():
+        xv, Wv, Uv = _rnn_values()
+        x, W, U = tf.constant(xv), tf.Variable(Wv), tf.Variable(Uv)
+        out = tf.cond(tf.reduce_sum(x) > 0, lambda: _while_rnn(x, W, U),
+                      lambda: _while_rnn(x, U[:F] * 2.0, U))
+        loss = tf.reduce_sum(out * out)
+        found = loops.find_loops([loss], nested=True)
+        assert len(found) == 2 and all(op.graph is not g for op in found)
+        with caplog.at_level(logging.WARNING, logger="memsave.loops"):
+            memsave.gradients(loss, [W, U], checkpoints="memory")
+    warned = [r.getMessage() for r in caplog.records if "keeps while_v2's gradient" in r.getMessage()]
+    assert len(warned) == 2 and all("a branch of" in m for m in warned), warned
+
+
+def test_loop_choice_takes_numpy_integers():
+    assert LoopChoice.chunk(np.int64(3)) == LoopChoice.chunk(3)
+    assert type(LoopChoice.slots(np.int32(4)).k) is int
+    with pytest.raises(LoopChoiceError):
+        LoopChoice.chunk(True)
+
+
 @pytest.mark.parametrize("choice", [*CHOICES[:2], SLOTS], ids=str)
 def test_maximum_iterations_unknown_at_trace_time(choice):
     """maximum_iterations and the bound a tensor fed at run time (and no
