@@ -586,6 +586,11 @@ def _checkpointed_train_step(model: keras.Model, config: _Config, data,
                 "batching memsave cannot read): memsave plans for a batch of 1, where the "
                 "weights outweigh every activation, and saves little; pass batch_size= to "
                 "memsave.keras.checkpointed", model.name)
+        if not model.optimizer.built:
+            # apply_gradients would build the slots below; built now, the
+            # budget counts them, as memsave.keras.plan does (fit traces
+            # its step again once they exist, and that plan would differ).
+            model.optimizer.build(trainable_weights)
         gradients = _memsave_gradients(
             loss, trainable_weights, checkpoints=checkpoints, batch_size=batch_size,
             extra_resident_bytes=extra_resident_bytes(model) + _next_batch_bytes(data, batch_size),

@@ -132,6 +132,34 @@ def test_an_infeasible_budget_raises_through_autograph_and_keras_fit():
     assert e.value.min_peak_bytes > 0
 
 
+@pytest.mark.slow
+def test_fit_refuses_a_budget_with_the_figures_keras_plan_gives():
+    """fit traced its step before the optimizer had built its slots (Adam:
+    two per weight), so the budget was resolved against a plain peak
+    without them and the error advised a budget that the next trace, with
+    the slots, refused again. checkpointed's step builds the slots first:
+    its refusal names the same smallest peak as memsave.keras.plan's."""
+    import keras
+
+    def model():  # 1 MiB weights: their slots count on CPU (256 KiB and more)
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((128,))]
+                                + [keras.layers.Dense(512, activation="tanh") for _ in range(4)]
+                                + [keras.layers.Dense(1)])
+
+    rs = np.random.RandomState(0)
+    x, y = rs.rand(1024, 128).astype("float32"), rs.rand(1024, 1).astype("float32")
+    planned = model()
+    planned.compile(optimizer="adam", loss="mse")
+    with pytest.raises(MemoryBudgetError) as from_plan:
+        memsave.keras.plan(planned, x, y, batch_size=1024, memory_budget=0.05)
+    ours = memsave.keras.checkpointed(model(), memory_budget=0.05)
+    ours.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    with pytest.raises(MemoryBudgetError) as from_fit:
+        ours.fit(x, y, batch_size=1024, verbose=0)
+    assert from_fit.value.min_peak_bytes == from_plan.value.min_peak_bytes > 0
+
+
 @pytest.mark.parametrize("bad", [0, -5, 1.5, 0.0, "half", True])
 def test_invalid_budget_says_what_is_allowed(bad):
     with pytest.raises(MemoryBudgetError, match="memory_budget"):
