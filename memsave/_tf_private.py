@@ -270,13 +270,43 @@ def _fdef_read_only(fdef, graph) -> bool:
     return True
 
 
+def written_variable(op: tf.Operation) -> str:
+    """The name of an op of ``op``'s graph that writes a variable ``op``
+    takes as a resource input ("" when none): a call, cond or loop reading
+    it again later could read another value than the forward pass did (a
+    step counter or a temperature assigned during the step). Variable
+    initializers (``tf.compat.v1`` graphs) do not count; ops created after
+    this is asked are not seen."""
+    initializers = None
+    for t in op.inputs:
+        if t.dtype != tf.resource:
+            continue
+        for reader in t.consumers():
+            if reader is op or reader.type in READ_ONLY_STATEFUL_TYPES \
+                    or not reader._is_stateful:  # pylint: disable=protected-access
+                continue
+            if reader.type in _CALL_TYPES:
+                fdefs = _function_defs(reader)
+                if fdefs is not None and all(_fdef_read_only(f, reader.graph) for f in fdefs):
+                    continue
+            if initializers is None:
+                initializers = {v.initializer for v in
+                                reader.graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+                                + reader.graph.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES)
+                                if getattr(v, "initializer", None) is not None}
+            if reader not in initializers:
+                return reader.name
+    return ""
+
+
 def is_recomputable(op: tf.Operation) -> bool:
     """Whether copying ``op`` gives the values the original gave.
 
     Stateless ops are, unless they read a reference variable. Stateful ops
     are not (a random op draws again, an assignment writes twice), except
     calls and control flow whose bodies only read variables
-    (``READ_ONLY_STATEFUL_TYPES``). Version 1 control flow is not copied.
+    (``READ_ONLY_STATEFUL_TYPES``) that no other op of the graph writes
+    (:func:`written_variable`). Version 1 control flow is not copied.
     """
     if op.type in V1_CONTROL_FLOW_TYPES:
         return False
@@ -290,7 +320,7 @@ def is_recomputable(op: tf.Operation) -> bool:
     fdefs = _function_defs(op)
     if fdefs is None:
         return False
-    return all(_fdef_read_only(f, op.graph) for f in fdefs)
+    return all(_fdef_read_only(f, op.graph) for f in fdefs) and not written_variable(op)
 
 
 #: The value of every gate (a zero computed from the incoming gradients,

@@ -82,7 +82,9 @@ is the whole list a TensorFlow upgrade has to check.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
@@ -104,6 +106,9 @@ __all__ = [
     "function_graphs",
     "invariant_positions",
     "set_parallel_iterations",
+    "set_skip",
+    "skip_scope",
+    "chunk_loops",
     "read_sequences_in_place",
     "written_only",
 ]
@@ -120,6 +125,8 @@ STEPS_ATTR = "_memsave_loop_steps"
 BOUND_ATTR = "_memsave_loop_bound"
 #: Positions of loop-invariant inputs whose gradient nobody asked for.
 SKIP_ATTR = "_memsave_loop_skip"
+#: The gradient call the skip is for (:func:`skip_scope`); 0: every call.
+SKIP_SCOPE_ATTR = "_memsave_loop_skip_scope"
 #: For tapered chunks (chunks of k, k-1, ..., 1 trips): the length of the
 #: tables of chunk sizes and counts (:func:`taper_tables`); 0 or absent:
 #: chunks of ``steps`` trips each.
@@ -145,10 +152,51 @@ def mark(op: tf.Operation, *, mode: str, steps: int = 1, bound: int = 0,
     op._set_attr(TAPER_ATTR, attr_value_pb2.AttrValue(i=taper))  # pylint: disable=protected-access
 
 
+_scopes = threading.local()
+_open_scopes: set[int] = set()
+_scope_ids = itertools.count(1)
+
+
+@contextlib.contextmanager
+def skip_scope():
+    """Limit the skips set inside the block (by :func:`mark` and
+    :func:`set_skip`) to the gradients built inside it.
+
+    A skip is recorded on the op with the block's id. The copies of a
+    marked loop that a gradient makes (a chunk's inner loop, recomputed in
+    the outer loop's backward body) carry both, so a gradient built later
+    through any of them (a second call, a second-order gradient through
+    the backward loop) finds the block closed and gives every input its
+    gradient.
+    """
+    scope = next(_scope_ids)
+    outer = getattr(_scopes, "current", 0)
+    _open_scopes.add(scope)
+    _scopes.current = scope
+    try:
+        yield scope
+    finally:
+        _scopes.current = outer
+        _open_scopes.discard(scope)
+
+
 def set_skip(op: tf.Operation, skip: tuple[int, ...]) -> None:
-    """Change which loop-invariant inputs of a marked ``op`` get no gradient."""
+    """Change which loop-invariant inputs of a marked ``op`` get no gradient
+    (in the gradients built in the current :func:`skip_scope`, or in every
+    later one outside any)."""
     op._set_attr(SKIP_ATTR, attr_value_pb2.AttrValue(  # pylint: disable=protected-access
         list=attr_value_pb2.AttrValue.ListValue(i=list(skip))))
+    op._set_attr(SKIP_SCOPE_ATTR, attr_value_pb2.AttrValue(  # pylint: disable=protected-access
+        i=getattr(_scopes, "current", 0)))
+
+
+def _skip_now(op: tf.Operation, skip: tuple[int, ...]) -> tuple[int, ...]:
+    """``skip`` if the scope it was set in is open (or it was set outside any)."""
+    try:
+        scope = op.get_attr(SKIP_SCOPE_ATTR)
+    except ValueError:
+        scope = 0
+    return skip if scope == 0 or scope in _open_scopes else ()
 
 
 def chunk_loops(op: tf.Operation) -> list[tf.Operation]:
@@ -210,7 +258,7 @@ def _register() -> None:
 def _marked_gradient(op, *grads):
     mode, steps, bound, skip, taper = marked(op)
     return recomputing_gradient(op, grads, recompute=mode == "per_step", steps=steps, bound=bound,
-                                skip=skip, taper=taper)
+                                skip=_skip_now(op, skip), taper=taper)
 
 
 # -- the gradient ----------------------------------------------------------------

@@ -296,6 +296,7 @@ def _read_body(op: tf.Operation, cache: dict, external: frozenset = frozenset()
                 read_lists_bytes=_read_lists_bytes(op, [j for j in invariant if j not in external])
                 if loop else 0,
                 no_gradient=no_gradient,
+                pinned=_pinned(op) if loop else "",
                 stored_outputs=stored_outputs if loop else (),
                 stored_state=stored_state if loop else ())
     gradient = GradientUse(
@@ -303,6 +304,13 @@ def _read_body(op: tf.Operation, cache: dict, external: frozenset = frozenset()
         aliases=(None,) * len(op.inputs),
     )
     return body, gradient
+
+
+def _pinned(op: tf.Operation) -> str:
+    """Why the loop ``op`` must keep while_v2's gradient ("" if it need not)."""
+    writer = _tf_private.written_variable(op)
+    return (f"its body reads a variable that {writer!r} writes: a trip recomputed after the "
+            "write would read the new value") if writer else ""
 
 
 def _read_function(op: tf.Operation, cache: dict):

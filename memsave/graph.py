@@ -222,6 +222,11 @@ class Body:
         (their outer tensors carry none): its per-trip sum is not computed
         (Grappler drops it from while_v2's gradient loop; memsave.loops
         does not build it).
+    pinned : str
+        Why the loop keeps while_v2's gradient whatever the plan ("" when
+        it need not): its body reads a variable another op of the graph
+        writes (:func:`memsave._tf_private.written_variable`), and a trip
+        recomputed after that write would read the new value.
     stored_outputs : tuple of int
         For each of ``stored``, the output position of the loop through
         which the TensorList it is written into leaves the loop (-1 when
@@ -245,6 +250,7 @@ class Body:
     once: str = ""
     read_lists_bytes: int = 0
     no_gradient: tuple[int, ...] = ()
+    pinned: str = ""
     stored_outputs: tuple[int, ...] = ()
     stored_state: tuple[int, ...] = ()
 

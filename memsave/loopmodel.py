@@ -419,12 +419,13 @@ def chunk_size(body: "Body", model: "MemoryModel", *, inner: str = "per_step") -
 
 
 def candidates(body: "Body", model: "MemoryModel") -> list[LoopChoice]:
-    """The choices worth forecasting for ``body``: plain, per step, and, when
+    """The choices worth forecasting for ``body``: plain (alone when the loop
+    is ``pinned``), per step, and, when
     the loop makes more than a few trips and nothing in it must not run
     twice (``body.once``: :func:`memsave.loops.prepare` stores such a loop
     per step), the chunk sizes :func:`chunk_size` gives (both inner
     schedules) and the tapered chunks of :func:`slot_count`."""
-    if not body.loop:
+    if not body.loop or body.pinned:
         return [LoopChoice.plain()]
     out = [LoopChoice.plain(), LoopChoice.per_step()]
     if body.trips >= MIN_TRIPS_TO_CHUNK and not body.once:

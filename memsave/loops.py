@@ -221,19 +221,15 @@ def applied(decisions: Sequence, graph: tf.Graph, *, xs: Sequence | None = None,
             ops: Sequence[str] = ()):
     """:func:`apply` for the gradients built inside the ``with`` block
     (what :func:`memsave.gradients` does): on leaving it, every loop it
-    prepared gives every input a gradient again. The inputs that depend on
+    prepared, and every copy of one its gradients made (a chunk's inner
+    loop, recomputed in the backward body), gives every input a gradient
+    again (:func:`memsave._tf_while.skip_scope`). The inputs that depend on
     none of the ``xs`` get none in this call only; a later gradient through
     the loop (``tf.gradients`` of the same loss with respect to the input
-    sequence, another optimizer's variables) gets its own."""
-    done = apply(decisions, graph, xs=xs, ops=ops)
-    try:
-        yield done
-    finally:
-        for name, prepared in done.items():
-            if prepared.applied.kind != "plain":
-                op = graph.get_operation_by_name(name)
-                for loop in (op, *_tf_while.chunk_loops(op)):
-                    _tf_while.set_skip(loop, ())
+    sequence, another optimizer's variables, a gradient penalty's second
+    order through the backward loop) gets its own."""
+    with _tf_while.skip_scope():
+        yield apply(decisions, graph, xs=xs, ops=ops)
 
 
 def _readers_wait_for_every_output(op: tf.Operation) -> None:
@@ -262,6 +258,10 @@ def _refusal(op: tf.Operation) -> str:
         _tf_while.function_graphs(op)
     except Exception as e:  # noqa: BLE001 - a loop that cannot be read keeps its gradient
         return f"its body function could not be read ({type(e).__name__}: {e})"
+    writer = _tf_private.written_variable(op)
+    if writer:
+        return (f"its body reads a variable that {writer!r} writes: a trip recomputed after "
+                "the write would read the new value")
     if _tf_while.already_differentiated(op):
         return ("its gradient was already built (its body pushes accumulators); prepare it "
                 "before tf.gradients differentiates it")

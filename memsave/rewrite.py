@@ -161,8 +161,13 @@ def _gate(grads: Sequence, *, once: bool = False) -> tf.Tensor | None:
             c = _constants(v.graph, v.op.device)
             flat = op("Reshape", [v, c(tf.int32, [-1])], [dt], {"T": dt, "Tshape": tf.int32},
                       "flat").outputs[0]
-            first = op("Slice", [flat, c(tf.int32, [0]), c(tf.int32, [1])], [dt],
-                       {"T": dt, "Index": tf.int32}, "first").outputs[0]
+            # flat[0:1]: empty for an empty gradient (a batch of 0, a mask
+            # that selects nothing), whose sum below is 0.
+            first = op("StridedSlice", [flat, c(tf.int32, [0]), c(tf.int32, [1]),
+                                        c(tf.int32, [1])], [dt],
+                       {"T": dt, "Index": tf.int32, "begin_mask": 0, "end_mask": 0,
+                        "ellipsis_mask": 0, "new_axis_mask": 0, "shrink_axis_mask": 0},
+                       "first").outputs[0]
             if dt.is_complex:
                 dt = dt.real_dtype
                 first = op("Real", [first], [dt], {"T": v.dtype, "Tout": dt}, "real").outputs[0]

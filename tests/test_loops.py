@@ -332,6 +332,100 @@ def test_a_later_gradient_through_a_prepared_loop_gets_every_input(evaluate, mod
     assert_grads_equal(got, ref)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("choice", CHOICES, ids=str)
+def test_a_gradient_penalty_through_a_loop_prepared_for_the_input(evaluate, mode, choice):
+    """WGAN-GP: the loop prepared for d critic / d x only (the weights get
+    no gradient in that call), then the penalty's gradient with respect to
+    the weights, through the backward loop. A chunk's inner loop is copied
+    into the backward body with its skip: the copy must give the weights
+    their gradient in the second call (it gave none, off by 100%)."""
+    xv, Wv, Uv = _rnn_values()
+
+    def body(s, choice):
+        x, W, U = s
+        x = tf.identity(x)
+        critic = tf.reduce_sum(_while_rnn(x, W, U))
+        if choice is None:
+            gx = tf.gradients(critic, [x])[0]
+        else:
+            (op,) = loops.find_loops([critic])
+            with _tf_while.skip_scope():
+                assert loops.prepare(op, choice, xs=[x]).applied == choice
+                assert _tf_while.marked(op)[3], "no input was skipped"
+                gx = tf.gradients(critic, [x])[0]
+        return tf.gradients(tf.reduce_sum(tf.square(gx)), [W, U])
+
+    setup = lambda: (tf.constant(xv), tf.Variable(Wv), tf.Variable(Uv))  # noqa: E731
+    ref = evaluate(mode, setup, functools.partial(body, choice=None))
+    got = evaluate(mode, setup, functools.partial(body, choice=choice))
+    assert_grads_equal(got, ref)
+
+
+def test_a_gradient_penalty_through_memsave_gradients_of_a_loop(evaluate):
+    """The same through memsave.gradients(critic, [x], checkpoints='memory'),
+    which chunks this loop (states of 260 KiB, above the CPU allocator's
+    floor, over 12 trips)."""
+    import memsave
+
+    chosen = []
+    t, b, f, h = 12, 520, 8, 128
+    rng = np.random.RandomState(0)
+    values = (rng.randn(t, b, f).astype(np.float32), rng.randn(f, h).astype(np.float32) * 0.3,
+              rng.randn(h, h).astype(np.float32) * 0.2)
+
+    def body(s, first):
+        x, W, U = s
+        x = tf.identity(x)
+        out = tf.while_loop(lambda i, s: i < t, lambda i, s: (i + 1, _cell(x[i], s, W, U)),
+                            [0, tf.zeros([b, h])], maximum_iterations=t)[1]
+        critic = tf.reduce_sum(out)
+        if first == "memsave":
+            chosen.extend(d.chosen.choice for d in memsave.plan(critic, [x],
+                                                                 checkpoints="memory").loops)
+            gx = memsave.gradients(critic, [x], checkpoints="memory")[0]
+        else:
+            gx = tf.gradients(critic, [x])[0]
+        return tf.gradients(tf.reduce_sum(tf.square(gx)), [W, U])
+
+    setup = lambda: tuple(tf.constant(values[0]) if i == 0 else tf.Variable(v)  # noqa: E731
+                          for i, v in enumerate(values))
+    ref = evaluate("function", setup, functools.partial(body, first="tf"))
+    got = evaluate("function", setup, functools.partial(body, first="memsave"))
+    assert chosen and chosen[0].kind in ("chunk", "slots"), chosen
+    assert_grads_equal(got, ref)
+
+
+def test_a_loop_reading_a_variable_the_graph_writes_keeps_its_gradient():
+    """A trip recomputed backwards reads the loop's variables again: if the
+    step writes one of them (a temperature annealed in the step) it reads
+    the new value. Such a loop is weighed plain only, and prepare refuses it."""
+    import memsave
+
+    g = tf.Graph()
+    with g.as_default():
+        xv, Wv, Uv = _rnn_values()
+        x, W, U = tf.constant(xv), tf.Variable(Wv), tf.Variable(Uv)
+        temperature = tf.Variable(1.0)
+
+        def body(i, h):
+            return i + 1, _cell(x[i], h, W, U) * temperature
+
+        out = tf.while_loop(lambda i, h: i < T, body, [0, tf.zeros([B, H])],
+                            maximum_iterations=T)[1]
+        loss = tf.reduce_sum(out * out)
+        (op,) = loops.find_loops([loss])
+        free = [f.choice.kind for f in memsave.plan(loss, [W, U], checkpoints="memory").loops[0]
+                .forecasts]
+        assert "per_step" in free  # before the write, the loop may be recomputed
+        with tf.control_dependencies([loss]):
+            temperature.assign(3.0)
+        pinned = memsave.plan(loss, [W, U], checkpoints="memory").loops[0]
+        assert [f.choice.kind for f in pinned.forecasts] == ["plain"]
+        refused = loops.prepare(op, PER_STEP, xs=[W, U])
+    assert refused.applied == LoopChoice.plain() and "writes" in refused.reason
+
+
 def test_prepare_again_reports_the_gradient_the_loop_keeps(caplog):
     """A second prepare cannot change what the forward loop stores: it says
     which gradient the loop keeps, and why the request is not applied."""

@@ -476,3 +476,85 @@ def test_a_negative_zero_loop_state_is_recomputed_from_as_negative_zero(rng):
                 got[prepare] = s.run(grads)[0]
     assert np.abs(got[False]).max() > 0.1
     np.testing.assert_array_equal(got[True], got[False])
+
+
+@pytest.mark.parametrize("rows", [[True, False] * 4, [False] * 8])
+def test_an_empty_gradient_opens_the_gate(graph, session, rows):
+    """A gradient with no elements (a boolean_mask that selects no row: no
+    positive anchor, no masked token in the batch; a batch of 0) gates a
+    recomputation: the gate took its first element with a Slice of size 1
+    and failed at run time ("Expected size[0] == 0"). Now flat[0:1], empty,
+    sums to 0."""
+    rs = np.random.RandomState(0)
+    mask = tf.compat.v1.placeholder(tf.bool, [8])
+    ws = [tf.Variable(rs.randn(16, 16).astype(np.float32) / 4) for _ in range(6)]
+    h = tf.tanh(tf.ones([8, 16]) @ ws[0])
+    sel, acts = tf.boolean_mask(h, mask), []
+    for w in ws[1:]:
+        sel = tf.tanh(sel @ w)
+        acts.append(sel)
+    loss = tf.reduce_sum(sel ** 2) + 0.01 * tf.reduce_sum(h)
+    ours = memsave.gradients(loss, ws, checkpoints=[acts[1], acts[3]])
+    ref = tf.gradients(loss, ws)
+    assert any(re.search(r"/recompute_\d+/", op.name) for op in graph.get_operations())
+    session.run(tf.compat.v1.global_variables_initializer())
+    got, want = session.run([ours, ref], {mask: rows})
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["cond", "function", "while"])
+def test_a_body_reading_a_variable_the_step_writes_is_not_read_again(kind):
+    """A step reads a temperature inside a tf.cond / a nested tf.function /
+    a tf.while_loop, and assigns it between the forward and the backward
+    pass. Recomputed (the cond or call copied, the loop's trips recomputed
+    per step), the body read the new value: the gradients below it were off
+    by 50-800%. Such a body is kept, and such a loop keeps while_v2's
+    gradient; the rest of the graph is still rewritten."""
+    rs = np.random.RandomState(0)
+    ws = [tf.Variable(rs.randn(32, 32).astype(np.float32) / 6) for _ in range(8)]
+    temperature = tf.Variable(1.0)
+    scaled = tf.function(lambda h: h * temperature)
+
+    def layer(h, w, i):
+        z = h @ w
+        if i == 3:
+            if kind == "cond":
+                z = tf.cond(tf.reduce_sum(z) > -1e30, lambda: z * temperature, lambda: z)
+            elif kind == "function":
+                z = scaled(z)
+            else:
+                z = tf.while_loop(lambda t, a: t < 2, lambda t, a: (t + 1, tf.sin(a) * temperature),
+                                  [0, z], maximum_iterations=2)[1]
+        return tf.tanh(z)
+
+    built = {}
+
+    def step(x, method):
+        h = x
+        acts = []
+        for i, w in enumerate(ws):
+            h = layer(h, w, i)
+            acts.append(h)
+        loss = tf.reduce_mean(h ** 2)
+        temperature.assign(temperature * 3.0)
+        if method == "tf":
+            return tf.gradients(loss, ws)
+        plan = memsave.plan(loss, ws, checkpoints=acts[1::2])
+        built["loops"] = [d.chosen.choice.kind for d in plan.loops]
+        grads = memsave.gradients(loss, ws, checkpoints=acts[1::2])
+        graph = loss.graph
+        built["copies"] = [op.type for op in graph.get_operations()
+                           if re.search(r"/recompute_\d+/[^/]+$", op.name)]
+        return grads
+
+    x = tf.constant(rs.randn(512, 32).astype(np.float32))
+    results = {}
+    for method in ("tf", "memsave"):
+        temperature.assign(1.0)
+        results[method] = [g.numpy() for g in tf.function(step)(x, method)]
+    assert "Tanh" in built["copies"], "the rewrite did not run"
+    assert not {"If", "StatelessIf", "PartitionedCall", "StatefulPartitionedCall", "While",
+                "StatelessWhile"} & set(built["copies"]), built["copies"]
+    for a, b in zip(results["memsave"], results["tf"]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
