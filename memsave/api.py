@@ -96,6 +96,12 @@ def _graph_of(values: Sequence, what: str, *, outer_ok: bool = False,
         if graph is None:
             graph = g
         elif g is not graph and not (outer_ok and g in _enclosing_graphs(graph)):
+            if graph in _enclosing_graphs(g):
+                raise GraphMismatchError(
+                    f"{api}: {what} {_describe(v)} is inside the body of a tf.cond, "
+                    "tf.while_loop or called tf.function of the ys' graph; memsave keeps such "
+                    "bodies whole (a copy of the op that runs them, or its loop gradient): "
+                    "choose a tensor of the ys' graph, e.g. the op's output")
             raise GraphMismatchError(
                 f"{api}: {what} {_describe(v)} is in another graph than the ys; "
                 "build ys, xs, grad_ys and checkpoints in one graph (or one tf.function)"
@@ -176,14 +182,19 @@ def _validate_list(checkpoints: Sequence, ex: Extraction, ys, xs,
     chosen = []
     for c in checkpoints:
         if not isinstance(c, tf.Tensor) or _is_eager(c):
+            if isinstance(c, tf.Variable) or hasattr(c, "handle"):
+                raise CheckpointError(
+                    f"{api}: checkpoints are activations (graph tensors), got the variable "
+                    f"{getattr(c, 'name', c)!r}: a variable's value is resident anyway; "
+                    "remove it from checkpoints")
             raise CheckpointError(
                 f"{api}: checkpoints must be graph tensors, got {c!r} "
                 f"({type(c).__name__}); pass the output tensor (e.g. op.outputs[0])"
             )
         if c.ref() in y_refs:
             raise CheckpointError(
-                f"{api}: checkpoint {_describe(c)} is one of the ys; keeping a y "
-                "saves nothing: remove it from checkpoints"
+                f"{api}: checkpoint {_describe(c)} is one of the ys, which are kept anyway: "
+                "remove it from checkpoints"
             )
         if c.ref() in x_refs:
             logger.debug("memsave: checkpoint %s is an x, which is kept anyway", c.name)
@@ -458,6 +469,8 @@ def gradients(
             f"memsave.gradients: unconnected_gradients={unconnected_gradients!r}; use one of "
             f"{[u.value for u in tf.UnconnectedGradients]}"
         ) from None
+    if isinstance(xs, (list, tuple)) and not xs and not tf.executing_eagerly():
+        return []  # as tf.gradients: nothing to differentiate with respect to
     build = functools.partial(
         _build_gradients, ys, xs, grad_ys, checkpoints, name=name,
         colocate_gradients_with_ops=colocate_gradients_with_ops, gate_gradients=gate_gradients,

@@ -558,3 +558,26 @@ def test_a_body_reading_a_variable_the_step_writes_is_not_read_again(kind):
                 "StatelessWhile"} & set(built["copies"]), built["copies"]
     for a, b in zip(results["memsave"], results["tf"]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_argument_messages_say_what_is_wrong(graph):
+    """A tensor inside a cond branch, a variable and an empty xs list, as
+    checkpoints and xs: the messages said "another graph" (it is the same
+    tf.function), suggested op.outputs[0] for a variable, and xs=[] raised
+    where tf.gradients returns []."""
+    rs = np.random.RandomState(0)
+    ws = [tf.Variable(rs.randn(8, 8).astype(np.float32)) for _ in range(3)]
+    h = tf.tanh(tf.ones([4, 8]) @ ws[0])
+    inner = []
+
+    def branch():
+        inner.append(tf.sin(h))
+        return inner[-1]
+
+    c = tf.cond(tf.reduce_sum(h) > -1e30, branch, lambda: h)
+    loss = tf.reduce_sum(tf.tanh(c @ ws[1]) @ ws[2])
+    with pytest.raises(memsave.GraphMismatchError, match="inside the body of a tf.cond"):
+        memsave.gradients(loss, ws, checkpoints=[inner[0]])
+    with pytest.raises(memsave.CheckpointError, match="variable .* resident anyway"):
+        memsave.gradients(loss, ws, checkpoints=[ws[1]])
+    assert memsave.gradients(loss, [], checkpoints=[h]) == [] == tf.gradients(loss, [])
