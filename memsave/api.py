@@ -310,18 +310,9 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options, *,
                                   api=api)
 
 
-def _graph_key(fg) -> tuple:
-    """What a plan's tensor and op ids refer to in ``fg``: two forward graphs
-    with equal keys number the same tensors alike (tf.function retraces
-    included), so a plan of one is a plan of the other."""
-    return (tuple((op.name, op.type, op.inputs, op.outputs) for op in fg.ops),
-            tuple((t.name, t.kind, t.shape, t.size_bytes) for t in fg.tensors),
-            fg.xs, fg.ys, fg.xla)
-
-
 def _validate_plan(p: Plan, ex: Extraction, api: str) -> Plan:
     """``p`` itself, when it was made for the forward graph ``ex`` holds."""
-    if _graph_key(p.problem.base.fg) != _graph_key(ex.fg):
+    if p.problem.base.fg.numbering_key() != ex.fg.numbering_key():
         raise GraphMismatchError(
             f"{api}: checkpoints= is a Plan of another forward graph (made by memsave.plan "
             "with other ys or xs, or before the model or its input shapes changed); plan "

@@ -335,6 +335,14 @@ class ForwardGraph:
             object.__setattr__(self, "_consumers", found)  # a cache, not a field
         return found
 
+    def numbering_key(self) -> tuple:
+        """What the tensor and op ids of a plan refer to: two forward graphs
+        with equal keys number the same tensors alike (tf.function retraces
+        included), so a plan of one is a plan of the other."""
+        return (tuple((op.name, op.type, op.inputs, op.outputs) for op in self.ops),
+                tuple((t.name, t.kind, t.shape, t.size_bytes) for t in self.tensors),
+                self.xs, self.ys, self.xla)
+
     def receives_gradient(self, t: int) -> bool:
         """Whether backprop sends tensor ``t`` a gradient: it is differentiable
         and not external (input data and constants get none).

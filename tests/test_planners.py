@@ -27,7 +27,7 @@ import pytest
 import handgraphs as H
 import memsave
 from memsave import planners, strategies
-from memsave.errors import MemsaveError, OptionsError
+from memsave.errors import ArgumentError, MemsaveError, OptionsError
 from memsave.memory_model import BFC, MemoryModel
 from memsave.planners.segments import Segments
 from memsave.planners.strategies import given
@@ -161,6 +161,37 @@ def test_an_unknown_option_names_the_accepted_ones(name):
 def test_solver_options_without_a_budget_are_refused():
     with pytest.raises(OptionsError, match="without a memory_budget"):
         planners.run("memory", Problem(H.chain(6)), options={"solver": "dp"})
+
+
+@pytest.fixture
+def registered():
+    """Register planners for one test; unregister them after it."""
+    names = []
+
+    def register(name, planner):
+        planners.register(name, planner)
+        names.append(name)
+
+    yield register
+    for name in names:
+        planners.unregister(name)
+
+
+def test_a_planners_plan_must_be_a_plan_of_the_problem_it_was_given(registered):
+    other = Problem(H.chain(12))
+    foreign = planners.run("memory", other, options={"min_saving_fraction": 0.0})
+    registered("foreign", lambda problem, *, budget=None: foreign)
+    registered("returns_none", lambda problem, *, budget=None: None)
+    registered("returns_ids", lambda problem, *, budget=None: problem.keepable()[::2])
+    with pytest.raises(memsave.GraphMismatchError, match="planner 'foreign' returned a Plan of "
+                                                         "another forward graph"):
+        planners.run("foreign", Problem(H.chain(6)))
+    with pytest.raises(ArgumentError, match="planner 'returns_none' returned NoneType"):
+        planners.run("returns_none", Problem(H.chain(6)))
+    with pytest.raises(ArgumentError, match="planner 'returns_ids' returned list"):
+        planners.run("returns_ids", Problem(H.chain(6)))
+    # A plan of another problem of an equal graph numbers the same tensors: accepted.
+    assert planners.run("foreign", Problem(H.chain(12))) is foreign
 
 
 def test_the_memory_model_is_a_value_of_the_problem():

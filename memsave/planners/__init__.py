@@ -33,7 +33,8 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from memsave.errors import ArgumentError, OptionsError, UnknownStrategyError
+from memsave.errors import ArgumentError, GraphMismatchError, OptionsError, UnknownStrategyError
+from memsave.record import Plan
 from memsave.simulate import paused_gc
 
 __all__ = ["Planner", "register", "unregister", "get", "available", "run", "check"]
@@ -95,13 +96,15 @@ def run(name: str | Planner, problem, *, budget=None, options: Mapping[str, Any]
     keyword parameters first, so a misspelt option is an
     :class:`~memsave.errors.OptionsError` naming the accepted ones, not a
     TypeError from deep inside. Planners that take ``api`` get it, for
-    their error messages.
+    their error messages. What the planner returns must be a Plan of
+    ``problem`` (:meth:`memsave.problem.Problem.plan`).
     """
     planner = get(name, api=api) if isinstance(name, str) else name
     name = name if isinstance(name, str) else getattr(planner, "__name__", "planner")
     options = dict(options or {})
     if _check_options(planner, name, options, api):
         options["api"] = api
+    checked = _checking(planner, name, api)
     # A planner builds and keeps many schedules (tuples, no cycles): paused,
     # the collector does not walk the process's TensorFlow objects again and
     # again (see memsave.simulate.paused_gc).
@@ -111,9 +114,9 @@ def run(name: str | Planner, problem, *, budget=None, options: Mapping[str, Any]
             # says it with a ``loop_budget_bytes(problem, options, api)``.
             own = getattr(planner, "loop_budget_bytes", None)
             within = own(problem, options, api) if own is not None and budget is None else None
-            return _loops.run(planner, problem, budget=budget, options=options, api=api,
+            return _loops.run(checked, problem, budget=budget, options=options, api=api,
                               within_bytes=within)
-        return planner(problem, budget=budget, **options)
+        return checked(problem, budget=budget, **options)
 
 
 def check(name: str, *, budget=None, options: Mapping[str, Any] | None = None,
@@ -128,6 +131,38 @@ def check(name: str, *, budget=None, options: Mapping[str, Any] | None = None,
         if getattr(planner, "refuses_budget", False):
             raise _strategies.budget_refused(name, api)
         _budget.check_budget(budget, api=api)
+
+
+def _checking(planner: Planner, name: str, api: str) -> Planner:
+    """``planner``, raising when what it returns is not a Plan of the problem
+    it was given: memsave would otherwise rewrite the graph by another
+    graph's tensor ids (and leave every gradient None) or fail deep inside."""
+
+    def checked(problem, **kwargs):
+        plan = planner(problem, **kwargs)
+        if not isinstance(plan, Plan):
+            raise ArgumentError(
+                f"{api}: planner {name!r} returned {type(plan).__name__}; a planner returns a "
+                "memsave Plan of the problem it is given: problem.plan(name, checkpoint_ids, "
+                "reasons)")
+        if not _of(plan, problem):
+            raise GraphMismatchError(
+                f"{api}: planner {name!r} returned a Plan of another forward graph (made for "
+                "another problem); a planner returns a Plan of the problem it is given: "
+                "problem.plan(name, checkpoint_ids, reasons)")
+        return plan
+
+    return checked
+
+
+def _of(plan: Plan, problem) -> bool:
+    """Whether ``plan`` is a plan of ``problem``'s forward graph (of it, of one
+    of its loop variants, or of a problem of an equal graph)."""
+    base = getattr(plan.problem, "base", None)
+    if base is problem.base:
+        return True
+    fg = getattr(base, "fg", None)
+    return fg is not None and fg.numbering_key() == problem.base.fg.numbering_key()
 
 
 def _check_options(planner: Planner, name: str, options: Mapping[str, Any], api: str) -> bool:
