@@ -42,11 +42,12 @@ allocator does not report still takes memory).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Iterable, Mapping
 
 from memsave import candidates as _candidates
 from memsave.costs import Costs, estimate_costs
-from memsave.errors import ArgumentError
+from memsave.errors import ArgumentError, CheckpointError
 from memsave.graph import ForwardGraph
 from memsave.memory_model import MemoryModel
 from memsave.schedule import Schedule, build_schedule
@@ -365,6 +366,32 @@ class Problem:
 
     # -- results ------------------------------------------------------------------
 
+    def checkpoint_ids(self, checkpoints: Iterable[int], *, who: str,
+                       api: str = "memsave") -> tuple[int, ...]:
+        """``checkpoints`` as sorted distinct tensor ids of the graph.
+
+        Raises :class:`~memsave.errors.CheckpointError` (saying ``who``
+        chose it) for one that is no tensor id (``-1`` is not the last
+        tensor) or is a y: keeping a y saves nothing, and the rewrite would
+        read another graph's id as a tensor of this one.
+        """
+        fg = self.fg
+        ids = []
+        for t in checkpoints:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) \
+                    or not 0 <= t < len(fg.tensors):
+                raise CheckpointError(
+                    f"{api}: {who} keeps {t!r}, which is not a tensor id of this forward graph "
+                    f"(0 to {len(fg.tensors) - 1}); keep ids from problem.keepable()")
+            ids.append(int(t))
+        ys = set(fg.ys)
+        for t in ids:
+            if t in ys:
+                raise CheckpointError(
+                    f"{api}: {who} keeps {fg.tensors[t].name!r} (id {t}), one of the ys; keeping "
+                    "a y saves nothing: keep ids from problem.keepable()")
+        return tuple(sorted(set(ids)))
+
     def plan(self, strategy: str, checkpoints: Iterable[int], reasons: Mapping[int, str], *,
              schedule: Schedule | None | type = ..., note: str = "", budget=None):
         """The :class:`memsave.record.Plan` keeping ``checkpoints``.
@@ -376,7 +403,7 @@ class Problem:
         """
         from memsave.record import Plan
 
-        ids = tuple(sorted(set(checkpoints)))
+        ids = self.checkpoint_ids(checkpoints, who=f"problem.plan({strategy!r}, ...)")
         if schedule is ...:
             schedule = self.schedule(ids) if ids else None
         return Plan(strategy=strategy, problem=self, checkpoint_ids=ids,

@@ -55,6 +55,10 @@ def register(name: str) -> Callable[[Strategy], Strategy]:
     """
 
     def deco(fn: Strategy) -> Strategy:
+        if not callable(fn):
+            raise ArgumentError(
+                f"memsave.strategies.register: strategy={fn!r} for {name!r} is not callable; "
+                "pass a function (fg, **options) -> Selection")
         planners.register(name, _as_planner(name, fn))
         return fn
 

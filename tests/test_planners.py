@@ -20,6 +20,7 @@ without a budget and with one, and checks what every planner must do:
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -192,6 +193,29 @@ def test_a_planners_plan_must_be_a_plan_of_the_problem_it_was_given(registered):
         planners.run("returns_ids", Problem(H.chain(6)))
     # A plan of another problem of an equal graph numbers the same tensors: accepted.
     assert planners.run("foreign", Problem(H.chain(12))) is foreign
+
+
+@pytest.mark.parametrize("bad", [-1, 10**6, "y", True, 1.0])
+def test_a_plan_keeps_tensor_ids_of_its_graph_and_no_y(registered, bad):
+    problem = Problem(H.chain(6))
+    bad = problem.fg.ys[0] if bad == "y" else bad
+    # -1 is not the last tensor (a y), nor is an id past the end any tensor.
+    with pytest.raises(memsave.CheckpointError, match=r"problem.plan\('mine', ...\) keeps"):
+        problem.plan("mine", (bad,), {bad: "bad"})
+    # A Plan built without problem.plan is checked when the planner returns it.
+    good = problem.plan("mine", problem.keepable()[:1], {})
+    registered("bad_ids", lambda problem, *, budget=None: dataclasses.replace(
+        good, checkpoint_ids=(bad,)))
+    with pytest.raises(memsave.CheckpointError, match="planner 'bad_ids' keeps"):
+        planners.run("bad_ids", problem)
+
+
+@pytest.mark.parametrize("register", [lambda: planners.register("not_callable", 42),
+                                      lambda: strategies.register("not_callable")(42)])
+def test_registering_what_is_not_callable_is_refused_at_once(register):
+    with pytest.raises(ArgumentError, match="42 for 'not_callable' is not callable"):
+        register()
+    assert "not_callable" not in planners.available()
 
 
 def test_the_memory_model_is_a_value_of_the_problem():

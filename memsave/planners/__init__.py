@@ -47,12 +47,17 @@ _REGISTRY: dict[str, Planner] = {}
 def register(name: str, planner: Planner | None = None):
     """Register ``planner`` under ``name``; without ``planner``, a decorator.
 
-    Raises ``ValueError`` when the name is taken (:func:`unregister` first).
+    Raises ``ValueError`` when the name is taken (:func:`unregister` first),
+    and when ``planner`` is not callable.
     """
 
     def deco(fn: Planner) -> Planner:
         if not isinstance(name, str) or not name:
             raise ArgumentError(f"memsave.planners.register: name={name!r}; pass a non-empty string")
+        if not callable(fn):
+            raise ArgumentError(
+                f"memsave.planners.register: planner={fn!r} for {name!r} is not callable; pass "
+                "a function (problem, *, budget=None, **options) -> Plan")
         if name in _REGISTRY:
             raise ArgumentError(f"memsave.planners.register: {name!r} is registered already; "
                              "unregister it first")
@@ -150,6 +155,7 @@ def _checking(planner: Planner, name: str, api: str) -> Planner:
                 f"{api}: planner {name!r} returned a Plan of another forward graph (made for "
                 "another problem); a planner returns a Plan of the problem it is given: "
                 "problem.plan(name, checkpoint_ids, reasons)")
+        problem.checkpoint_ids(plan.checkpoint_ids, who=f"planner {name!r}", api=api)
         return plan
 
     return checked
