@@ -218,6 +218,32 @@ def test_registering_what_is_not_callable_is_refused_at_once(register):
     assert "not_callable" not in planners.available()
 
 
+def test_a_planner_that_ignores_the_budget_is_refused_above_it(registered):
+    @registered_as(registered, "last_only")
+    def last_only(problem, *, budget=None):
+        keep = problem.keepable()[-1:]
+        return problem.plan("last_only", keep, {t: "last" for t in keep})
+
+    problem = Problem(H.chain(12))
+    peak = last_only(problem).predicted_peak_bytes
+    with pytest.raises(memsave.MemoryBudgetError, match="planner 'last_only' returned a plan "
+                                                        "whose forecast peak") as info:
+        planners.run("last_only", problem, budget=peak - 1)
+    assert info.value.min_peak_bytes == peak
+    with pytest.raises(memsave.MemoryBudgetError, match="memory_budget=0.1"):
+        planners.run("last_only", problem, budget=0.1)
+    # Within the budget, its plan is the planner's.
+    assert planners.run("last_only", problem, budget=peak).checkpoint_ids == tuple(problem.keepable()[-1:])
+
+
+def registered_as(registered, name):
+    """A decorator registering a planner with the ``registered`` fixture."""
+    def deco(fn):
+        registered(name, fn)
+        return fn
+    return deco
+
+
 def test_the_memory_model_is_a_value_of_the_problem():
     # The judge counts every byte; the device's model is the problem's.
     fg = H.chain(8, size_bytes=128 * 1024)

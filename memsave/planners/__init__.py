@@ -33,7 +33,8 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from memsave.errors import ArgumentError, GraphMismatchError, OptionsError, UnknownStrategyError
+from memsave.errors import ArgumentError, GraphMismatchError, MemoryBudgetError, OptionsError, \
+    UnknownStrategyError
 from memsave.record import Plan
 from memsave.simulate import paused_gc
 
@@ -140,8 +141,9 @@ def check(name: str, *, budget=None, options: Mapping[str, Any] | None = None,
 
 def _checking(planner: Planner, name: str, api: str) -> Planner:
     """``planner``, raising when what it returns is not a Plan of the problem
-    it was given: memsave would otherwise rewrite the graph by another
-    graph's tensor ids (and leave every gradient None) or fail deep inside."""
+    it was given (memsave would otherwise rewrite the graph by another
+    graph's tensor ids, and leave every gradient None, or fail deep inside),
+    or is above the budget it was given."""
 
     def checked(problem, **kwargs):
         plan = planner(problem, **kwargs)
@@ -156,9 +158,26 @@ def _checking(planner: Planner, name: str, api: str) -> Planner:
                 "another problem); a planner returns a Plan of the problem it is given: "
                 "problem.plan(name, checkpoint_ids, reasons)")
         problem.checkpoint_ids(plan.checkpoint_ids, who=f"planner {name!r}", api=api)
+        budget = kwargs.get("budget")
+        if budget is not None and plan.budget is None:
+            # The built-in planners that take a budget meet it or raise, and
+            # say so in Plan.budget; a planner that does not is checked here.
+            _fits(plan, budget, name, api)
         return plan
 
     return checked
+
+
+def _fits(plan: Plan, budget, name: str, api: str) -> None:
+    """Raise :class:`MemoryBudgetError` when ``plan``'s forecast peak is above ``budget``."""
+    budget_bytes = _budget.resolve_budget(budget, plan.baseline_peak_bytes, api=api)
+    peak = plan.predicted_peak_bytes
+    if peak > budget_bytes:
+        raise MemoryBudgetError(
+            f"{api}: planner {name!r} returned a plan whose forecast peak, {peak:,} bytes, is "
+            f"above memory_budget={budget!r} ({budget_bytes:,} bytes); pass memory_budget >= "
+            f"{peak}, or plan with a planner that meets a budget (checkpoints='auto')",
+            min_peak_bytes=peak)
 
 
 def _of(plan: Plan, problem) -> bool:
