@@ -190,6 +190,8 @@ def _bad_inputs(d) -> dict:
         "bad batch size": (["plan", d / "mlp.keras", "--batch-size", "-3"], "not a positive integer"),
         "bad strategy": (["plan", d / "mlp.keras", "--checkpoints", "fastest"], "'fastest'"),
         "bad budget": (["plan", d / "mlp.keras", "--memory-budget", "2.5"], "fraction must be"),
+        "budget refused": (["plan", d / "mlp.keras", "--checkpoints", "speed", "--memory-budget",
+                            "0.5"], "cannot be combined with checkpoints='speed'"),
         "unmet budget": (["plan", d / "mlp.keras", "--memory-budget", "1KiB"], "memory_budget"),
         "no command": ([], "give a command"),
         "unknown command": (["fit"], "invalid choice"),
@@ -206,6 +208,31 @@ def test_bad_input_is_one_line_and_status_2(files, capsys, monkeypatch, case):
     assert len(lines) == 1, err
     assert lines[0].startswith("memsave: error: ") and says in lines[0], lines[0]
     assert "Traceback" not in err and out == ""
+
+
+def test_an_unknown_planner_lists_the_planners_before_the_model_loads(capsys):
+    code, out, err = _run(capsys, "plan", "no_such_file.keras", "--checkpoints", "fastest")
+    assert code == 2 and out == ""
+    assert "--checkpoints 'fastest' is not a known planner; use one of [" in err
+    assert "'memory'" in err and "tensors" not in err  # a command line cannot pass tensors
+
+
+def test_the_commands_the_docs_show_parse_and_plan():
+    from memsave import planners
+    from memsave.cli import _parser
+
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    shown = [line.split()[3:]
+             for path in (repo / "README.md", *sorted((repo / "docs").glob("*.md")),
+                          repo / "memsave" / "cli.py")
+             for line in path.read_text().splitlines()
+             if line.strip().startswith("python -m memsave plan ")]
+    assert len(shown) >= 3
+    for argv in shown:
+        args = _parser().parse_args(argv)
+        # What memsave plan checks before it loads the model (a budget with a
+        # planner that refuses one is refused there).
+        planners.check(args.checkpoints, budget=args.memory_budget, api=" ".join(argv))
 
 
 # -- importing memsave -------------------------------------------------------------------
