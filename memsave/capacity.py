@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import re
 from collections.abc import Callable
 from typing import Any
@@ -234,12 +235,12 @@ def parse_bytes(value: int | str, *, what: str = "memory", api: str = "memsave")
     :class:`CapacityError` for anything else, or a size under one byte.
     """
     allowed = "B, KiB, MiB, GiB, TiB (powers of 1024) or KB, MB, GB, TB (powers of 1000)"
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, str)):
         raise CapacityError(
             f"{api}: {what}={value!r}; pass a number of bytes (int) or a size such as '8GiB' "
             f"(units {allowed})")
-    if isinstance(value, int):
-        size = value
+    if isinstance(value, numbers.Integral):  # a numpy integer is one
+        size = int(value)
     else:
         m = _SIZE.fullmatch(value)
         unit = m and _UNITS.get(m.group(2).lower())

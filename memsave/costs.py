@@ -33,6 +33,7 @@ What the numbers mean
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import weakref
 
 from memsave.errors import ArgumentError
@@ -218,8 +219,10 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None,
     -----
     One pass over tensors and ops: linear in the graph size.
     """
-    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
+            batch_size, numbers.Integral) or batch_size < 1):
         raise ArgumentError(f"memsave: batch_size must be a positive int, got {batch_size!r}")
+    batch_size = None if batch_size is None else int(batch_size)  # a numpy integer is one
     tensor_bytes = []
     guessed: dict[str, list[str]] = {"batch": [], "other": [], "rank": []}
     for node in fg.tensors:

@@ -78,6 +78,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import numbers
 import threading
 import warnings
 import weakref
@@ -225,7 +226,7 @@ def checkpointed(
     _check_planning(checkpoints, strategy_options, memory_budget)
     if _private.compiled(model) and model.run_eagerly:
         raise EagerExecutionError(_EAGER_MESSAGE.format(name=model.name))
-    _check_batch_size(batch_size, "memsave.keras.checkpointed", "fit's arguments")
+    batch_size = _check_batch_size(batch_size, "memsave.keras.checkpointed", "fit's arguments")
     step = functools.partial(_checkpointed_train_step, model, config)
     step = tf.autograph.experimental.do_not_convert(step)
     _private.set_train_step(model, _CheckpointedStep(step, config, batch_size))
@@ -343,7 +344,7 @@ def plan(
         )
     if model.run_eagerly:
         raise EagerExecutionError(_EAGER_MESSAGE.format(name=model.name))
-    _check_batch_size(batch_size, api, "x")
+    batch_size = _check_batch_size(batch_size, api, "x")
     config = _Config(
         strategy=_check_checkpoints(checkpoints, api),
         layers=_resolve_layers(model, checkpoints, api),
@@ -409,11 +410,13 @@ def extra_resident_bytes(model: keras.Model, allocator: Allocator | None = None)
     return total
 
 
-def _check_batch_size(batch_size, api: str, default_from: str) -> None:
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
-                                   or batch_size < 1):
+def _check_batch_size(batch_size, api: str, default_from: str) -> int | None:
+    """``batch_size`` as an int (a numpy integer is one), or None."""
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
+            batch_size, numbers.Integral) or batch_size < 1):
         raise ArgumentError(f"{api}: batch_size={batch_size!r}; pass a positive int, or None to "
                             f"take the batch size from {default_from}")
+    return None if batch_size is None else int(batch_size)
 
 
 def _batch_known(data) -> bool:

@@ -42,14 +42,14 @@ pytestmark = pytest.mark.xdist_group("test_capacity")
 @pytest.mark.parametrize("text, expected", [
     (4096, 4096), ("4096", 4096), ("1B", 1), ("8GiB", 8 * 2**30), ("8 gib", 8 * 2**30),
     ("512MiB", 512 * MiB), ("1.5KiB", 1536), ("2GB", 2 * 10**9), ("3MB", 3 * 10**6),
-    ("1kb", 1000), ("1TiB", 2**40), (".5MiB", MiB // 2),
+    ("1kb", 1000), ("1TiB", 2**40), (".5MiB", MiB // 2), (np.int64(4096), 4096),
 ])
 def test_parse_bytes(text, expected):
-    assert parse_bytes(text) == expected
+    assert parse_bytes(text) == expected and type(parse_bytes(text)) is int
 
 
 @pytest.mark.parametrize("bad", ["", "GiB", "8XB", "8 GiB extra", "-1GiB", "1e3", 0, -5, "0",
-                                 "0.1B", True, 2.5, None])
+                                 "0.1B", True, 2.5, None, np.int64(0), np.bool_(True)])
 def test_parse_bytes_rejects(bad):
     with pytest.raises(CapacityError, match="memory=") as e:
         parse_bytes(bad, what="memory")

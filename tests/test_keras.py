@@ -697,8 +697,18 @@ def test_plan_errors_say_what_to_do():
         memsave.keras.plan(plan_model(), x, y, checkpoints="fastest")
     with pytest.raises(ValueError, match="batch_size=0"):
         memsave.keras.plan(plan_model(), x, y, batch_size=0)
+    with pytest.raises(ValueError, match="batch_size=True"):
+        memsave.keras.plan(plan_model(), x, y, batch_size=True)
     with pytest.raises(memsave.CheckpointError, match="memsave.keras.plan: .*'nope' is not a layer"):
         memsave.keras.plan(plan_model(), x, y, checkpoints=["nope"])
+
+
+def test_a_numpy_integer_is_a_batch_size():
+    x, y = plan_batch()
+    model = plan_model()
+    ours = memsave.keras.plan(model, x, y, batch_size=np.int64(PLAN_BATCH))
+    assert ours.baseline_peak_bytes == memsave.keras.plan(
+        model, x, y, batch_size=PLAN_BATCH).baseline_peak_bytes
 
 
 # -- the batch size a trace plans for --------------------------------------------------

@@ -108,9 +108,16 @@ def test_batch_size_hint_on_plan():
         loss = tf.reduce_sum(h)
         guessed = memsave.plan(loss, ws, checkpoints="memory")
         hinted = memsave.plan(loss, ws, checkpoints="memory", batch_size=1024)
+        numpy_int = memsave.plan(loss, ws, checkpoints="memory", batch_size=np.int64(1024))
+        for bad in (0, True, 1024.0):
+            with pytest.raises(memsave.MemsaveError, match="batch_size"):
+                memsave.plan(loss, ws, checkpoints="memory", batch_size=bad)
     assert any("batch_size=" in a for a in guessed.assumptions)
     assert any("batch_size=1024" in a for a in hinted.assumptions)
     assert hinted.baseline_peak_bytes > guessed.baseline_peak_bytes + 4 * MiB
+    # A numpy integer is an int.
+    assert numpy_int.baseline_peak_bytes == hinted.baseline_peak_bytes
+    assert numpy_int.assumptions == hinted.assumptions
 
 
 # The measure_* functions run in fresh processes (tests/fresh.py): the
