@@ -271,9 +271,12 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options, *,
         name = checkpoints
     elif isinstance(checkpoints, Plan):
         name = "plan"
+        # Given is not None (0 is given: memory_budget=0 is refused, not
+        # dropped), but for extra_resident_bytes, whose default is 0.
         given_too = [k for k, v in (("strategy_options", strategy_options),
-                                    ("memory_budget", memory_budget), ("batch_size", batch_size),
-                                    ("extra_resident_bytes", extra_resident_bytes)) if v]
+                                    ("memory_budget", memory_budget), ("batch_size", batch_size))
+                     if v is not None] + (["extra_resident_bytes"] if extra_resident_bytes != 0
+                                          else [])
         if given_too:
             raise OptionsError(
                 f"{api}: checkpoints= is a Plan, made with its own planning options; "

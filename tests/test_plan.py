@@ -335,8 +335,12 @@ def test_a_plan_of_another_graph_or_with_planning_options_is_refused():
         p = memsave.plan(loss, ws, checkpoints="memory")
         with pytest.raises(memsave.GraphMismatchError, match="another forward graph"):
             memsave.gradients(loss, ws[1:], checkpoints=p)
-        with pytest.raises(memsave.OptionsError, match="memory_budget"):
-            memsave.gradients(loss, ws, checkpoints=p, memory_budget=0.5)
+        # Given with a Plan, a planning option is refused, falsy ones too.
+        for option, value in (("memory_budget", 0.5), ("memory_budget", 0),
+                              ("memory_budget", 0.0), ("batch_size", 0),
+                              ("strategy_options", {}), ("extra_resident_bytes", 1)):
+            with pytest.raises(memsave.OptionsError, match=option):
+                memsave.gradients(loss, ws, checkpoints=p, **{option: value})
     with tf.Graph().as_default():
         ws = _chain_weights()
         other = _small_chain(ws, batch=128)  # the same names, other shapes
