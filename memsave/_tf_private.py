@@ -21,7 +21,8 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import backprop_util, record
 from tensorflow.python.framework import indexed_slices, op_def_registry
-from tensorflow.python.ops import cond_v2, control_flow_util, control_flow_util_v2, gradients_impl, gradients_util
+from tensorflow.python.ops import cond_v2, control_flow_util, control_flow_util_v2
+from tensorflow.python.ops import gradients_impl, gradients_util
 from tensorflow.python.ops import handle_data_util
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.util import deprecation
@@ -290,9 +291,10 @@ def written_variable(op: tf.Operation) -> str:
                 if fdefs is not None and all(_fdef_read_only(f, reader.graph) for f in fdefs):
                     continue
             if initializers is None:
-                initializers = {v.initializer for v in
-                                reader.graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
-                                + reader.graph.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES)
+                keys = tf.compat.v1.GraphKeys
+                variables = [*reader.graph.get_collection(keys.GLOBAL_VARIABLES),
+                             *reader.graph.get_collection(keys.LOCAL_VARIABLES)]
+                initializers = {v.initializer for v in variables
                                 if getattr(v, "initializer", None) is not None}
             if reader not in initializers:
                 return reader.name

@@ -381,8 +381,9 @@ def find_loops(tensors: Sequence[tf.Tensor], *, nested: bool = False) -> list[tf
     With ``nested=False``, those of the graph the tensors live in. With
     ``nested=True`` also the loops inside the functions those ops call
     (PartitionedCall, StatefulPartitionedCall, While bodies, the branches of
-    an If or Case), each listed after the op that runs it: :func:`prepare` handles them too, when called
-    before the gradient of the op that runs them is built.
+    an If or Case), each listed after the op that runs it: :func:`prepare`
+    handles them too, when called before the gradient of the op that runs
+    them is built.
     """
     seen, found = set(), []
     stack = [t.op for t in tensors]

@@ -460,7 +460,8 @@ def test_loops_in_cond_branches_are_found_and_named(caplog):
         assert len(found) == 2 and all(op.graph is not g for op in found)
         with caplog.at_level(logging.WARNING, logger="memsave.loops"):
             memsave.gradients(loss, [W, U], checkpoints="memory")
-    warned = [r.getMessage() for r in caplog.records if "keeps while_v2's gradient" in r.getMessage()]
+    warned = [m for m in (r.getMessage() for r in caplog.records)
+              if "keeps while_v2's gradient" in m]
     assert len(warned) == 2 and all("a branch of" in m for m in warned), warned
 
 

@@ -233,7 +233,8 @@ def test_a_planner_that_ignores_the_budget_is_refused_above_it(registered):
     with pytest.raises(memsave.MemoryBudgetError, match="memory_budget=0.1"):
         planners.run("last_only", problem, budget=0.1)
     # Within the budget, its plan is the planner's.
-    assert planners.run("last_only", problem, budget=peak).checkpoint_ids == tuple(problem.keepable()[-1:])
+    kept = planners.run("last_only", problem, budget=peak).checkpoint_ids
+    assert kept == tuple(problem.keepable()[-1:])
 
 
 def registered_as(registered, name):

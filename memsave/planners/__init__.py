@@ -176,7 +176,8 @@ def _fits(plan: Plan, budget, name: str, api: str) -> None:
         raise MemoryBudgetError(
             f"{api}: planner {name!r} returned a plan whose forecast peak, {peak:,} bytes, is "
             f"above memory_budget={budget!r} ({budget_bytes:,} bytes); pass memory_budget >= "
-            f"{peak}, or plan with a planner that meets a budget (checkpoints='auto')",
+            f"{peak}, or plan with one that meets a budget (checkpoints='memory' with "
+            "memory_budget=)",
             min_peak_bytes=peak)
 
 
