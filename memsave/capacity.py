@@ -489,10 +489,11 @@ def default_margin(plain: bool) -> float:
 
 
 def _check_margin(margin, api: str) -> None:
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0 \
+            or not math.isfinite(margin):
         raise CapacityError(
-            f"{api}: margin={margin!r}; pass a fraction of the forecast >= 0, or None for the "
-            f"forecast's known error ({FORECAST_MARGIN_PLAIN} for plain fit, "
+            f"{api}: margin={margin!r}; pass a finite fraction of the forecast >= 0, or None "
+            f"for the forecast's known error ({FORECAST_MARGIN_PLAIN} for plain fit, "
             f"{FORECAST_MARGIN_CHECKPOINTED} checkpointed)")
 
 

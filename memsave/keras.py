@@ -355,7 +355,14 @@ def plan(
     )
     _check_planning(checkpoints, strategy_options, memory_budget, api)
     data = _batch_spec((x, y) if y is not None else (x,), batch_size, api)
-    _private.build_as_fit_does(model, data)
+    try:
+        _private.build_as_fit_does(model, data)
+    except ValueError as e:
+        if y is not None:
+            raise
+        raise ArgumentError(
+            f"{api}: model {model.name!r}'s loss could not be built without targets ({e}); "
+            "pass y= as fit would get it") from e
     if not model.trainable_weights:
         raise KerasModelError(
             f"{api}: model {model.name!r} has no trainable weights, so fit takes no gradients: "

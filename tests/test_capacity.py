@@ -326,7 +326,7 @@ def test_budget_with_plain_fit(mlp):
         memsave.keras.max_batch_size(mlp, x, y, memory="1GiB", checkpoints=None, memory_budget=0.5)
 
 
-@pytest.mark.parametrize("margin", [-0.1, "10%", True])
+@pytest.mark.parametrize("margin", [-0.1, "10%", True, float("inf"), float("nan")])
 def test_bad_margin(mlp, margin):
     x, y = _sample()
     with pytest.raises(CapacityError, match="margin="):

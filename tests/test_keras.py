@@ -807,3 +807,16 @@ def test_restore_gives_back_keras_fit():
     memsave.keras.restore(model)
     assert "fit" not in vars(model) and "train_step" not in vars(model)
     assert model.fit.__func__ is type(model).fit
+
+
+def test_plan_without_targets_for_a_loss_that_needs_them_says_so():
+    """memsave.keras.plan(model, x) of an mse model: Keras' "None values not
+    supported." said nothing of y; and an unknown strategy's message offered
+    a list of tensors, which memsave.keras does not take."""
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(4)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((64, 16), "float32")
+    with pytest.raises(memsave.errors.ArgumentError, match="pass y="):
+        memsave.keras.plan(model, x)
+    with pytest.raises(memsave.UnknownStrategyError, match="layers or layer names"):
+        memsave.keras.plan(model, x, x[:, :4], checkpoints="fastest")

@@ -83,9 +83,11 @@ def get(name: str, *, api: str = "memsave.gradients") -> Planner:
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
+        given = ("a list of the model's layers or layer names" if api.startswith("memsave.keras")
+                 else "a list of tensors")
         raise UnknownStrategyError(
             f"{api}: checkpoints={name!r} is not a known strategy; use one of {available()} "
-            "or pass a list of tensors") from None
+            f"or pass {given}") from None
 
 
 def available() -> list[str]:
