@@ -44,7 +44,7 @@ from memsave.errors import (
 )
 from memsave.extract import Extraction, extract
 from memsave.memory_model import BFC, CPU_ONEDNN, Allocator, MemoryModel
-from memsave.planners.strategies import given
+from memsave.planners.strategies import budget_refused, given
 from memsave.problem import Problem
 from memsave.record import Plan
 from memsave.rewrite import aggregate, colocated, rewrite
@@ -182,7 +182,7 @@ def _validate_list(checkpoints: Sequence, ex: Extraction, ys, xs,
     chosen = []
     for c in checkpoints:
         if not isinstance(c, tf.Tensor) or _is_eager(c):
-            if isinstance(c, tf.Variable) or hasattr(c, "handle"):
+            if _tf_private.is_resource_variable(c):
                 raise CheckpointError(
                     f"{api}: checkpoints are activations (graph tensors), got the variable "
                     f"{getattr(c, 'name', c)!r}: a variable's value is resident anyway; "
@@ -286,9 +286,7 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options, *,
         if strategy_options:
             raise OptionsError(f"{api}: strategy_options apply to named strategies only")
         if memory_budget is not None:
-            raise CheckpointError(
-                f"{api}: memory_budget= plans the checkpoints itself; it cannot be combined "
-                "with a list of checkpoints. Pass one or the other")
+            raise budget_refused("a list of checkpoints", api)
     else:
         raise CheckpointError(
             f"{api}: checkpoints={checkpoints!r} is neither a strategy name "
@@ -604,7 +602,7 @@ def _build_prepared(p: Plan, ex: Extraction, args, prepared: dict, *, name, stoc
     with graph.as_default(), tf.name_scope(name or "gradients"):
         seeds = []
         for y, g in zip(ys, grad_ys):
-            with colocated(y.op, colocate):
+            with colocated(y.op if colocate else None):
                 seeds.append(tf.ones_like(y) if g is None
                              else tf.convert_to_tensor(g, dtype=y.dtype))
         received = rewrite(ex, p.schedule, seeds, stop_gradients=stop_gradients, **stock)

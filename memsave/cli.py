@@ -44,7 +44,7 @@ from memsave.capacity import (
     NoBatchFitsError,
     parse_bytes,
 )
-from memsave.errors import MemsaveError, UnknownStrategyError
+from memsave.errors import MemsaveError
 
 __all__ = ["main", "UsageError"]
 
@@ -159,14 +159,10 @@ def _budget(text: str) -> int | float:
 def _run_plan(args) -> int:
     from memsave import planners
 
-    # A mistake fails now, before the model loads; an unknown name lists the
-    # planners only (planners.get would suggest a list of tensors, which a
-    # command line cannot pass).
-    if args.checkpoints not in planners.available():
-        raise UnknownStrategyError(
-            f"memsave plan: --checkpoints {args.checkpoints!r} is not a known planner; use one "
-            f"of {planners.available()}")
-    planners.check(args.checkpoints, budget=args.memory_budget, api="memsave plan")
+    # A mistake fails now, before the model loads (a command line names
+    # planners only: no list of tensors instead).
+    planners.check(args.checkpoints, budget=args.memory_budget, api="memsave plan",
+                   instead=None)
     model = _load_model(args.model)
     from memsave.capacity import Forecasts
 

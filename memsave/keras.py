@@ -100,6 +100,7 @@ from memsave.api import device_model
 from memsave.api import gradients as _memsave_gradients
 from memsave.api import plan as _memsave_plan
 from memsave.memory_model import Allocator
+from memsave.planners.strategies import budget_refused
 
 __all__ = ["checkpointed", "restore", "is_checkpointed", "plan", "max_batch_size", "extra_resident_bytes",
            "KerasModelError"]
@@ -747,10 +748,14 @@ def _check_model(model, api: str = "memsave.keras.checkpointed") -> None:
         )
 
 
+#: What memsave.keras takes as checkpoints= besides a strategy name (for errors).
+_LAYERS = "a list of the model's layers or layer names"
+
+
 def _check_checkpoints(checkpoints, api: str = "memsave.keras.checkpointed") -> str | None:
     """The strategy name, or None for a list of layers; raise on anything else."""
     if isinstance(checkpoints, str):
-        planners.get(checkpoints, api=api)  # UnknownStrategyError now, not deep in fit
+        planners.get(checkpoints, api=api, instead=_LAYERS)  # now, not deep in fit
         return checkpoints
     if isinstance(checkpoints, Sequence) and checkpoints and all(
         isinstance(c, (str, keras.layers.Layer)) for c in checkpoints
@@ -771,11 +776,10 @@ def _check_planning(checkpoints, options, memory_budget,
     step: options the strategy does not take, a budget that is neither
     bytes nor a fraction, a budget beside a list of layers."""
     if isinstance(checkpoints, str):
-        planners.check(checkpoints, budget=memory_budget, options=options, api=api)
+        planners.check(checkpoints, budget=memory_budget, options=options, api=api,
+                       instead=_LAYERS)
     elif memory_budget is not None:
-        raise CheckpointError(
-            f"{api}: memory_budget= plans the checkpoints itself; it cannot be combined with a "
-            "list of layers. Pass one or the other")
+        raise budget_refused("a list of layers", api)
 
 
 def _check_strategy_options(options, checkpoints, api: str = "memsave.keras.checkpointed") -> dict | None:

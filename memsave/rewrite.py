@@ -99,10 +99,11 @@ def _gateable(dtype: tf.DType) -> bool:
     return dtype.is_floating or dtype.is_complex
 
 
-def colocated(op: tf.Operation, colocate: bool):
-    """``colocate_with(op)`` when ``colocate`` (``colocate_gradients_with_ops``), else nothing."""
-    return op.graph.colocate_with(op, ignore_existing=True) if colocate \
-        else contextlib.nullcontext()
+def colocated(op: tf.Operation | None):
+    """``colocate_with(op)``; nothing when ``op`` is None (no
+    ``colocate_gradients_with_ops``)."""
+    return contextlib.nullcontext() if op is None \
+        else op.graph.colocate_with(op, ignore_existing=True)
 
 
 def aggregate(grads: Sequence, *, dense: bool, near: tf.Operation | None = None):
@@ -110,20 +111,18 @@ def aggregate(grads: Sequence, *, dense: bool, near: tf.Operation | None = None)
     ``near``: the op the sum is colocated with (the tensor's producer)."""
     if not grads:
         return None
-    if near is not None and len(grads) > 1:
-        with colocated(near, True):
-            return aggregate(grads, dense=dense)
-    sparse = [isinstance(g, tf.IndexedSlices) for g in grads]
-    if all(sparse) and not dense:
-        if len(grads) == 1:
-            return grads[0]
-        return tf.IndexedSlices(
-            tf.concat([g.values for g in grads], axis=0),
-            tf.concat([g.indices for g in grads], axis=0),
-            grads[0].dense_shape,
-        )
-    dense_grads = [tf.convert_to_tensor(g) for g in grads]
-    return dense_grads[0] if len(dense_grads) == 1 else tf.math.add_n(dense_grads)
+    with colocated(near):
+        sparse = [isinstance(g, tf.IndexedSlices) for g in grads]
+        if all(sparse) and not dense:
+            if len(grads) == 1:
+                return grads[0]
+            return tf.IndexedSlices(
+                tf.concat([g.values for g in grads], axis=0),
+                tf.concat([g.indices for g in grads], axis=0),
+                grads[0].dense_shape,
+            )
+        dense_grads = [tf.convert_to_tensor(g) for g in grads]
+        return dense_grads[0] if len(dense_grads) == 1 else tf.math.add_n(dense_grads)
 
 
 def _gate(grads: Sequence, *, once: bool = False) -> tf.Tensor | None:
@@ -187,7 +186,8 @@ def _gate(grads: Sequence, *, once: bool = False) -> tf.Tensor | None:
             "AddN", bits, [tf.float32], {"N": len(bits), "T": tf.float32}, "bits").outputs[0]
         same = op("Equal", [b, b], [tf.bool], {"T": tf.float32,
                                                 "incompatible_shape_error": True}, "same").outputs[0]
-        gate = op("SelectV2", [same, c(tf.float32, _tf_private.GATE_ZERO), c(tf.float32, float("nan"))],
+        gate = op("SelectV2", [same, c(tf.float32, _tf_private.GATE_ZERO),
+                               c(tf.float32, float("nan"))],
                   [tf.float32], {"T": tf.float32}, "gate").outputs[0]
         if once:  # sqrt(-0.0) is -0.0
             gate = op("Sqrt", [gate], [tf.float32], {"T": tf.float32}, "gate_once").outputs[0]
@@ -266,7 +266,7 @@ def rewrite(
     # Under XLA the seeds wait for the ys by a data dependency (see _after_forward).
     y_gate = _gate(y_values) if fg.xla else None
     for y, gy in zip(fg.ys, grad_ys):
-        with colocated(ex.tensors[y].op, colocate_gradients_with_ops):
+        with colocated(ex.tensors[y].op if colocate_gradients_with_ops else None):
             received[y].append(_after_forward(gy, [t.op for t in y_values], y_gate))
     stock = dict(
         gate_gradients=gate_gradients,

@@ -213,7 +213,7 @@ def test_bad_input_is_one_line_and_status_2(files, capsys, monkeypatch, case):
 def test_an_unknown_planner_lists_the_planners_before_the_model_loads(capsys):
     code, out, err = _run(capsys, "plan", "no_such_file.keras", "--checkpoints", "fastest")
     assert code == 2 and out == ""
-    assert "--checkpoints 'fastest' is not a known planner; use one of [" in err
+    assert "checkpoints='fastest' is not a known strategy; use one of [" in err
     assert "'memory'" in err and "tensors" not in err  # a command line cannot pass tensors
 
 

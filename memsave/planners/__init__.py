@@ -78,16 +78,16 @@ def unregister(name: str) -> Planner:
             f"{available()}") from None
 
 
-def get(name: str, *, api: str = "memsave.gradients") -> Planner:
-    """The planner registered under ``name``."""
+def get(name: str, *, api: str = "memsave.gradients",
+        instead: str | None = "a list of tensors") -> Planner:
+    """The planner registered under ``name``. ``instead``: what the caller
+    also takes as ``checkpoints=``, for the error (None: nothing else)."""
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
-        given = ("a list of the model's layers or layer names" if api.startswith("memsave.keras")
-                 else "a list of tensors")
         raise UnknownStrategyError(
-            f"{api}: checkpoints={name!r} is not a known strategy; use one of {available()} "
-            f"or pass {given}") from None
+            f"{api}: checkpoints={name!r} is not a known strategy; use one of {available()}"
+            + (f" or pass {instead}" if instead else "")) from None
 
 
 def available() -> list[str]:
@@ -128,16 +128,17 @@ def run(name: str | Planner, problem, *, budget=None, options: Mapping[str, Any]
 
 
 def check(name: str, *, budget=None, options: Mapping[str, Any] | None = None,
-          api: str = "memsave.gradients") -> None:
+          api: str = "memsave.gradients", instead: str | None = "a list of tensors") -> None:
     """What :func:`run` checks before it reads a graph: ``name`` is
     registered, ``options`` are its options and ``budget`` is bytes or a
     fraction. For callers that plan later (``memsave.keras.checkpointed``
-    plans when ``fit`` traces the step) and want a mistake reported now."""
-    planner = get(name, api=api)
+    plans when ``fit`` traces the step) and want a mistake reported now.
+    ``instead``: as for :func:`get`."""
+    planner = get(name, api=api, instead=instead)
     _check_options(planner, name, dict(options or {}), api)
     if budget is not None:
         if getattr(planner, "refuses_budget", False):
-            raise _strategies.budget_refused(name, api)
+            raise _strategies.budget_refused(f"checkpoints={name!r}", api)
         _budget.check_budget(budget, api=api)
 
 

@@ -251,7 +251,7 @@ def speed(problem: Problem, *, budget=None, budget_fraction: float = SPEED_BUDGE
     saves under ``min_saving_fraction`` (:func:`worth_it`).
     """
     if budget is not None:
-        raise budget_refused("speed", api)
+        raise budget_refused("checkpoints='speed'", api)
     _check_fraction("min_saving_fraction", min_saving_fraction, api)
     if op_types is not None:
         _no_solver_options(solver, time_limit_s, "'speed' with op_types", api)
@@ -314,11 +314,12 @@ speed.loop_budget_bytes = _speed_loop_budget
 speed.refuses_budget = True
 
 
-def budget_refused(name: str, api: str) -> CheckpointError:
-    """The error of a ``memory_budget=`` given with a strategy that refuses one."""
+def budget_refused(with_what: str, api: str) -> CheckpointError:
+    """The error of a ``memory_budget=`` given ``with_what`` refuses one (a
+    strategy that plans to its own budget, a list of checkpoints or layers)."""
     return CheckpointError(
         f"{api}: memory_budget= plans the checkpoints itself; it cannot be combined with "
-        f"checkpoints={name!r}. Pass one or the other")
+        f"{with_what}. Pass one or the other")
 
 
 def _relabel(problem: Problem, plan: Plan, name: str, reason: Callable[[int], str] | None = None
