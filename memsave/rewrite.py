@@ -330,8 +330,9 @@ def _differentiate(ys, xs, grad_ys, stock, deep: Sequence[bool], *, xla: bool,
     waits for the leaf gradients beside it (:func:`_no_run_ahead`). ``deep``
     (aligned with ``xs``): whether later steps take that gradient further."""
     start = _tf_private.next_op_creation_index(ys[0].graph)
-    grads = _tf_private.original_gradients(ys, xs, grad_ys=grad_ys,
-                                           stop_gradients=stop_gradients, **stock)
+    with _tf_private.unread_zero_gradients_elided():
+        grads = _tf_private.original_gradients(ys, xs, grad_ys=grad_ys,
+                                               stop_gradients=stop_gradients, **stock)
     if not xla:
         _no_run_ahead(start, [(g, d) for g, d in zip(grads, deep) if g is not None])
     return grads

@@ -283,6 +283,76 @@ def test_rewrite_size_is_linear_in_depth(strategy):
     assert 1.8 < large / small < 2.2
 
 
+def _batch_norm_net(override=None):
+    """Conv -> FusedBatchNormV3 -> ReLU, four times; ``override``: the batch
+    norms' gradient replaced (gradient_override_map) by that registered name."""
+    rs = np.random.RandomState(0)
+    x = tf.constant(rs.randn(4, 8, 8, 3).astype(np.float32))
+    ws = [tf.compat.v1.Variable(rs.randn(3, 3, 3 if i == 0 else 8, 8).astype(np.float32) * 0.3)
+          for i in range(4)]
+    scales = [tf.compat.v1.Variable(np.ones(8, np.float32)) for _ in range(4)]
+    h, relus = x, []
+    for w, s in zip(ws, scales):
+        h = tf.nn.conv2d(h, w, 1, "SAME")
+        if override:
+            with tf.compat.v1.get_default_graph().gradient_override_map(
+                    {"FusedBatchNormV3": override}):
+                h = tf.compat.v1.nn.fused_batch_norm(h, s, tf.zeros(8), is_training=True)[0]
+        else:
+            h = tf.compat.v1.nn.fused_batch_norm(h, s, tf.zeros(8), is_training=True)[0]
+        h = tf.nn.relu(h)
+        relus.append(h)
+    return tf.reduce_sum(h * h), ws + scales, relus[1]
+
+
+def _zeros_of_batch_norms(graph, start):
+    return [op for op in graph.get_operations()[start:] if op.type == "ZerosLike"
+            and op.inputs[0].op.type == "FusedBatchNormV3"]
+
+
+def test_the_rewrite_builds_no_zero_gradient_a_batch_norm_ignores(graph, session):
+    """tf.gradients builds a ZerosLike for each of a batch norm's five other
+    outputs; its gradient reads grad[0] only, so the rewrite leaves them
+    out: same gradients, fewer ops to build."""
+    loss, xs, mid = _batch_norm_net()
+    start = len(graph.get_operations())
+    ref = tf.gradients(loss, xs)
+    assert len(_zeros_of_batch_norms(graph, start)) == 4 * 5
+    start = len(graph.get_operations())
+    ours = memsave.gradients(loss, xs, checkpoints=[mid])
+    assert recompute_ops(graph), "the rewrite did not run"
+    assert _zeros_of_batch_norms(graph, start) == []
+    session.run(tf.compat.v1.global_variables_initializer())
+    assert_close(*session.run([ours, ref]))
+    # Only within memsave's own calls: tf.gradients is stock again afterwards.
+    start = len(graph.get_operations())
+    tf.gradients(loss, xs)
+    assert len(_zeros_of_batch_norms(graph, start)) == 4 * 5
+
+
+_OVERRIDE_SAW = []
+
+
+@tf.RegisterGradient("MemsaveTestBatchNormReadsEveryGradient")
+def _batch_norm_gradient_reading_every_output(op, *grads):
+    _OVERRIDE_SAW.append(all(g is not None for g in grads))
+    dx, dscale, doffset = tf.raw_ops.FusedBatchNormGradV3(
+        y_backprop=grads[0], x=op.inputs[0], scale=op.inputs[1],
+        reserve_space_1=op.outputs[3], reserve_space_2=op.outputs[4],
+        reserve_space_3=op.outputs[5], epsilon=op.get_attr("epsilon"))[:3]
+    return dx, dscale, doffset, None, None
+
+
+def test_a_batch_norm_with_another_gradient_gets_every_zero_gradient(graph):
+    """A gradient_override_map'd batch norm may read its other outputs'
+    gradients: the rewrite passes them zeros, as tf.gradients does."""
+    loss, xs, mid = _batch_norm_net("MemsaveTestBatchNormReadsEveryGradient")
+    _OVERRIDE_SAW.clear()
+    memsave.gradients(loss, xs, checkpoints=[mid])
+    assert recompute_ops(graph), "the rewrite did not run"
+    assert _OVERRIDE_SAW and all(_OVERRIDE_SAW)
+
+
 # -- errors ------------------------------------------------------------------
 
 
