@@ -21,6 +21,7 @@ import functools
 from collections.abc import Mapping, Sequence
 
 from memsave.costs import is_activation
+from memsave.errors import ArgumentError
 from memsave.schedule import Schedule
 
 __all__ = ["Plan", "Budget", "KeptTensor", "BackwardStep", "GRADIENTS_CONSUMED_NOTE_FRACTION"]
@@ -436,6 +437,12 @@ class Plan:
         if self.note:
             lines.append(f"  note: {self.note}")
         return "\n".join(lines)
+
+    def __reduce_ex__(self, protocol):
+        raise ArgumentError(
+            "a memsave Plan cannot be pickled or copied: it holds the forward graph it was "
+            "planned for, and memsave.gradients builds it in that graph only; keep its figures "
+            "with plan.to_dict() (JSON-able) or plan.summary(), or plan again where it is used")
 
     def to_dict(self) -> dict:
         """The plan as JSON-able built-in types (every kept tensor, both timelines)."""

@@ -83,6 +83,17 @@ def test_summary_and_to_dict():
     assert back["kept"][0]["why"]
 
 
+def test_a_plan_refuses_pickling_and_says_what_to_keep_instead():
+    import copy
+    import pickle
+
+    p = _chain_plan()
+    for save in (pickle.dumps, copy.deepcopy, copy.copy):
+        with pytest.raises(memsave.MemsaveError, match=r"to_dict\(\)") as e:
+            save(p)
+        assert isinstance(e.value, TypeError)
+
+
 def test_plot_needs_matplotlib_and_says_which_extra(monkeypatch, tmp_path):
     p = _chain_plan()
     monkeypatch.setitem(sys.modules, "matplotlib", None)
