@@ -150,6 +150,10 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
             continue
         between.add(op)
         queue.extend(t.op for t in op.inputs)
+    # A TF1 loop's NextIteration closes a cycle: left out, its output is read
+    # as an input from outside, the graph is a DAG, and the call is left to
+    # tf.gradients (api._not_rewritable: TF1 control flow is not rewritten).
+    between = {op for op in between if op.type not in _BACK_EDGE_TYPES}
 
     ops = _toposort(between)
     index = {op: i for i, op in enumerate(ops)}
@@ -210,6 +214,10 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
     xla = bool(ops) and _tf_private.in_xla_context(ops[0].graph)
     fg = ForwardGraph(ops=tuple(op_nodes), tensors=tuple(nodes), xs=x_ids, ys=y_ids, xla=xla)
     return Extraction(fg=fg, ops=ops, tensors=tensors, tensor_ids=ids, op_index=index)
+
+
+#: Op types whose output closes a TF1 while loop's cycle.
+_BACK_EDGE_TYPES = frozenset({"NextIteration", "RefNextIteration"})
 
 
 def _toposort(ops: set[tf.Operation]) -> list[tf.Operation]:

@@ -21,7 +21,7 @@ from typing import Any
 import tensorflow as tf
 
 from memsave import _tf_private, planners
-from memsave.errors import PatchError
+from memsave.errors import ArgumentError, PatchError
 from memsave.api import gradients as _memsave_gradients
 
 __all__ = ["Patch", "patch", "unpatch"]
@@ -59,6 +59,9 @@ def _wrappers(checkpoints, strategy_options, memory_budget=None, batch_size=None
 
     gradients_v1.memsave_checkpoints = checkpoints
     gradients_v2.memsave_checkpoints = checkpoints
+    # Which signature each has, for a patch applied over this one.
+    gradients_v1.memsave_signature = "v1"
+    gradients_v2.memsave_signature = "v2"
     return gradients_v1, gradients_v2
 
 
@@ -84,6 +87,7 @@ class Patch:
     def __init__(self, checkpoints, strategy_options: Mapping[str, Any] | None = None,
                  memory_budget: int | float | None = None, batch_size: int | None = None):
         self.checkpoints = checkpoints
+        self._settings = (checkpoints, strategy_options, memory_budget, batch_size)
         v1, v2 = _wrappers(checkpoints, strategy_options, memory_budget, batch_size)
         with _lock:
             self._saved = []
@@ -95,7 +99,7 @@ class Patch:
                 for module, attr, _ in outer._saved:
                     current = vars(module).get(attr)
                     if getattr(current, "memsave_checkpoints", None) is not None:
-                        wrapper = v1 if current.__wrapped__ is _ORIGINAL_V1 else v2
+                        wrapper = v1 if current.memsave_signature == "v1" else v2
                         self._saved.append((module, attr, current))
                         setattr(module, attr, wrapper)
             _active.append(self)
@@ -124,6 +128,23 @@ class Patch:
     def __enter__(self) -> "Patch":
         return self
 
+    def __call__(self, fn):
+        """``@memsave.patch(...)`` on a function: patched while it runs, each
+        call (the patch made by the decoration itself is undone at once)."""
+        self.undo()
+        if not callable(fn):
+            raise ArgumentError(
+                f"memsave.patch(...) decorates a function, got {type(fn).__name__}; use it as "
+                "a context manager (with memsave.patch(...):) or a decorator (@memsave.patch())")
+        settings = self._settings
+
+        @functools.wraps(fn)
+        def patched(*args, **kwargs):
+            with Patch(*settings):
+                return fn(*args, **kwargs)
+
+        return patched
+
     def __exit__(self, *exc) -> None:
         self.undo()
 
@@ -136,6 +157,11 @@ def patch(checkpoints="memory", *, strategy_options: Mapping[str, Any] | None = 
 
         with memsave.patch(checkpoints="memory"):
             train_op = tf.compat.v1.train.AdamOptimizer().minimize(loss)
+
+    as a decorator (patched while the function runs)::
+
+        @memsave.patch(checkpoints="memory")
+        def build_train_op(loss): ...
 
     or call it and later :func:`unpatch` (or ``p.undo()``). ``memory_budget``
     is passed to every :func:`memsave.gradients` call (bytes, or a fraction

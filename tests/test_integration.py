@@ -76,6 +76,36 @@ def test_nested_patches_undo_in_order():
     assert tf.gradients is original
 
 
+def test_nested_patches_keep_each_alias_signature(graph):
+    """The inner patch gives the v1 aliases (tf.compat.v1 optimizers call
+    gradients_impl.gradients with colocate_gradients_with_ops) its v1
+    wrapper: it once gave them the v2 one, and minimize raised TypeError."""
+    from tensorflow.python.ops import gradients_impl
+
+    w = tf.compat.v1.Variable(W_INIT[0])
+    loss = chain(tf.constant(DATA), [w])
+    with memsave.patch(checkpoints="memory"), memsave.patch(checkpoints="speed"):
+        assert gradients_impl.gradients.memsave_signature == "v1"
+        assert tf.gradients.memsave_signature == "v2"
+        tf.compat.v1.gradients(loss, [w], colocate_gradients_with_ops=True)
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
+def test_patch_as_a_decorator_patches_while_the_function_runs():
+    original = tf.gradients
+
+    @memsave.patch(checkpoints="speed")
+    def inside():
+        return tf.gradients.memsave_checkpoints
+
+    assert tf.gradients is original, "decorating left the patch applied"
+    assert inside() == "speed" and inside() == "speed"
+    assert tf.gradients is original
+    with pytest.raises(memsave.MemsaveError, match="decorates a function"):
+        memsave.patch()(3)
+    assert tf.gradients is original
+
+
 def test_patch_plans_a_placeholder_of_unknown_batch_for_batch_size(graph, session, caplog):
     # A tf.compat.v1 placeholder [None, 256]: planned for a batch of 1, the
     # weights outweigh every activation and 'memory' gives tf.gradients'
@@ -481,6 +511,9 @@ def tf1_behaviour_run() -> dict:
         h = tf.tanh(tf.matmul(h, w))
     loss = tf.reduce_sum(h * h)
     cond_loss = tf.reduce_sum(tf.compat.v1.cond(loss > 0, lambda: h * 2.0, lambda: h * 3.0))
+    _, looped = tf.while_loop(lambda k, a: k < 3, lambda k, a: (k + 1, tf.tanh(a @ ws[0])),
+                              [0, h])
+    loop_loss = tf.reduce_sum(looped * looped)
     result = {}
     with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
@@ -492,7 +525,12 @@ def tf1_behaviour_run() -> dict:
         got, want = sess.run([memsave.gradients(cond_loss, ws, checkpoints="memory"),
                               tf.gradients(cond_loss, ws)], feed)
         result["cond"] = max(float(np.abs(a - b).max()) for a, b in zip(got, want))
-    result["cond_warned"] = any("TF1 control flow" in m for m in records)
+        result["cond_warned"] = any("TF1 control flow" in m for m in records)
+        records.clear()
+        got, want = sess.run([memsave.gradients(loop_loss, ws, checkpoints="memory"),
+                              tf.gradients(loop_loss, ws)], feed)
+        result["loop"] = max(float(np.abs(a - b).max()) for a, b in zip(got, want))
+        result["loop_warned"] = any("TF1 control flow" in m for m in records)
     result["copies"] = sum("/recompute_" in op.name
                            for op in tf.compat.v1.get_default_graph().get_operations())
     return result
@@ -506,6 +544,9 @@ def test_tf1_behaviour_reference_variables_and_v1_control_flow(fresh):
     # TF1 cond is not rewritten: a warning, and tf.gradients' own answer.
     assert result["cond_warned"]
     assert result["cond"] == 0.0
+    # Nor is a TF1 while loop (its cycle once stopped memsave reading the graph).
+    assert result["loop_warned"]
+    assert result["loop"] == 0.0
 
 
 # -- tf.custom_gradient --------------------------------------------------------
