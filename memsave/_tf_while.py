@@ -44,7 +44,10 @@ selected per op by the ``_gradient_op_type`` attr, which TensorFlow's
 ``ops.get_gradient_function`` reads before the op type (after the op's
 Python-side ``_gradient_function``, which while_v2 does not set), and which
 survives copies of the op and FunctionDef round trips (a Python attribute
-would not). The registration happens when the first op is marked.
+would not). It is registered when this module is first imported (by the
+first memsave.gradients, memsave.plan or memsave.patch; ``import memsave``
+alone imports no TensorFlow), so that a graph or function exported with a
+marked loop can be differentiated again in a process that uses memsave.
 
 One more change, to the gradient of the body's writes into the lists a
 ``tf.scan`` or a TensorArray collects its outputs in: TensorFlow's gradient
@@ -96,6 +99,7 @@ from tensorflow.python.ops import while_v2_indexed_slices_rewriter
 from tensorflow.python.util import object_identity
 
 from memsave import _tf_private, loopmodel
+from memsave.errors import MemsaveError
 
 __all__ = [
     "GRADIENT_OP_TYPE",
@@ -143,7 +147,6 @@ _uid = itertools.count()
 def mark(op: tf.Operation, *, mode: str, steps: int = 1, bound: int = 0,
          skip: tuple[int, ...] = (), taper: int = 0) -> None:
     """Give ``op`` memsave's gradient (see the module docstring)."""
-    _register()
     op._set_attr("_gradient_op_type", attr_value_pb2.AttrValue(s=GRADIENT_OP_TYPE.encode()))  # pylint: disable=protected-access
     op._set_attr(MODE_ATTR, attr_value_pb2.AttrValue(s=mode.encode()))  # pylint: disable=protected-access
     op._set_attr(STEPS_ATTR, attr_value_pb2.AttrValue(i=steps))  # pylint: disable=protected-access
@@ -247,8 +250,7 @@ def already_differentiated(op: tf.Operation) -> bool:
 
 
 def _register() -> None:
-    """Register :func:`_marked_gradient` under :data:`GRADIENT_OP_TYPE` (once,
-    when the first op is marked: importing memsave changes nothing in TF)."""
+    """Register :func:`_marked_gradient` under :data:`GRADIENT_OP_TYPE` (once)."""
     try:
         ops._gradient_registry.lookup(GRADIENT_OP_TYPE)  # pylint: disable=protected-access
     except LookupError:
@@ -256,6 +258,14 @@ def _register() -> None:
 
 
 def _marked_gradient(op, *grads):
+    if op is None:
+        # tf.saved_model.save traces each registered gradient of a function's
+        # ops as a custom gradient, called without the op; this one reads it.
+        raise MemsaveError(
+            "memsave: a tf.while_loop memsave gave its own gradient (per step or in chunks) "
+            "cannot have that gradient saved as a SavedModel custom gradient; save with "
+            "options=tf.saved_model.SaveOptions(experimental_custom_gradients=False) (the "
+            "saved functions run as they were traced)")
     mode, steps, bound, skip, taper = marked(op)
     return recomputing_gradient(op, grads, recompute=mode == "per_step", steps=steps, bound=bound,
                                 skip=_skip_now(op, skip), taper=taper)
@@ -1184,3 +1194,6 @@ def _inputs_first(roots) -> list:
         stack.extend((i, False) for i in op.control_inputs if i not in done)
         stack.extend((t.op, False) for t in op.inputs if t.op not in done)
     return order
+
+
+_register()

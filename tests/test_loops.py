@@ -1253,3 +1253,93 @@ def test_scan_peak_and_forecast(fresh, mode):
     for method, r in got.items():
         error = r["forecast_above_bytes"] / r["peak_above_bytes"] - 1
         assert abs(error) <= SCAN_FORECAST_ERROR, (method, f"{100 * error:+.1f}%", r)
+
+
+# -- graphs and functions saved with a prepared loop -----------------------------------
+
+
+def _exported_prepared_loop(path: str) -> None:
+    """A v1 graph whose loop is prepared (per step) and differentiated, exported."""
+    xv, Wv, Uv = _rnn_values()
+    g = tf.Graph()
+    with g.as_default():
+        W = tf.compat.v1.get_variable("W", initializer=Wv)
+        U = tf.compat.v1.get_variable("U", initializer=Uv)
+        out = _while_rnn(tf.constant(xv), W, U)
+        loss = tf.identity(tf.reduce_sum(out * out), name="loss")
+        (op,) = loops.find_loops([loss])
+        loops.prepare(op, PER_STEP, xs=[W, U])
+        tf.gradients(loss, [W, U])
+        tf.compat.v1.train.export_meta_graph(path, graph=g)
+
+
+def differentiate_imported_graph(path: str) -> dict:
+    """In a fresh process that has used memsave (memsave.api imported, no loop
+    marked here): the imported loss differentiated again, and tf.gradients'
+    answer on the same graph built without memsave."""
+    import memsave.api  # noqa: F401 - what a process using memsave has imported
+
+    def run(build):
+        g = tf.Graph()
+        with g.as_default():
+            loss, W, U = build()
+            grads = tf.gradients(loss, [W, U])
+            with tf.compat.v1.Session(graph=g) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                return [v.tolist() for v in sess.run(grads)]
+
+    def imported():
+        tf.compat.v1.train.import_meta_graph(path)
+        g = tf.compat.v1.get_default_graph()
+        W, U = tf.compat.v1.trainable_variables()
+        marked = [op for op in g.get_operations() if _tf_while.marked(op) is not None]
+        assert marked, "the exported loop lost memsave's gradient"
+        return g.get_tensor_by_name("loss:0"), W, U
+
+    def plain():
+        xv, Wv, Uv = _rnn_values()
+        W = tf.compat.v1.get_variable("W", initializer=Wv)
+        U = tf.compat.v1.get_variable("U", initializer=Uv)
+        out = _while_rnn(tf.constant(xv), W, U)
+        return tf.reduce_sum(out * out), W, U
+
+    return {"imported": run(imported), "plain": run(plain)}
+
+
+def test_an_exported_prepared_loop_is_differentiated_again_where_memsave_is_used(fresh, tmp_path):
+    """A loop memsave gave its gradient carries that gradient's type into an
+    exported graph; a process that imports memsave.api (any memsave.gradients,
+    plan or patch) can differentiate it again. It once raised LookupError
+    there unless that process had prepared a loop itself."""
+    path = str(tmp_path / "prepared.meta")
+    _exported_prepared_loop(path)
+    result = fresh.call(differentiate_imported_graph, path, timeout_s=300)
+    assert_grads_equal(result["imported"], result["plain"])
+
+
+def test_saving_a_prepared_loop_s_gradient_says_how_to_save(tmp_path):
+    """tf.saved_model.save traces each custom gradient without its op; memsave's
+    loop gradient needs the op, and says to save without custom gradients
+    (which saves, and the saved step runs)."""
+    xv, Wv, Uv = _rnn_values()
+
+    class Step(tf.Module):
+        def __init__(self):
+            self.W, self.U = tf.Variable(Wv), tf.Variable(Uv)
+
+        @tf.function(input_signature=[tf.TensorSpec([T, B, F])])
+        def __call__(self, x):
+            out = _while_rnn(x, self.W, self.U)
+            loss = tf.reduce_sum(out * out)
+            (op,) = loops.find_loops([loss])
+            loops.prepare(op, PER_STEP, xs=[self.W, self.U])
+            return tf.gradients(loss, [self.W, self.U])
+
+    step = Step()
+    with pytest.raises(ValueError) as e:
+        tf.saved_model.save(step, str(tmp_path / "a"))
+    assert "cannot have that gradient saved" in str(e.value.__cause__)
+    tf.saved_model.save(step, str(tmp_path / "b"),
+                        options=tf.saved_model.SaveOptions(experimental_custom_gradients=False))
+    loaded = tf.saved_model.load(str(tmp_path / "b"))
+    assert_grads_equal(loaded(tf.constant(xv)), step(tf.constant(xv)))
