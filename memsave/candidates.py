@@ -61,14 +61,16 @@ def keepable(fg: ForwardGraph) -> list[int]:
 #: not tie the graph together in the articulation search; nor does any
 #: non-differentiable one (a ``tf.shape`` of an early activation read at the
 #: end). Either would otherwise bypass every candidate and leave nothing to
-#: keep; the schedule keeps what such a bypass needs. Sizes count unknown
-#: dimensions as 1, so "largest" is per example when the batch is dynamic.
+#: keep; the schedule keeps what such a bypass needs. Sizes are the cost
+#: model's (an unknown batch dimension takes the ``batch_size`` hint), so
+#: a step traced for a partial last batch gets the points of the full one.
 #: Override with ``small_tensor_fraction=``.
 SMALL_TENSOR_FRACTION = 1 / 64
 
 
 def articulation_points(
-    fg: ForwardGraph, *, small_tensor_fraction: float = SMALL_TENSOR_FRACTION
+    fg: ForwardGraph, *, small_tensor_fraction: float = SMALL_TENSOR_FRACTION,
+    sizes: Sequence[int] | None = None,
 ) -> list[int]:
     """Tensors that separate the start of the forward graph from its end.
 
@@ -96,15 +98,19 @@ def articulation_points(
     tree and walking its paths is linear too, so the whole is linear in ops
     plus edges.
     """
+    # Without the cost model's sizes: the static ones, unknown dimensions as
+    # 1 ("largest" per example), and a tensor of unknown size never small.
+    known = [True] * len(fg.tensors) if sizes is not None else [n.size_known for n in fg.tensors]
+    if sizes is None:
+        sizes = [node.size_bytes for node in fg.tensors]
     largest = max(
-        (fg.tensors[t].size_bytes for op in fg.ops for t in op.outputs if is_activation(fg, t)),
+        (sizes[t] for op in fg.ops for t in op.outputs if is_activation(fg, t)),
         default=0,
     )
     small = largest * small_tensor_fraction
 
     def ties(t: int) -> bool:
-        node = fg.tensors[t]
-        return node.trainable and not (node.size_known and node.size_bytes <= small)
+        return fg.tensors[t].trainable and not (known[t] and sizes[t] <= small)
 
     g = nx.Graph()
     sink = -1

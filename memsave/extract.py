@@ -204,10 +204,12 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
             body, gradient = _read_body(op, bodies, external)
         if gradient is None:
             gradient = _gradient_use(op, node_def)
+        flops = _tf_private.op_flops(op, node_def)
         op_nodes.append(OpNode(
             index=i, name=op.name, type=op.type, inputs=inputs, outputs=outputs,
             recomputable=_tf_private.is_recomputable(op) and _tf_private.is_copyable(op),
-            flops=_tf_private.op_flops(op, node_def), gradient=gradient, body=body,
+            flops=flops, gradient=gradient, body=body,
+            flops_per_row=None if flops is not None else _tf_private.op_flops_per_row(op, node_def),
         ))
     x_ids = tuple(tensor_id(x) for x in xs)
     y_ids = tuple(tensor_id(y) for y in ys)

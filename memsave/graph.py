@@ -260,7 +260,11 @@ class OpNode:
     """One op of the forward graph.
 
     ``inputs`` and ``outputs`` are tensor ids. ``flops`` is TensorFlow's
-    registered FLOP count (None where it has none); ``gradient`` what the
+    registered FLOP count (None where it has none, or where a shape it
+    needs is not static); ``flops_per_row``, where ``flops`` is None
+    because only the leading dimension of some shapes is unknown (the
+    batch of a Keras step traced for a partial last batch), the same count
+    per unit of that dimension. ``gradient`` what the
     op's gradient reads (None: not learned, assume it reads everything).
     ``body``: for calls and loops, the function they run (None otherwise).
     """
@@ -274,6 +278,7 @@ class OpNode:
     flops: int | None = None
     gradient: GradientUse | None = None
     body: Body | None = None
+    flops_per_row: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -145,7 +145,8 @@ class Problem:
         """:func:`memsave.candidates.articulation_points` of the graph."""
         return self._once(("articulation", small_tensor_fraction),
                           lambda: _candidates.articulation_points(
-                              self.fg, small_tensor_fraction=small_tensor_fraction))
+                              self.fg, small_tensor_fraction=small_tensor_fraction,
+                              sizes=self.costs.tensor_bytes))
 
     def topological_cuts(self) -> list[_candidates.Cut]:
         """:func:`memsave.candidates.topological_cuts` of the graph."""

@@ -94,6 +94,54 @@ def test_a_plan_refuses_pickling_and_says_what_to_keep_instead():
         assert isinstance(e.value, TypeError)
 
 
+def _conv_norm_net(batch):
+    """Six conv -> batch statistics -> ReLU layers (tf.nn.moments: small
+    per-channel tensors beside the activations) and a per-example value of
+    the first layer that the loss reads, batch ``batch`` (None: unknown)."""
+    rng = np.random.default_rng(0)
+    g = tf.Graph()
+    with g.as_default():
+        h = tf.compat.v1.placeholder(tf.float32, [batch, 16, 16, 8])
+        ws = []
+        for i in range(6):
+            ws.append(tf.compat.v1.Variable(
+                rng.standard_normal((3, 3, 8, 8), dtype=np.float32) * 0.2))
+            h = tf.nn.conv2d(h, ws[-1], 1, "SAME")
+            mean, var = tf.nn.moments(h, [0, 1, 2])
+            h = tf.nn.relu((h - mean) * tf.math.rsqrt(var + 1e-3))
+            if i == 0:  # a per-example value of the first layer, read by the loss
+                aux = tf.reduce_mean(h, [1, 2, 3])
+        return g, tf.reduce_mean(tf.reduce_mean(h * h, [1, 2, 3]) + aux), ws
+
+
+@pytest.mark.parametrize("kw", [dict(checkpoints="memory"), dict(memory_budget=0.6)],
+                         ids=["memory", "budget"])
+def test_an_unknown_batch_with_its_hint_is_costed_as_the_static_batch(kw):
+    """A Keras step traced again for a partial last batch has an unknown
+    batch. With the batch size as the hint, its candidates and compute are
+    the static graph's: convolutions once counted as the elements they
+    produce (46 times too cheap), and every tensor of unknown size tied the
+    articulation search (per-channel statistics became checkpoints). (The
+    schedules and forecast peaks may still differ a little: Grappler folds a
+    static batch's constant gradients, not a dynamic one's.)"""
+    plans = []
+    for batch in (64, None):
+        g, loss, ws = _conv_norm_net(batch)
+        with g.as_default():
+            plans.append(memsave.plan(loss, ws, batch_size=64, **kw))
+    static, dynamic = plans
+
+    def points(p):
+        fg = p.problem.fg
+        return [fg.tensors[t].name for t in p.problem.articulation_points()]
+
+    assert static.checkpoints, "nothing planned: the comparison says nothing"
+    assert points(dynamic) == points(static)
+    assert dynamic.forward_cost == static.forward_cost
+    if "memory_budget" not in kw:  # (a fraction of a plain peak that folding moves)
+        assert dynamic.checkpoints == static.checkpoints
+
+
 def test_plot_needs_matplotlib_and_says_which_extra(monkeypatch, tmp_path):
     p = _chain_plan()
     monkeypatch.setitem(sys.modules, "matplotlib", None)
