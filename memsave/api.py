@@ -120,6 +120,9 @@ def _enclosing_graphs(graph: tf.Graph) -> list:
 
 def _normalize(ys, xs, grad_ys, stop_gradients, checkpoints,
                api: str = "memsave.gradients") -> tuple:
+    if xs is None:
+        raise ArgumentError(
+            f"{api}: xs is None; pass the tensors or variables to differentiate with respect to")
     ys = _as_list(ys)
     xs = _as_list(xs)
     if not ys:
@@ -139,6 +142,13 @@ def _normalize(ys, xs, grad_ys, stop_gradients, checkpoints,
             )
     ys = [tf.convert_to_tensor(y) if _tf_private.is_resource_variable(y) else y for y in ys]
     graph = _graph_of(ys, "y", api=api)
+    if graph is None and not tf.executing_eagerly():
+        # Numbers or arrays, in a graph: constants of it, as tf.gradients takes them.
+        try:
+            ys = [tf.convert_to_tensor(y) for y in ys]
+        except (TypeError, ValueError) as e:
+            raise ArgumentError(f"{api}: ys must be tensors ({e})") from None
+        graph = _graph_of(ys, "y", api=api)
     if graph is None:
         raise EagerExecutionError(
             f"{api}: ys are not graph tensors; call it inside a tf.function "

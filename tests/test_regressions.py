@@ -581,3 +581,19 @@ def test_argument_messages_say_what_is_wrong(graph):
     with pytest.raises(memsave.CheckpointError, match="variable .* resident anyway"):
         memsave.gradients(loss, ws, checkpoints=[ws[1]])
     assert memsave.gradients(loss, [], checkpoints=[h]) == [] == tf.gradients(loss, [])
+
+
+def test_numbers_as_ys_none_as_xs_and_a_bad_option_value(graph):
+    """A Python number as ys in a graph raised EagerExecutionError (the call
+    was in a graph; tf.gradients takes it as a constant and returns None);
+    xs=None returned [] (tf.gradients raises); num_checkpoints='3' raised a
+    bare TypeError from a comparison, naming no option."""
+    w = tf.Variable(2.0)
+    y = tf.tanh(w * 3.0) * tf.tanh(w)
+    assert memsave.gradients(3.0, [w]) == [None] == tf.gradients(3.0, [w])
+    with pytest.raises(memsave.MemsaveError, match="xs is None"):
+        memsave.gradients(y, None)
+    for bad in ("3", 2.5, -1, True):
+        with pytest.raises(memsave.OptionsError, match="num_checkpoints must be an int >= 0"):
+            memsave.gradients(y, [w], checkpoints="memory",
+                              strategy_options={"num_checkpoints": bad})

@@ -23,6 +23,7 @@ through the budget solvers (:func:`memsave.planners.budget.solve`):
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable
 
 from memsave.candidates import CUT_REASON, SEGMENT_LIVE_FRACTION, SMALL_TENSOR_FRACTION, spread
@@ -425,8 +426,11 @@ def memory(
         return _budget.solve(problem, budget, solver=solver, time_limit_s=time_limit_s, api=api)
     _no_solver_options(solver, time_limit_s, "'memory'", api)
     _check_fraction("min_saving_fraction", min_saving_fraction, api)
-    if num_checkpoints is not None and num_checkpoints < 0:
-        raise OptionsError(f"{api}: num_checkpoints must be >= 0, got {num_checkpoints}")
+    if num_checkpoints is not None and (
+            isinstance(num_checkpoints, bool) or not isinstance(num_checkpoints, numbers.Integral)
+            or num_checkpoints < 0):
+        raise OptionsError(
+            f"{api}: strategy_options num_checkpoints must be an int >= 0, got {num_checkpoints!r}")
     fg = problem.fg
     points = problem.articulation_points(small_tensor_fraction=small_tensor_fraction)
     on_point = set(points)
