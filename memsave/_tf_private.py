@@ -595,15 +595,15 @@ _flops_cache: dict = {}
 class _RowShapes:
     """What TensorFlow's FLOP statistics read of a graph
     (``graph_util.tensor_shape_from_node_def_name``: ``get_tensor_by_name(name).get_shape()``),
-    each shape's unknown leading dimension read as 1."""
+    each shape's unknown leading dimension read as ``rows``."""
 
-    def __init__(self, graph: tf.Graph):
-        self._graph = graph
+    def __init__(self, graph: tf.Graph, rows: int):
+        self._graph, self._rows = graph, rows
 
     def get_tensor_by_name(self, name: str):
         shape = self._graph.get_tensor_by_name(name).get_shape()
         if shape.rank is not None and shape.rank > 0 and shape[0] is None:
-            shape = tf.TensorShape([1, *shape[1:]])
+            shape = tf.TensorShape([self._rows, *shape[1:]])
         return _StaticShape(shape)
 
 
@@ -615,16 +615,17 @@ class _StaticShape:
         return self._shape
 
 
-def op_flops_per_row(op: tf.Operation, node_def=None) -> int | None:
-    """:func:`op_flops` per unit of the leading dimension, for an op whose
-    registered count is unknown because that dimension is (None when
-    another dimension is unknown too, or the op has no registered count).
+def op_flops_linear(op: tf.Operation, node_def=None) -> tuple[int, int] | None:
+    """:func:`op_flops` as ``(a, b)``, ``a + b * n`` for a leading dimension
+    of ``n``, for an op whose registered count is unknown because that
+    dimension is (None when another dimension is unknown too, or the op
+    has no registered count).
 
-    TensorFlow's statistics functions read the shapes of the op's inputs
-    and outputs through the graph they are given; given one whose shapes
-    have 1 for an unknown leading dimension, a matrix product's or
-    convolution's count is that of one row (one example, for the batch
-    dimension): counts of these ops are linear in it.
+    TensorFlow's statistics functions read the shapes of the op's inputs and
+    outputs through the graph they are given: given one whose unknown
+    leading dimension is 1, then 2, the two counts give the line. Products
+    and convolutions are linear in it (``a = 0``); a sum over it counts
+    ``n - 1`` additions (``a = -1``).
     """
     from tensorflow.python.framework import ops as _ops
 
@@ -633,13 +634,19 @@ def op_flops_per_row(op: tf.Operation, node_def=None) -> int | None:
             s.rank is None or any(d is None for d in s[1:]) for s in shapes):
         return None
     node_def = op.node_def if node_def is None else node_def
+    counts = []
     with deprecation.silence():
-        try:
-            stats = _ops.get_stats_for_node_def(_RowShapes(op.graph), node_def, "flops")
-            value = getattr(stats, "value", None)
-        except Exception:  # noqa: BLE001 - as op_flops: unknown
-            return None
-    return int(value) if value is not None else None
+        for rows in (1, 2):
+            try:
+                stats = _ops.get_stats_for_node_def(_RowShapes(op.graph, rows), node_def, "flops")
+                value = getattr(stats, "value", None)
+            except Exception:  # noqa: BLE001 - as op_flops: unknown
+                return None
+            if value is None:
+                return None
+            counts.append(int(value))
+    one, two = counts
+    return 2 * one - two, two - one
 
 
 def resource_value_shape_dtype(t: tf.Tensor):

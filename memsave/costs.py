@@ -17,8 +17,8 @@ What the numbers mean
   variable holds (``TensorNode.held_bytes``).
 * ``op_flops[i]``: TensorFlow's registered FLOP count for op ``i`` (matrix
   products, convolutions, ...), else the number of elements it produces.
-  Where only the leading dimension is unknown, the count per unit of it
-  times ``batch_size`` (1 without it), as for the bytes.
+  Where only the leading dimension is unknown, the count at ``batch_size``
+  (1 without it) for that dimension, as for the bytes.
 * Gradient reads: the inputs/outputs of op ``i`` that its gradient reads
   (learned from the gradient TensorFlow builds for the op type; when that
   failed, all of them, and ``assumptions`` says so), and which input
@@ -291,9 +291,10 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None,
             op_flops.append(op.body.trips * body_costs(op.body).forward_flops)
         elif op.flops is not None:
             op_flops.append(op.flops)
-        elif op.flops_per_row is not None:
-            # The leading dimension the byte counts take batch_size for.
-            op_flops.append(op.flops_per_row * (batch_size or 1))
+        elif op.flops_linear is not None:
+            # At the leading dimension the byte counts take batch_size for.
+            a, b = op.flops_linear
+            op_flops.append(max(0, a + b * (batch_size or 1)))
         else:
             op_flops.append(sum(
                 tensor_bytes[t] // fg.tensors[t].itemsize if fg.tensors[t].itemsize else 0

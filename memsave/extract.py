@@ -209,7 +209,7 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
             index=i, name=op.name, type=op.type, inputs=inputs, outputs=outputs,
             recomputable=_tf_private.is_recomputable(op) and _tf_private.is_copyable(op),
             flops=flops, gradient=gradient, body=body,
-            flops_per_row=None if flops is not None else _tf_private.op_flops_per_row(op, node_def),
+            flops_linear=None if flops is not None else _tf_private.op_flops_linear(op, node_def),
         ))
     x_ids = tuple(tensor_id(x) for x in xs)
     y_ids = tuple(tensor_id(y) for y in ys)

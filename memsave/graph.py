@@ -261,10 +261,10 @@ class OpNode:
 
     ``inputs`` and ``outputs`` are tensor ids. ``flops`` is TensorFlow's
     registered FLOP count (None where it has none, or where a shape it
-    needs is not static); ``flops_per_row``, where ``flops`` is None
+    needs is not static); ``flops_linear``, where ``flops`` is None
     because only the leading dimension of some shapes is unknown (the
     batch of a Keras step traced for a partial last batch), the same count
-    per unit of that dimension. ``gradient`` what the
+    as ``(a, b)``: ``a + b * n`` for that dimension ``n``. ``gradient`` what the
     op's gradient reads (None: not learned, assume it reads everything).
     ``body``: for calls and loops, the function they run (None otherwise).
     """
@@ -278,7 +278,7 @@ class OpNode:
     flops: int | None = None
     gradient: GradientUse | None = None
     body: Body | None = None
-    flops_per_row: int | None = None
+    flops_linear: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

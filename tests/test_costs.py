@@ -182,26 +182,28 @@ def test_an_unknown_batch_takes_the_hint_in_flops_too():
             w = tf.compat.v1.Variable(np.ones([3, 3, 3, 4], np.float32))
             v = tf.compat.v1.Variable(np.ones([4, 5], np.float32))
             h = tf.tanh(tf.nn.conv2d(x, w, 1, "SAME"))
-            loss = tf.reduce_sum(tf.matmul(tf.reduce_mean(h, [1, 2]), v))
+            loss = tf.reduce_sum(tf.reduce_sum(tf.matmul(tf.reduce_mean(h, [1, 2]), v), 1))
             return extract([loss], _tf_private.convert_xs([w, v])).fg
 
     def flops(fg, batch_size):
         costs = estimate_costs(fg, batch_size=batch_size)
         return {op.type: costs.op_flops[op.index] for op in fg.ops
-                if op.type in ("Conv2D", "MatMul")}
+                if op.type in ("Conv2D", "MatMul") or op.name == "Sum_1"}
 
     static = flops(conv_graph(32), None)
-    assert static == {"Conv2D": 2 * 32 * 8 * 8 * 4 * 3 * 3 * 3, "MatMul": 2 * 32 * 4 * 5}
+    # The last sum adds 32 numbers: 31 additions (not linear in the batch).
+    assert static == {"Conv2D": 2 * 32 * 8 * 8 * 4 * 3 * 3 * 3, "MatMul": 2 * 32 * 4 * 5,
+                      "Sum": 31}
     assert flops(conv_graph(None), 32) == static
-    per_example = {k: v // 32 for k, v in static.items()}
-    assert flops(conv_graph(None), None) == per_example
+    assert flops(conv_graph(None), None) == {"Conv2D": static["Conv2D"] // 32,
+                                             "MatMul": static["MatMul"] // 32, "Sum": 0}
     g = tf.Graph()
     with g.as_default():
         a = tf.compat.v1.placeholder(tf.float32, [4, None])
         w = tf.compat.v1.Variable(np.ones([4, 4], np.float32))
         fg = extract([tf.reduce_sum(tf.matmul(w, a))], _tf_private.convert_xs([w])).fg
     mm = next(op for op in fg.ops if op.type == "MatMul")
-    assert mm.flops is None and mm.flops_per_row is None
+    assert mm.flops is None and mm.flops_linear is None
 
 
 def test_gradient_of_an_input_that_needs_none_is_pruned():
