@@ -565,8 +565,6 @@ def op_flops(op: tf.Operation, node_def=None) -> int | None:
     few more; it needs static shapes and returns None otherwise. Cached like
     :func:`learn_gradient_use`.
     """
-    from tensorflow.python.framework import ops as _ops
-
     node_def = op.node_def if node_def is None else node_def
     try:
         key = ("flops",) + _gradient_cache_key(op, node_def)
@@ -574,22 +572,31 @@ def op_flops(op: tf.Operation, node_def=None) -> int | None:
             return _flops_cache[key]
     except Exception:  # noqa: BLE001 - unhashable attrs: do not cache
         key = None
-    # The registry's functions call tensor_shape_from_node_def_name, which
-    # prints a deprecation warning once per process: silenced for this call
-    # only (deprecation.silence restores the setting; nothing raises through it).
-    with deprecation.silence():
-        try:
-            stats = _ops.get_stats_for_node_def(op.graph, node_def, "flops")
-            value = getattr(stats, "value", None)
-            value = int(value) if value is not None else None
-        except Exception:  # noqa: BLE001 - a statistics function failing means "unknown"
-            value = None
+    value = _registered_flops(op.graph, node_def)
     if key is not None:
         _flops_cache[key] = value
     return value
 
 
 _flops_cache: dict = {}
+
+
+def _registered_flops(graph, node_def) -> int | None:
+    """``ops.get_stats_for_node_def(graph, node_def, "flops")``'s value, None
+    when there is none or its function fails. ``graph``: anything with
+    ``get_tensor_by_name(name).get_shape()``, which is all the statistics
+    functions read of it."""
+    from tensorflow.python.framework import ops as _ops
+
+    # The registry's functions call tensor_shape_from_node_def_name, which
+    # prints a deprecation warning once per process: silenced for this call
+    # only (deprecation.silence restores the setting; nothing raises through it).
+    with deprecation.silence():
+        try:
+            value = getattr(_ops.get_stats_for_node_def(graph, node_def, "flops"), "value", None)
+        except Exception:  # noqa: BLE001 - a statistics function failing means "unknown"
+            return None
+    return int(value) if value is not None else None
 
 
 class _RowShapes:
@@ -627,25 +634,15 @@ def op_flops_linear(op: tf.Operation, node_def=None) -> tuple[int, int] | None:
     and convolutions are linear in it (``a = 0``); a sum over it counts
     ``n - 1`` additions (``a = -1``).
     """
-    from tensorflow.python.framework import ops as _ops
-
     shapes = [t.shape for t in (*op.inputs, *op.outputs)]
     if not any(s.rank and s[0] is None for s in shapes) or any(
             s.rank is None or any(d is None for d in s[1:]) for s in shapes):
         return None
     node_def = op.node_def if node_def is None else node_def
-    counts = []
-    with deprecation.silence():
-        for rows in (1, 2):
-            try:
-                stats = _ops.get_stats_for_node_def(_RowShapes(op.graph, rows), node_def, "flops")
-                value = getattr(stats, "value", None)
-            except Exception:  # noqa: BLE001 - as op_flops: unknown
-                return None
-            if value is None:
-                return None
-            counts.append(int(value))
-    one, two = counts
+    one = _registered_flops(_RowShapes(op.graph, 1), node_def)
+    two = None if one is None else _registered_flops(_RowShapes(op.graph, 2), node_def)
+    if two is None:
+        return None
     return 2 * one - two, two - one
 
 
