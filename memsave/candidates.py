@@ -404,14 +404,17 @@ def memory_plans(fg: ForwardGraph, costs: Costs, points: Sequence[int], cuts: Se
     plans: dict[tuple[int, ...], None] = {}
     if points:
         fracs = (segment_live_fraction, *CANDIDATE_LIVE_FRACTIONS)
-        plans.update(dict.fromkeys(_articulation_plans(fg, list(points), cum, total, fracs)))
+        plans.update(dict.fromkeys(_articulation_plans(fg, costs, list(points), cum, total,
+                                                       fracs)))
     plans.update(dict.fromkeys(_cut_plans(list(cuts), costs, cum, total)))
     return [c for c in plans if c]
 
 
-def _articulation_plans(fg, cands, cum, total, fracs) -> list[tuple[int, ...]]:
+def _articulation_plans(fg, costs, cands, cum, total, fracs) -> list[tuple[int, ...]]:
+    # The cost model's bytes, as everywhere in planning: a step traced for a
+    # partial last batch (batch None) weighs the plans of the full batch.
     pos = [cum[fg.tensors[t].producer] for t in cands]
-    size = [fg.tensors[t].size_bytes for t in cands]
+    size = [costs.tensor_bytes[t] for t in cands]
     return [tuple(sorted(cands[i] for i in idx)) for idx in _index_plans(pos, size, total, fracs)]
 
 

@@ -120,8 +120,10 @@ def test_an_unknown_batch_with_its_hint_is_costed_as_the_static_batch(kw):
     """A Keras step traced again for a partial last batch has an unknown
     batch. With the batch size as the hint, its candidates and compute are
     the static graph's: convolutions once counted as the elements they
-    produce (46 times too cheap), and every tensor of unknown size tied the
-    articulation search (per-channel statistics became checkpoints). (The
+    produce (46 times too cheap), every tensor of unknown size tied the
+    articulation search (per-channel statistics became checkpoints), and
+    the plans 'memory' weighs spread the points by the static sizes (a
+    budget the full batch met was refused on the partial one). (The
     schedules and forecast peaks may still differ a little: Grappler folds a
     static batch's constant gradients, not a dynamic one's.)"""
     plans = []
@@ -135,8 +137,13 @@ def test_an_unknown_batch_with_its_hint_is_costed_as_the_static_batch(kw):
         fg = p.problem.fg
         return [fg.tensors[t].name for t in p.problem.articulation_points()]
 
+    def memory_plans(p):  # what 'memory' and the budget solvers weigh
+        fg = p.problem.fg
+        return [[fg.tensors[t].name for t in plan] for plan in p.problem.memory_plans()]
+
     assert static.checkpoints, "nothing planned: the comparison says nothing"
     assert points(dynamic) == points(static)
+    assert memory_plans(dynamic) == memory_plans(static)
     assert dynamic.forward_cost == static.forward_cost
     if "memory_budget" not in kw:  # (a fraction of a plain peak that folding moves)
         assert dynamic.checkpoints == static.checkpoints
