@@ -283,20 +283,32 @@ def _function_defs(op: tf.Operation):
             names.append(attr.func.name)
         elif attr.HasField("list"):
             names.extend(f.name for f in attr.list.func)
-    graph = op.graph
     out = []
     for name in names:
-        g = graph
-        fdef = None
-        while g is not None and fdef is None:
-            func = g._get_function(name)  # pylint: disable=protected-access
-            if func is not None:
-                fdef = func.cached_definition
-            g = getattr(g, "outer_graph", None)
-        if fdef is None:
+        func = find_function(op.graph, name)
+        if func is None:
             return None
-        out.append(fdef)
+        out.append(func.cached_definition)
     return out
+
+
+def outer_graphs(graph) -> list:
+    """The graphs enclosing ``graph`` (a FuncGraph's ``outer_graph``, its own, ...), nearest first."""
+    out = []
+    g = getattr(graph, "outer_graph", None)
+    while g is not None:
+        out.append(g)
+        g = getattr(g, "outer_graph", None)
+    return out
+
+
+def find_function(graph, name: str):
+    """The function ``name`` registered in ``graph`` or the nearest graph enclosing it, or None."""
+    for g in (graph, *outer_graphs(graph)):
+        func = g._get_function(name)  # pylint: disable=protected-access
+        if func is not None:
+            return func
+    return None
 
 
 def _fdef_read_only(fdef, graph) -> bool:
@@ -950,13 +962,7 @@ def _traced_graph(op: tf.Operation):
         name = op.get_attr("f").name
     except Exception:  # noqa: BLE001
         return None
-    g = op.graph
-    while g is not None:
-        func = g._get_function(name)  # pylint: disable=protected-access
-        if func is not None:
-            return getattr(func, "_cached_graph", None)
-        g = getattr(g, "outer_graph", None)
-    return None
+    return getattr(find_function(op.graph, name), "_cached_graph", None)
 
 
 #: Functional conditionals (cond_v2, tf.switch_case): input 0 picks a branch.

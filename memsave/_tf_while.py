@@ -922,13 +922,9 @@ def _import_functions(op: tf.Operation, graph) -> None:
         for name in names:
             if not name or graph._get_function(name) is not None:  # pylint: disable=protected-access
                 continue
-            g = op.graph
-            while g is not None:
-                fn = g._get_function(name)  # pylint: disable=protected-access
-                if fn is not None:
-                    graph._add_function_recursive(fn)  # pylint: disable=protected-access
-                    break
-                g = getattr(g, "outer_graph", None)
+            fn = _tf_private.find_function(op.graph, name)
+            if fn is not None:
+                graph._add_function_recursive(fn)  # pylint: disable=protected-access
 
 
 # -- reading the input sequence in place -----------------------------------------

@@ -20,7 +20,7 @@ plan that would save too little) a warning says what to do and the stock
 tf.gradients answers.
 
 Under a ``tf.GradientTape`` that watches the ys, all of it is built
-unrecorded and the tape records the result as one op (:func:`_seen_by_tapes`),
+unrecorded and the tape records the result as one op (:mod:`memsave.tapes`),
 so that the tape can differentiate the gradients further.
 """
 
@@ -34,7 +34,7 @@ from typing import Any, Union
 
 import tensorflow as tf
 
-from memsave import _tf_private, loops, planners, xla
+from memsave import _tf_private, loops, planners, tapes, xla
 from memsave.errors import (
     ArgumentError,
     CheckpointError,
@@ -95,8 +95,8 @@ def _graph_of(values: Sequence, what: str, *, outer_ok: bool = False,
             continue
         if graph is None:
             graph = g
-        elif g is not graph and not (outer_ok and g in _enclosing_graphs(graph)):
-            if graph in _enclosing_graphs(g):
+        elif g is not graph and not (outer_ok and g in _tf_private.outer_graphs(graph)):
+            if graph in _tf_private.outer_graphs(g):
                 raise GraphMismatchError(
                     f"{api}: {what} {_describe(v)} is inside the body of a tf.cond, "
                     "tf.while_loop or called tf.function of the ys' graph; memsave keeps such "
@@ -107,15 +107,6 @@ def _graph_of(values: Sequence, what: str, *, outer_ok: bool = False,
                 "build ys, xs, grad_ys and checkpoints in one graph (or one tf.function)"
             )
     return graph
-
-
-def _enclosing_graphs(graph: tf.Graph) -> list:
-    out = []
-    g = getattr(graph, "outer_graph", None)
-    while g is not None:
-        out.append(g)
-        g = getattr(g, "outer_graph", None)
-    return out
 
 
 def _normalize(ys, xs, grad_ys, stop_gradients, checkpoints,
@@ -484,64 +475,7 @@ def gradients(
     watched = [y for y in tf.nest.flatten(ys) if isinstance(y, tf.Tensor)]
     if not _tf_private.tape_watches(watched):
         return build()
-    return _seen_by_tapes(build, watched[0].graph)
-
-
-def _seen_by_tapes(build, graph: tf.Graph) -> list:
-    """``build()``'s gradients, recorded on the tapes that watch the ys as one op.
-
-    A ``tf.GradientTape`` inside a tf.function records each op as it is made
-    through TensorFlow's op wrappers, and differentiates it by its type. The
-    ops memsave copies are made from NodeDefs, which no tape sees, so a tape
-    that differentiated the gradients further (a gradient penalty taken with
-    the tape) missed every path through a recomputed segment and gave a
-    wrong second-order gradient. Here nothing memsave makes is recorded;
-    instead the tapes record one op from the forward tensors the gradient
-    graph reads to the gradients (:func:`_record_as_one_op`).
-    """
-    start = _tf_private.next_op_creation_index(graph)
-    with _tf_private.stop_tape_recording():
-        out = build()
-    reads: dict = {}
-    for op in graph.get_operations():
-        if _tf_private.op_creation_index(op) >= start:
-            for t in op.inputs:
-                if _tf_private.op_creation_index(t.op) < start:
-                    reads.setdefault(t.ref(), t)
-    _record_as_one_op([g for g in out if g is not None], list(reads.values()))
-    return out
-
-
-def _record_as_one_op(made: Sequence, inputs: Sequence[tf.Tensor]) -> None:
-    """Record ``made`` (tensors or IndexedSlices built from ``inputs`` with no
-    tape recording) on the tapes as one op of ``inputs``.
-
-    Its gradient is the stock tf.gradients of the graph between them, which
-    differentiates memsave's copies like any op; and it is recorded the
-    same way in turn, as one op of ``inputs`` and its incoming gradients.
-    Recorded op by op instead, the ops of that gradient read tensors of
-    memsave's graph that no tape saw made, and a tape taking the derivative
-    once more (third order) missed every path through them: off by 22-36%
-    on a tanh chain.
-    """
-    outputs = [g.values if isinstance(g, tf.IndexedSlices) else g for g in made]
-    if not (outputs and inputs):
-        return
-
-    def backward(*output_grads):
-        output_grads = [tf.zeros_like(o) if g is None else g
-                        for o, g in zip(outputs, output_grads)]
-        # Partial derivatives: the tapes take each input's further back
-        # through the forward ops they recorded.
-        with _tf_private.stop_tape_recording():
-            grads = _tf_private.original_gradients(outputs, inputs, grad_ys=output_grads,
-                                                   stop_gradients=inputs)
-        further = list({t.ref(): t for t in [*inputs, *output_grads]}.values())
-        if _tf_private.tape_watches(further):
-            _record_as_one_op([g for g in grads if g is not None], further)
-        return grads
-
-    _tf_private.record_on_tapes("MemsaveGradients", outputs, inputs, backward)
+    return tapes.seen_by_tapes(build, watched[0].graph)
 
 
 def _build_gradients(ys, xs, grad_ys, checkpoints, *, name, colocate_gradients_with_ops,

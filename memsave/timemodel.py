@@ -322,7 +322,7 @@ _BIAS_ADDS = frozenset({"BiasAdd", "BiasAddV1", "Add", "AddV2"})
 #: Ops the rewrite adds per recomputed step to make its gate (a reshape,
 #: slice, is_nan, where, sum and cast of the first element of each head's
 #: gradient, then equal and where): tiny kernels, counted at one launch
-#: each (memsave.rewrite._gate).
+#: each (memsave.gates.gate).
 GATE_OPS = 8
 
 #: Dtypes whose tensors a kernel does not stream: a resource handle's bytes

@@ -614,7 +614,7 @@ def test_recompute_gates_are_computed_once_under_xla():
     """Each recompute step's gate is one value XLA computes once, not an
     elementwise chain fused into every gated proxy (and, through the gated
     gradients, into the next steps' fusions), each of which would hold the
-    heads' gradients until it runs (memsave.rewrite._gate)."""
+    heads' gradients until it runs (memsave.gates.gate)."""
     build, ws, x = _depthwise_net()
     ours = _optimized_hlo(_sgd_step(build, "memory", ws), x)
     per_step = collections.Counter(re.findall(r'op_name="[^"]*/(recompute_[0-9]+)/gate"', ours))
