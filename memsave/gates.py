@@ -2,10 +2,9 @@
 
 :func:`gate` makes a float32 zero that cannot be computed before some
 gradients are (what a recompute step waits for); :func:`proxy` reads a
-tensor through it (``t + gate``) or through an Identity. Control
-dependencies would say the same to TensorFlow's executor, but Grappler and
-XLA keep a data dependency only: :mod:`memsave.rewrite` says where each is
-used and why.
+tensor through it (``t + gate``) or through an Identity. A data
+dependency, which neither Grappler nor XLA removes (XLA ignores control
+dependencies); :mod:`memsave.rewrite` says where each is used and why.
 """
 
 from __future__ import annotations
