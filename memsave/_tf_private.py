@@ -23,9 +23,10 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import backprop_util, record
 from tensorflow.python.framework import indexed_slices, op_def_registry
+from tensorflow.python.framework import ops as ops_lib
 from tensorflow.python.ops import cond_v2, control_flow_state, control_flow_util
 from tensorflow.python.ops import control_flow_util_v2
-from tensorflow.python.ops import gradients_impl, gradients_util
+from tensorflow.python.ops import gen_nn_ops, gradients_impl, gradients_util
 from tensorflow.python.ops import handle_data_util
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.util import deprecation
@@ -155,10 +156,8 @@ def passes_gradient_through(op: tf.Operation) -> bool:
     """
     if op.type != "ReadVariableOp":
         return False
-    from tensorflow.python.framework import ops as _ops
-
     try:
-        return _ops.get_gradient_function(op) is resource_variable_ops._ReadGrad  # pylint: disable=protected-access
+        return ops_lib.get_gradient_function(op) is resource_variable_ops._ReadGrad  # pylint: disable=protected-access
     except Exception:  # noqa: BLE001 - an unexpected registry: build the call
         return False
 
@@ -227,13 +226,83 @@ _zeros_like_before = None
 
 def _zeros_like_unless_unread(op: tf.Operation, index: int):
     """``control_flow_state.ZerosLike(op, index)``, but None for an output
-    whose zero gradient the op's stock gradient function never reads."""
+    whose zero gradient the op's gradient function never reads."""
     if index and op.type in _FIRST_GRADIENT_ONLY_TYPES:
-        from tensorflow.python.framework import ops as _ops  # pylint: disable=import-outside-toplevel
-
-        if _ops.get_gradient_function(op) is _ops.gradient_registry.lookup(op.type):
+        fn = ops_lib.get_gradient_function(op)
+        if fn is ops_lib.gradient_registry.lookup(op.type) or getattr(
+                fn, "memsave_reads_first_gradient_only", False):
             return None
     return _zeros_like_before(op, index)
+
+
+def reuses_batch_statistics(op: tf.Operation) -> bool:
+    """Whether a copy of ``op`` may normalise with the statistics ``op`` computed
+    (:func:`copy_batch_norm_with_statistics`).
+
+    ``op`` is a training-mode FusedBatchNorm* on the CPU (an explicit CPU
+    device, or none and no GPU visible) with its stock gradient. There its
+    ``reserve_space_1`` and ``_2`` are the batch mean and the biased
+    variance that normalised it (TensorFlow's CPU and oneDNN kernels; a
+    GPU's cuDNN keeps the inverse deviation there, so a GPU op is left
+    alone), and an inference-mode batch norm given them computes the same
+    output, bit for bit (every version, layout and float type, tested).
+    """
+    if op.type not in _FIRST_GRADIENT_ONLY_TYPES or not op.get_attr("is_training"):
+        return False
+    if ops_lib.get_gradient_function(op) is not ops_lib.gradient_registry.lookup(op.type):
+        return False
+    device = tf.DeviceSpec.from_string(op.device or "").device_type
+    if device is None:
+        return not _gpu_visible()
+    return device.upper() == "CPU"
+
+
+@functools.cache
+def _gpu_visible() -> bool:
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+def copy_batch_norm_with_statistics(op: tf.Operation, inputs: Sequence[tf.Tensor],
+                                    name: str) -> tf.Operation:
+    """A copy of the training-mode batch norm ``op`` (see
+    :func:`reuses_batch_statistics`) that reads ``inputs`` (x, scale,
+    offset) and normalises with ``op``'s batch statistics instead of
+    computing them again: the same op in inference mode, its mean and
+    variance ``op``'s reserve spaces. One pass over x instead of a reduction
+    and a pass: on a CPU (oneDNN, measured) 0.6x the training kernel's time
+    on ResNet-110's tensors (32x32x32x16), 0.8x on 32x64x64x64. Its gradient
+    is the training-mode gradient, which the statistics' dependence on x is
+    part of: ``op``'s own gradient kernel, given the copy's x and scale and
+    ``op``'s reserve spaces, as tf.gradients would differentiate ``op``.
+    Only output 0 of the copy means what ``op``'s does.
+    """
+    attrs = {"is_training": attr_value_pb2.AttrValue(b=False)}
+    if "exponential_avg_factor" in op.node_def.attr:
+        attrs["exponential_avg_factor"] = attr_value_pb2.AttrValue(f=1.0)
+    new = copy_op(op, [*inputs[:3], op.outputs[3], op.outputs[4]], name, attrs=attrs)
+
+    def gradient(copy: tf.Operation, *grads):
+        """The training-mode branch of ``nn_grad._BaseFusedBatchNormGrad``,
+        on the copy's x and scale and ``op``'s reserve spaces."""
+        args = dict(y_backprop=grads[0], x=copy.inputs[0], scale=copy.inputs[1],
+                    reserve_space_1=op.outputs[3], reserve_space_2=op.outputs[4],
+                    epsilon=op.get_attr("epsilon"), data_format=op.get_attr("data_format"),
+                    is_training=True)
+        if op.type == "FusedBatchNormV3":
+            args["reserve_space_3"] = op.outputs[5]
+        dx, dscale, doffset, _, _ = _BATCH_NORM_GRADIENTS[op.type](**args)
+        return dx, dscale, doffset, None, None
+
+    gradient.memsave_reads_first_gradient_only = True  # (see _zeros_like_unless_unread)
+    set_gradient_function(new, gradient)
+    return new
+
+
+_BATCH_NORM_GRADIENTS = {
+    "FusedBatchNorm": gen_nn_ops.fused_batch_norm_grad,
+    "FusedBatchNormV2": gen_nn_ops.fused_batch_norm_grad_v2,
+    "FusedBatchNormV3": gen_nn_ops.fused_batch_norm_grad_v3,
+}
 
 
 @contextlib.contextmanager
@@ -453,12 +522,10 @@ def custom_gradient_arguments(op: tf.Operation, node_def=None) -> tuple[int, ...
     if "_gradient_op_type" not in node_def.attr:
         return None
     try:
-        from tensorflow.python.framework import ops as _ops
-
         def closure(fn) -> dict:
             return {k: c.cell_contents for k, c in zip(fn.__code__.co_freevars, fn.__closure__ or ())}
 
-        wrapper = _ops.get_gradient_function(op)
+        wrapper = ops_lib.get_gradient_function(op)
         n = closure(closure(wrapper)["tape_grad_fn"])["flat_result_len"]
     except Exception:  # noqa: BLE001 - not the expected shape: not known
         return None
@@ -467,7 +534,8 @@ def custom_gradient_arguments(op: tf.Operation, node_def=None) -> tuple[int, ...
     return tuple(range(n, len(op.inputs)))
 
 
-def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str, *, graph=None) -> tf.Operation:
+def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str, *, graph=None,
+            attrs: dict | None = None) -> tf.Operation:
     """Copy ``op`` into its graph (or ``graph``) with new ``inputs``, on the same device.
 
     Uses ``Graph._create_op_internal`` (the attrs, including colocation and
@@ -477,6 +545,7 @@ def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str, *, graph=N
     unique name for each branch/body of If/Case/While, without which
     differentiating two copies of one op fails ("duplicate function").
     Control dependencies active in the caller's context are added.
+    ``attrs`` (AttrValue protos by name) replace the original's.
     """
     graph = op.graph if graph is None else graph
     new = graph._create_op_internal(  # pylint: disable=protected-access
@@ -484,7 +553,7 @@ def copy_op(op: tf.Operation, inputs: Sequence[tf.Tensor], name: str, *, graph=N
         list(inputs),
         dtypes=[t.dtype for t in op.outputs],
         name=name,
-        attrs={k: v for k, v in op.node_def.attr.items()},
+        attrs={**op.node_def.attr, **(attrs or {})},
         op_def=op.op_def,
         compute_device=False,
     )
@@ -598,14 +667,12 @@ def _registered_flops(graph, node_def) -> int | None:
     when there is none or its function fails. ``graph``: anything with
     ``get_tensor_by_name(name).get_shape()``, which is all the statistics
     functions read of it."""
-    from tensorflow.python.framework import ops as _ops
-
     # The registry's functions call tensor_shape_from_node_def_name, which
     # prints a deprecation warning once per process: silenced for this call
     # only (deprecation.silence restores the setting; nothing raises through it).
     with deprecation.silence():
         try:
-            value = getattr(_ops.get_stats_for_node_def(graph, node_def, "flops"), "value", None)
+            value = getattr(ops_lib.get_stats_for_node_def(graph, node_def, "flops"), "value", None)
         except Exception:  # noqa: BLE001 - a statistics function failing means "unknown"
             return None
     return int(value) if value is not None else None
@@ -776,8 +843,6 @@ def learn_gradient_use(op: tf.Operation, node_def=None):
 
 
 def _learn_gradient_use(op: tf.Operation, node_def):
-    from tensorflow.python.framework import ops as _ops
-
     g = tf.Graph()
     with g.as_default():
         inputs = []
@@ -788,7 +853,7 @@ def _learn_gradient_use(op: tf.Operation, node_def):
             attrs={k: v for k, v in node_def.attr.items() if not k.startswith("_")},
             op_def=op.op_def, compute_device=False,
         )
-        grad_fn = _ops.get_gradient_function(new)
+        grad_fn = ops_lib.get_gradient_function(new)
         if grad_fn is None:
             return {"reads_inputs": (), "reads_outputs": (), "aliases": (None,) * len(inputs),
                     "has_gradient": False}

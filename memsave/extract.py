@@ -210,6 +210,8 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
             recomputable=_tf_private.is_recomputable(op) and _tf_private.is_copyable(op),
             flops=flops, gradient=gradient, body=body,
             flops_linear=None if flops is not None else _tf_private.op_flops_linear(op, node_def),
+            reuses_statistics=_tf_private.reuses_batch_statistics(op) and not any(
+                c in index for t in op.outputs[1:] for c in t.consumers()),
         ))
     x_ids = tuple(tensor_id(x) for x in xs)
     y_ids = tuple(tensor_id(y) for y in ys)

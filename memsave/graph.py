@@ -267,6 +267,11 @@ class OpNode:
     as ``(a, b)``: ``a + b * n`` for that dimension ``n``. ``gradient`` what the
     op's gradient reads (None: not learned, assume it reads everything).
     ``body``: for calls and loops, the function they run (None otherwise).
+    ``reuses_statistics``: a training-mode batch norm whose copy in a
+    recompute step normalises with the statistics the forward pass computed
+    (:func:`memsave._tf_private.reuses_batch_statistics`; no op of the
+    graph reads its other outputs), one pass instead of a reduction and a
+    pass.
     """
 
     index: int
@@ -279,6 +284,7 @@ class OpNode:
     gradient: GradientUse | None = None
     body: Body | None = None
     flops_linear: tuple[int, int] | None = None
+    reuses_statistics: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

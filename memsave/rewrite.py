@@ -15,7 +15,10 @@ Data flow, for each step of the schedule in order:
    ``identity(t)``. Copy the step's ops in
    topological order, reading proxies instead of kept tensors, on the
    devices of the originals and under a control dependency on the gate, so
-   the segment is recomputed only once backprop reaches it. Call the stock
+   the segment is recomputed only once backprop reaches it (a training
+   batch norm on the CPU is copied in inference mode on the forward pass's
+   statistics: :func:`memsave._tf_private.copy_batch_norm_with_statistics`).
+   Call the stock
    tf.gradients on the copies of the heads with respect to the proxies,
    with the heads' gradients read through proxies ``g + gate`` too (see
    "No shared inputs across steps" below).
@@ -453,6 +456,10 @@ def _copy_and_differentiate(ex: Extraction, step: Step, heads, head_grads, stock
             ]
             if op.type in _tf_private.WHILE_OP_TYPES:
                 new = _copy_loop(op, inputs, waits + controls)
+            elif node.reuses_statistics and not fg.xla:
+                new = _tf_private.copy_batch_norm_with_statistics(op, inputs, name=op.name)
+                if controls:
+                    _tf_private.add_control_inputs(new, controls)
             else:
                 new = _tf_private.copy_op(op, inputs, name=op.name)
                 if controls:

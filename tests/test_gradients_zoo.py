@@ -134,7 +134,8 @@ def count_recomputed_copies(forward_ops, new_ops) -> int:
                 sources = None
                 break
         if sources is not None and derived:
-            original = by_signature.get((op.type, tuple(sources)))
+            original = by_signature.get((op.type, tuple(sources))) or _normalised_with_statistics(
+                op, sources, forward_tensors)
             if original is not None:
                 copies += 1
                 for src, dst in zip(original.outputs, op.outputs):
@@ -144,6 +145,23 @@ def count_recomputed_copies(forward_ops, new_ops) -> int:
         if proxied is not None:
             origin[op.outputs[0].ref()] = proxied
     return copies
+
+
+def _normalised_with_statistics(op, sources, forward_tensors):
+    """The training batch norm ``op`` copies in inference mode on its batch
+    statistics (memsave._tf_private.copy_batch_norm_with_statistics): its
+    mean and variance are that batch norm's outputs 3 and 4, and its x,
+    scale and offset stand for that batch norm's."""
+    if not op.type.startswith("FusedBatchNorm") or op.get_attr("is_training"):
+        return None
+    mean, variance = op.inputs[3], op.inputs[4]
+    original = mean.op
+    if (mean.ref() not in forward_tensors or original.type != op.type
+            or not original.get_attr("is_training") or variance.op is not original
+            or (mean.value_index, variance.value_index) != (3, 4)
+            or [t.ref() for t in original.inputs[:3]] != sources[:3]):
+        return None
+    return original
 
 
 def _proxied_tensor(op, forward_tensors):

@@ -383,6 +383,89 @@ def test_a_batch_norm_with_another_gradient_gets_every_zero_gradient(graph):
     assert _OVERRIDE_SAW and all(_OVERRIDE_SAW)
 
 
+def _normalisation_net(version, data_format, dtype, factor, *, read_mean=False):
+    """Conv -> FusedBatchNorm ``version`` -> ReLU, four times, in ``dtype``
+    with the batch norms computing in float32; ``factor``: their
+    exponential_avg_factor (1: no running statistics); ``read_mean``: the
+    loss reads the first batch norm's batch mean too."""
+    rs = np.random.RandomState(1)
+    shape = [4, 8, 8, 6] if data_format == "NHWC" else [4, 6, 8, 8]
+    h = tf.constant(rs.randn(*shape).astype(np.float32))
+    xs, extra = [], 0.0
+    for i in range(4):
+        w = tf.compat.v1.Variable(rs.randn(3, 3, 6, 6).astype(np.float32) * 0.3)
+        scale = tf.compat.v1.Variable(np.linspace(0.5, 1.5, 6).astype(np.float32))
+        offset = tf.compat.v1.Variable(np.linspace(-0.2, 0.2, 6).astype(np.float32))
+        xs += [w, scale, offset]
+        c = tf.nn.conv2d(tf.cast(h, dtype), tf.cast(w, dtype), 1, "SAME", data_format=data_format)
+        running = factor != 1.0
+        kw = {} if version == "FusedBatchNorm" else {"exponential_avg_factor": factor}
+        out = getattr(tf.raw_ops, version)(
+            x=c, scale=scale, offset=offset, mean=tf.zeros([6 if running else 0]),
+            variance=tf.ones([6 if running else 0]), epsilon=1e-3, data_format=data_format,
+            is_training=True, **kw)
+        if read_mean and i == 0:
+            extra = tf.reduce_sum(out[1])
+        h = tf.nn.relu(tf.cast(out[0], tf.float32))
+    return tf.reduce_sum(h * h) + extra, xs
+
+
+def _inference_copies(graph):
+    return [op for op in recompute_ops(graph) if op.type.startswith("FusedBatchNorm")
+            and "Grad" not in op.type and not op.get_attr("is_training")]
+
+
+@pytest.mark.parametrize("version,data_format,dtype,factor", [
+    ("FusedBatchNorm", "NHWC", tf.float32, 1.0),
+    ("FusedBatchNormV2", "NCHW", tf.float32, 1.0),
+    ("FusedBatchNormV3", "NHWC", tf.float32, 1.0),
+    ("FusedBatchNormV3", "NCHW", tf.float32, 0.9),
+    ("FusedBatchNormV3", "NHWC", tf.float16, 0.9),
+])
+def test_a_recomputed_batch_norm_normalises_with_the_forward_statistics(
+        graph, session, version, data_format, dtype, factor):
+    """On the CPU a training batch norm's copy runs in inference mode on the
+    forward pass's batch mean and variance (its reserve spaces), one pass
+    instead of a reduction and a pass; its gradient is still the training
+    one (through the statistics), so the gradients are tf.gradients'."""
+    loss, xs = _normalisation_net(version, data_format, dtype, factor)
+    ref = tf.gradients(loss, xs)
+    ours = memsave.gradients(loss, xs, checkpoints="memory")
+    copies = _inference_copies(graph)
+    assert copies, "no batch norm was recomputed from its statistics"
+    assert all(op.type == version for op in copies)
+    session.run(tf.compat.v1.global_variables_initializer())
+    assert_close(*session.run([ours, ref]))
+    if dtype != tf.float32:
+        return  # (float16's second derivative differs from tf.gradients' by rounding, 0.14%
+        #         here, whether the copies reuse the statistics or not)
+    # And the second derivative through them (a gradient penalty).
+    penalty = [tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads]) for grads in (ours, ref)]
+    second = [tf.gradients(p, xs[:3]) for p in penalty]
+    assert_close(*session.run(second))
+
+
+def test_a_batch_norm_whose_statistics_the_graph_reads_is_copied_whole(graph, session):
+    """A batch norm whose batch mean the loss reads, or that a GPU runs (its
+    reserve spaces hold another statistic there), is copied as it is."""
+    loss, xs = _normalisation_net("FusedBatchNormV3", "NHWC", tf.float32, 1.0, read_mean=True)
+    fg = memsave.plan(loss, xs, checkpoints="memory").problem.fg
+    reusing = [op.name for op in fg.ops if op.reuses_statistics]
+    batch_norms = [op.name for op in fg.ops if op.type == "FusedBatchNormV3"]
+    assert len(batch_norms) == 4 and len(reusing) == 3 and batch_norms[0] not in reusing
+    ours = memsave.gradients(loss, xs, checkpoints=[batch_norms[0] and
+                                                   graph.get_tensor_by_name(batch_norms[2] + ":0")])
+    assert recompute_ops(graph), "the rewrite did not run"
+    assert not any(op.name.endswith(batch_norms[0].split("/")[-1]) for op in _inference_copies(graph))
+    session.run(tf.compat.v1.global_variables_initializer())
+    assert_close(*session.run([ours, tf.gradients(loss, xs)]))
+    with tf.device("/GPU:0"):
+        gpu_loss, gpu_xs = _normalisation_net("FusedBatchNormV3", "NHWC", tf.float32, 1.0)
+    gpu_fg = memsave.plan(gpu_loss, gpu_xs, checkpoints="memory").problem.fg
+    assert not any(op.reuses_statistics for op in gpu_fg.ops)
+    assert [op for op in gpu_fg.ops if op.type == "FusedBatchNormV3"]
+
+
 # -- errors ------------------------------------------------------------------
 
 
