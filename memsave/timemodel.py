@@ -326,8 +326,8 @@ _BIAS_ADDS = frozenset({"BiasAdd", "BiasAddV1", "Add", "AddV2"})
 #: tf.function): 0.6-0.65 on 32x32x32x16 and 32x8x8x64, 0.75-0.8 on
 #: 32x64x64x64; followed by a ReLU, which fuses into either, 0.58 on
 #: 32x32x32x16. (ResNet-110's 'memory' step, 97 batch norms recomputed so:
-#: forecast 1.316x -> 1.293x the plain step; measured in interleaved runs,
-#: 0.7% and 4% faster, the machine's noise as large as the gain.)
+#: forecast 1.316x -> 1.293x the plain step, measured 1.293x -> 1.268x in
+#: interleaved runs, other runs 0.7% to 4% faster: the noise is as large.)
 STATISTICS_REUSED = 0.6
 
 #: Ops the rewrite adds per recomputed step to make its gate (a reshape,

@@ -430,10 +430,19 @@ def test_a_recomputed_batch_norm_normalises_with_the_forward_statistics(
     one (through the statistics), so the gradients are tf.gradients'."""
     loss, xs = _normalisation_net(version, data_format, dtype, factor)
     ref = tf.gradients(loss, xs)
+    start = len(graph.get_operations())
     ours = memsave.gradients(loss, xs, checkpoints="memory")
     copies = _inference_copies(graph)
     assert copies, "no batch norm was recomputed from its statistics"
     assert all(op.type == version for op in copies)
+    # The forward op's third reserve space is oneDNN's ReLU workspace where
+    # it fuses the batch norm with its ReLU: nothing memsave builds reads
+    # that of a recomputed one, or the workspace would be held to the
+    # backward pass.
+    forward = {op.inputs[3].op for op in copies}
+    assert all(op in graph.get_operations()[:start] for op in forward)
+    assert not [op for op in graph.get_operations()[start:] for t in op.inputs
+                if t.op in forward and t.value_index == 5]
     session.run(tf.compat.v1.global_variables_initializer())
     assert_close(*session.run([ours, ref]))
     if dtype != tf.float32:

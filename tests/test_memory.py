@@ -403,3 +403,78 @@ def test_xla_conv_backward_waits_for_gradient(fresh, method):
     assert res[method]["digest_rel_err"] <= GRAD_RTOL
     assert res[method]["grad_scale"] > 1e-3
     assert res[method]["grad_abs_err"] <= GRAD_RTOL * res[method]["grad_scale"]
+
+
+def measure_batch_norm_copies() -> dict:
+    """Conv -> FusedBatchNormV3 -> ReLU, sixteen times, on 64x32x32x16 (4 MiB
+    activations) in a tf.function: the allocator peak above the resident
+    tensors of one step with tf.gradients, with 'memory' (its batch norm
+    copies normalising with the forward statistics), and with 'memory'
+    whose copies are plain (``reuses_batch_statistics`` off for that
+    trace); and each one's largest gradient error against tf.gradients."""
+    from memsave import _tf_private
+
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((64, 32, 32, 16), dtype=np.float32))
+    ws = [tf.Variable(rng.standard_normal((3, 3, 16, 16), dtype=np.float32) * 0.2)
+          for _ in range(16)]
+
+    def loss_fn():
+        h = x
+        for w in ws:
+            y = tf.compat.v1.nn.fused_batch_norm(tf.nn.conv2d(h, w, 1, "SAME"), tf.ones(16),
+                                                 tf.zeros(16), is_training=True)[0]
+            h = tf.nn.relu(y)
+        return tf.reduce_sum(h * h)
+
+    def step(method):
+        @tf.function
+        def f():
+            loss = loss_fn()
+            if method == "tf.gradients":
+                return tf.gradients(loss, ws)
+            return memsave.gradients(loss, ws, checkpoints="memory")
+        return f
+
+    real = _tf_private.reuses_batch_statistics
+    fns, copies = {}, {}
+    for method in ("tf.gradients", "statistics", "plain copies"):
+        _tf_private.reuses_batch_statistics = (lambda op: False) if method == "plain copies" else real
+        try:
+            fns[method] = step(method)
+            graph = fns[method].get_concrete_function().graph
+        finally:
+            _tf_private.reuses_batch_statistics = real
+        copies[method] = sum(1 for op in graph.get_operations() if "/recompute_" in op.name
+                             and op.type == "FusedBatchNormV3" and not op.get_attr("is_training"))
+    ref = [g.numpy() for g in fns["tf.gradients"]()]
+    out = {}
+    for method, f in fns.items():
+        got = [g.numpy() for g in f()]
+        peaks = []
+        for _ in range(REPEATS):
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            idle = tf.config.experimental.get_memory_info("CPU:0")["current"]
+            f()[0].numpy()
+            peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - idle)
+        out[method] = {"peak_bytes": sorted(peaks)[REPEATS // 2], "copies": copies[method],
+                       "rel_err": max(float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+                                      for a, b in zip(got, ref))}
+    return out
+
+
+def test_batch_norm_copies_on_the_forward_statistics_hold_no_more(fresh):
+    """A recomputed batch norm normalising with the forward pass's
+    statistics computes the same gradients and peaks no higher than a plain
+    copy (measured: 40.0 MiB, plain copies 48.0, tf.gradients 141.0). Its
+    gradient reading the forward op's third reserve space (the ReLU
+    workspace oneDNN keeps there when it fuses the two) held each workspace
+    to the backward pass: 49.5 MiB here, 46.5 instead of 39 on ResNet-110."""
+    res = fresh.call(measure_batch_norm_copies)
+    ours, plain, ref = (res[m]["peak_bytes"] / MiB for m in ("statistics", "plain copies",
+                                                             "tf.gradients"))
+    assert res["statistics"]["copies"] > 0 and res["plain copies"]["copies"] == 0
+    assert ours < ref
+    assert ours <= plain + 0.5, f"{ours:.1f} MiB against {plain:.1f} MiB with plain copies"
+    assert res["statistics"]["rel_err"] <= GRAD_RTOL
+    assert res["plain copies"]["rel_err"] <= GRAD_RTOL
