@@ -396,6 +396,20 @@ def test_unknown_strategy_raises_at_wrap_time():
     ({"strategy_options": {"bogus": 1}}, memsave.OptionsError, r"\['bogus'\] are not options"),
     ({"checkpoints": ["dense"], "memory_budget": 0.5}, memsave.CheckpointError, "list of layers"),
     ({"checkpoints": "speed", "memory_budget": 0.5}, memsave.CheckpointError, "'speed'"),
+    # Option values, checked by the strategies themselves before any graph:
+    ({"strategy_options": {"num_checkpoints": "3"}}, memsave.OptionsError, "num_checkpoints"),
+    ({"strategy_options": {"peak_tolerance": 2}}, memsave.OptionsError, "peak_tolerance"),
+    ({"strategy_options": {"min_saving_fraction": "0"}}, memsave.OptionsError,
+     "min_saving_fraction"),
+    ({"strategy_options": {"solver": "dp"}}, memsave.OptionsError, "without a memory_budget"),
+    ({"strategy_options": {"solver": "fastest"}, "memory_budget": 0.5},
+     memsave.UnknownStrategyError, "solver='fastest'"),
+    ({"strategy_options": {"time_limit_s": -1}, "memory_budget": 0.5}, memsave.OptionsError,
+     "time_limit_s"),
+    ({"checkpoints": "speed", "strategy_options": {"budget_fraction": 0}}, memsave.OptionsError,
+     "budget_fraction"),
+    ({"checkpoints": "collection", "strategy_options": {"time_limit_s": 5}},
+     memsave.OptionsError, "without a memory_budget"),
 ])
 def test_bad_planning_arguments_raise_at_wrap_time(kwargs, error, match):
     """They were accepted, and raised only when fit traced the step, naming

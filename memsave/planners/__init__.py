@@ -130,16 +130,20 @@ def run(name: str | Planner, problem, *, budget=None, options: Mapping[str, Any]
 def check(name: str, *, budget=None, options: Mapping[str, Any] | None = None,
           api: str = "memsave.gradients", instead: str | None = "a list of tensors") -> None:
     """What :func:`run` checks before it reads a graph: ``name`` is
-    registered, ``options`` are its options and ``budget`` is bytes or a
-    fraction. For callers that plan later (``memsave.keras.checkpointed``
+    registered, ``options`` are its options (and, for the built-in
+    strategies, their values) and ``budget`` is bytes or a fraction. For callers that plan later (``memsave.keras.checkpointed``
     plans when ``fit`` traces the step) and want a mistake reported now.
     ``instead``: as for :func:`get`."""
     planner = get(name, api=api, instead=instead)
-    _check_options(planner, name, dict(options or {}), api)
+    options = dict(options or {})
+    _check_options(planner, name, options, api)
     if budget is not None:
         if getattr(planner, "refuses_budget", False):
             raise _strategies.budget_refused(f"checkpoints={name!r}", api)
         _budget.check_budget(budget, api=api)
+    values = getattr(planner, "memsave_check_options", None)
+    if values is not None:  # a built-in strategy's checks that need no graph
+        values(budget=budget, api=api, **{k: v for k, v in options.items() if k != "api"})
 
 
 def _checking(planner: Planner, name: str, api: str) -> Planner:

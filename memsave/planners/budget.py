@@ -200,6 +200,20 @@ def choose(space: Segments, *, milp: bool = True, max_simulations: int | None = 
     return "greedy"
 
 
+def check_solver(solver, time_limit_s, *, api: str) -> None:
+    """Raise for a ``solver`` that is not ``'auto'`` or one of :data:`CORES`,
+    or a ``time_limit_s`` that is not a positive number of seconds."""
+    if solver != "auto" and solver not in CORES:
+        from memsave.errors import UnknownStrategyError
+
+        raise UnknownStrategyError(
+            f"{api}: solver={solver!r} is not known; use 'auto' or one of {sorted(CORES)}")
+    if time_limit_s is not None and (isinstance(time_limit_s, bool) or not isinstance(
+            time_limit_s, numbers.Real) or not time_limit_s > 0):
+        raise OptionsError(
+            f"{api}: time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
+
+
 def solve(problem: Problem, memory_budget, *, solver: str = "auto",
           time_limit_s: float | None = None, api: str = "memsave",
           model: MemoryModel | None = None, strategy: str = "budget",
@@ -239,15 +253,7 @@ def solve(problem: Problem, memory_budget, *, solver: str = "auto",
         When ``memory_budget`` is invalid, or below every plan's forecast
         peak (``.min_peak_bytes`` holds the smallest found).
     """
-    if solver != "auto" and solver not in CORES:
-        from memsave.errors import UnknownStrategyError
-
-        raise UnknownStrategyError(
-            f"{api}: solver={solver!r} is not known; use 'auto' or one of {sorted(CORES)}")
-    if time_limit_s is not None and (isinstance(time_limit_s, bool) or not isinstance(
-            time_limit_s, numbers.Real) or not time_limit_s > 0):
-        raise OptionsError(
-            f"{api}: time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
+    check_solver(solver, time_limit_s, api=api)
     if solver == "auto" and problem.search_share < 1.0:
         # One of the combinations of loop choices memsave.planners.loops
         # weighs (the chosen one is planned again with the whole search):

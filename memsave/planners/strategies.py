@@ -137,8 +137,67 @@ def _plan(problem: Problem, name: str, chosen: Iterable[int], reason: Callable[[
 
 
 def _check_fraction(name: str, value: float, api: str) -> None:
-    if not 0.0 <= value < 1.0:
-        raise OptionsError(f"{api}: {name} must be in [0, 1), got {value}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
+        raise OptionsError(f"{api}: {name} must be in [0, 1), got {value!r}")
+
+
+def _checks_options(check: Callable) -> Callable:
+    """Give a built-in strategy ``check`` as ``memsave_check_options``: the
+    checks of its option values that need no graph, which it runs first
+    and :func:`memsave.planners.check` runs before any graph exists
+    (``memsave.keras.checkpointed`` reports a bad value when it is called,
+    not when ``fit`` traces)."""
+
+    def deco(strategy: Callable) -> Callable:
+        strategy.memsave_check_options = check
+        return strategy
+
+    return deco
+
+
+def _check_collection_options(*, budget=None, solver: str = "auto", time_limit_s=None,
+                              api: str = "memsave.gradients") -> None:
+    if budget is None:
+        _no_solver_options(solver, time_limit_s, "'collection'", api)
+    else:
+        _budget.check_solver(solver, time_limit_s, api=api)
+
+
+def _check_speed_options(*, budget=None, budget_fraction: float = SPEED_BUDGET_FRACTION,
+                         op_types=None, min_saving_fraction: float = MIN_SAVING_FRACTION,
+                         solver: str = "auto", time_limit_s=None,
+                         api: str = "memsave.gradients") -> None:
+    if budget is not None:
+        raise budget_refused("checkpoints='speed'", api)
+    _check_fraction("min_saving_fraction", min_saving_fraction, api)
+    if op_types is not None:
+        _no_solver_options(solver, time_limit_s, "'speed' with op_types", api)
+    else:
+        _budget.check_solver(solver, time_limit_s, api=api)
+        _check_budget_fraction(budget_fraction, api)
+
+
+def _check_budget_fraction(budget_fraction, api: str) -> None:
+    if isinstance(budget_fraction, bool) or not isinstance(budget_fraction, numbers.Real) \
+            or not 0.0 < budget_fraction <= 1.0:
+        raise OptionsError(f"{api}: budget_fraction must be in (0, 1], got {budget_fraction!r}")
+
+
+def _check_memory_options(*, budget=None, num_checkpoints: int | None = None,
+                          min_saving_fraction: float = MIN_SAVING_FRACTION,
+                          peak_tolerance: float = MEMORY_PEAK_TOLERANCE, solver: str = "auto",
+                          time_limit_s=None, api: str = "memsave.gradients", **_) -> None:
+    if budget is not None:
+        _budget.check_solver(solver, time_limit_s, api=api)
+        return
+    _no_solver_options(solver, time_limit_s, "'memory'", api)
+    _check_fraction("min_saving_fraction", min_saving_fraction, api)
+    if num_checkpoints is not None and (
+            isinstance(num_checkpoints, bool) or not isinstance(num_checkpoints, numbers.Integral)
+            or num_checkpoints < 0):
+        raise OptionsError(
+            f"{api}: strategy_options num_checkpoints must be an int >= 0, got {num_checkpoints!r}")
+    _check_fraction("peak_tolerance", peak_tolerance, api)
 
 
 def _no_solver_options(solver: str, time_limit_s, who: str, api: str) -> None:
@@ -210,6 +269,7 @@ def given(problem: Problem, checkpoints: Iterable[int]) -> Plan:
 
 
 @register("collection")
+@_checks_options(_check_collection_options)
 def collection(problem: Problem, *, budget=None, solver: str = "auto",
                time_limit_s: float | None = None, api: str = "memsave.gradients") -> Plan:
     """Keep the tensors the user added to the ``'checkpoints'`` collection.
@@ -219,9 +279,9 @@ def collection(problem: Problem, *, budget=None, solver: str = "auto",
     computation in the graph. With a ``budget`` (``checkpoints`` left at its
     default), the budget solver ``solver`` plans instead.
     """
+    _check_collection_options(budget=budget, solver=solver, time_limit_s=time_limit_s, api=api)
     if budget is not None:
         return _budget.solve(problem, budget, solver=solver, time_limit_s=time_limit_s, api=api)
-    _no_solver_options(solver, time_limit_s, "'collection'", api)
     fg = problem.fg
     chosen = [t for t in problem.keepable() if fg.tensors[t].tagged]
     note = "" if chosen else (
@@ -232,6 +292,7 @@ def collection(problem: Problem, *, budget=None, solver: str = "auto",
 
 
 @register("speed")
+@_checks_options(_check_speed_options)
 def speed(problem: Problem, *, budget=None, budget_fraction: float = SPEED_BUDGET_FRACTION,
           op_types: frozenset[str] | None = None, min_saving_fraction: float = MIN_SAVING_FRACTION,
           solver: str = "auto", time_limit_s: float | None = None,
@@ -251,11 +312,10 @@ def speed(problem: Problem, *, budget=None, budget_fraction: float = SPEED_BUDGE
     by rule. Like every automatic strategy, the plan is dropped when it
     saves under ``min_saving_fraction`` (:func:`worth_it`).
     """
-    if budget is not None:
-        raise budget_refused("checkpoints='speed'", api)
-    _check_fraction("min_saving_fraction", min_saving_fraction, api)
+    _check_speed_options(budget=budget, budget_fraction=budget_fraction, op_types=op_types,
+                         min_saving_fraction=min_saving_fraction, solver=solver,
+                         time_limit_s=time_limit_s, api=api)
     if op_types is not None:
-        _no_solver_options(solver, time_limit_s, "'speed' with op_types", api)
         fg = problem.fg
         chosen = [t for t in problem.keepable() if fg.ops[fg.tensors[t].producer].type in op_types]
         note = "" if chosen else (
@@ -294,9 +354,7 @@ def speed_budget_bytes(problem: Problem, budget_fraction: float = SPEED_BUDGET_F
     counted), on the loop-free problem (``problem.base``: with its loops as
     while_v2 differentiates them), so that every choice of the loops'
     gradients is judged against the same budget."""
-    if isinstance(budget_fraction, bool) or not isinstance(budget_fraction, (int, float)) \
-            or not 0.0 < budget_fraction <= 1.0:
-        raise OptionsError(f"{api}: budget_fraction must be in (0, 1], got {budget_fraction!r}")
+    _check_budget_fraction(budget_fraction, api)
     plain = problem.base
     base = plain.peak(None, model=plain.judge)
     floor = plain.floor(model=plain.judge)
@@ -339,6 +397,7 @@ def _relabel(problem: Problem, plan: Plan, name: str, reason: Callable[[int], st
 
 
 @register("memory")
+@_checks_options(_check_memory_options)
 def memory(
     problem: Problem,
     *,
@@ -422,15 +481,11 @@ def memory(
     Rematerialization. MLSys 2020 (the "AP greedy" baseline and its
     generalisation to linearized cuts).
     """
+    _check_memory_options(budget=budget, num_checkpoints=num_checkpoints,
+                          min_saving_fraction=min_saving_fraction, peak_tolerance=peak_tolerance,
+                          solver=solver, time_limit_s=time_limit_s, api=api)
     if budget is not None:
         return _budget.solve(problem, budget, solver=solver, time_limit_s=time_limit_s, api=api)
-    _no_solver_options(solver, time_limit_s, "'memory'", api)
-    _check_fraction("min_saving_fraction", min_saving_fraction, api)
-    if num_checkpoints is not None and (
-            isinstance(num_checkpoints, bool) or not isinstance(num_checkpoints, numbers.Integral)
-            or num_checkpoints < 0):
-        raise OptionsError(
-            f"{api}: strategy_options num_checkpoints must be an int >= 0, got {num_checkpoints!r}")
     fg = problem.fg
     points = problem.articulation_points(small_tensor_fraction=small_tensor_fraction)
     on_point = set(points)
@@ -448,9 +503,6 @@ def memory(
         idx = spread([cum[c.position] for c in cuts], total, min(num_checkpoints, len(cuts)))
         return _plan(problem, "memory", [t for i in idx for t in cuts[i].crossing], reason)
 
-    if isinstance(peak_tolerance, bool) or not isinstance(peak_tolerance, (int, float)) \
-            or not 0.0 <= peak_tolerance < 1.0:
-        raise OptionsError(f"{api}: peak_tolerance must be in [0, 1), got {peak_tolerance!r}")
     hopeless = can_save(problem, min_saving_fraction=min_saving_fraction)
     if hopeless:
         return problem.plan("memory", (), {}, note=hopeless + _CHOOSE_YOURSELF)
