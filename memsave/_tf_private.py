@@ -21,7 +21,9 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop_util, record
+from tensorflow.python.eager import tape as tape_lib
 from tensorflow.python.framework import indexed_slices, op_def_registry
 from tensorflow.python.framework import ops as ops_lib
 from tensorflow.python.ops import cond_v2, control_flow_state, control_flow_util
@@ -84,9 +86,76 @@ def tape_watches(tensors: Sequence[tf.Tensor]) -> bool:
         record.should_record_backprop(tensors))
 
 
+@contextlib.contextmanager
 def stop_tape_recording():
-    """A context in which no tape records the ops made (``record.stop_recording``)."""
-    return record.stop_recording()
+    """A context in which the tapes open on this thread record none of the ops made.
+
+    ``record.stop_recording`` stops recording on the thread, and with it any
+    tape opened inside: a gradient function that opens its own (the
+    gradient of ``tf.recompute_grad``, TensorFlow's second derivative of a
+    fused batch norm) would get nothing back, and memsave's gradients under
+    a watching tape came out zero or None. So while a tape opened inside is
+    open, recording restarts on the thread: the tapes that were open before
+    record those ops too, but nothing the caller records reads them (it
+    records what it built as one op of tensors made before,
+    ``memsave.tapes``), so no path from a target reaches them. Reentrant;
+    ``tape.push_new_tape``, ``push_tape`` and ``pop_tape`` are wrapped while
+    any thread is inside (the wrappers act on this context's threads only).
+    """
+    depth = getattr(_paused, "depth", 0)
+    with record.stop_recording():
+        _tape_hooks(+1)
+        _paused.depth = depth + 1
+        try:
+            yield
+        finally:
+            _paused.depth = depth
+            _tape_hooks(-1)
+
+
+_paused = threading.local()  # .depth: stop_tape_recording contexts; .restarted: tapes
+_hooks_lock = threading.Lock()
+_hooks_users = 0
+_tape_functions: dict = {}
+
+
+def _tape_hooks(change: int) -> None:
+    """Install the wrappers of :func:`stop_tape_recording` for its first user,
+    remove them after its last."""
+    global _hooks_users
+    with _hooks_lock:
+        _hooks_users += change
+        if change > 0 and _hooks_users == 1:
+            _tape_functions.update(push_new_tape=tape_lib.push_new_tape,
+                                   push_tape=tape_lib.push_tape, pop_tape=tape_lib.pop_tape)
+            tape_lib.push_new_tape = _restarting(_tape_functions["push_new_tape"], returns=True)
+            tape_lib.push_tape = _restarting(_tape_functions["push_tape"], returns=False)
+            tape_lib.pop_tape = _stopping_again(_tape_functions["pop_tape"])
+        elif change < 0 and _hooks_users == 0:
+            for name, fn in _tape_functions.items():
+                setattr(tape_lib, name, fn)
+            _tape_functions.clear()
+
+
+def _restarting(push, *, returns: bool):
+    def pushed(*args, **kwargs):
+        out = push(*args, **kwargs)
+        if getattr(_paused, "depth", 0) and pywrap_tfe.TFE_Py_TapeSetIsStopped():
+            tape = out if returns else args[0]
+            _paused.__dict__.setdefault("restarted", set()).add(id(tape._tape))  # pylint: disable=protected-access
+            pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
+        return out
+    return pushed
+
+
+def _stopping_again(pop):
+    def popped(tape):
+        pop(tape)
+        restarted = getattr(_paused, "restarted", None)
+        if restarted and id(tape._tape) in restarted:  # pylint: disable=protected-access
+            restarted.discard(id(tape._tape))  # pylint: disable=protected-access
+            pywrap_tfe.TFE_Py_TapeSetStopOnThread()
+    return popped
 
 
 def record_on_tapes(op_type: str, outputs: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor],

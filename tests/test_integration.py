@@ -788,6 +788,77 @@ def test_nested_tapes_take_memsave_gradients_to_third_order():
         np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12 * np.abs(w).max())
 
 
+def test_a_gradient_that_opens_its_own_tape_works_under_a_watching_tape():
+    """memsave builds under a watching tape with recording stopped on the
+    thread; a gradient function that opens a tape of its own (tf.recompute_grad's)
+    got nothing recorded, and every weight at or below the block a zero
+    gradient, silently."""
+    rs = np.random.RandomState(0)
+    inits = [rs.randn(16, 16).astype(np.float32) * 0.3 for _ in range(6)]
+    x = tf.constant(rs.randn(256, 16).astype(np.float32))
+    copies = []
+
+    def first_order(method):
+        ws = [tf.Variable(w) for w in inits]
+        block = tf.recompute_grad(lambda h: tf.tanh(tf.matmul(tf.tanh(tf.matmul(h, ws[2])), ws[3])))
+
+        @tf.function
+        def step():
+            with tf.GradientTape():
+                h = tf.tanh(tf.matmul(tf.tanh(tf.matmul(x, ws[0])), ws[1]))
+                h = block(h)
+                h = tf.tanh(tf.matmul(tf.tanh(tf.matmul(h, ws[4])), ws[5]))
+                loss = tf.reduce_sum(h * h)
+                grads = tf.gradients(loss, ws) if method == "tf.gradients" else memsave.gradients(
+                    loss, ws, checkpoints="memory", strategy_options={"min_saving_fraction": 0})
+            copies.append(sum("recompute_" in op.name for op in loss.graph.get_operations()))
+            return grads
+
+        return [g.numpy() for g in step()]
+
+    want = first_order("tf.gradients")
+    got = first_order("memory")
+    assert copies[0] == 0 and copies[1] > 0, "the rewrite did not run"
+    assert all(np.abs(w).max() > 1e-3 for w in want)
+    assert_close(got, want)
+
+
+def test_a_tape_takes_a_fused_batch_norm_s_second_derivative_through_memsave():
+    """TensorFlow's gradient of FusedBatchNormGrad opens a tape; under
+    memsave's recording of its gradients as one op it recorded nothing, and
+    a tape's gradient penalty over a batch norm came out None."""
+    rs = np.random.RandomState(1)
+    x = tf.constant(rs.randn(4, 8, 8, 6).astype(np.float32))
+    ws = [tf.Variable(rs.randn(3, 3, 6, 6).astype(np.float32) * 0.3) for _ in range(4)]
+    scales = [tf.Variable(np.linspace(0.5, 1.5, 6).astype(np.float32)) for _ in range(4)]
+    xs = ws + scales
+
+    def penalty_gradients(method):
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                h = x
+                for w, scale in zip(ws, scales):
+                    h = tf.compat.v1.nn.fused_batch_norm(
+                        tf.nn.conv2d(h, w, 1, "SAME"), scale, tf.zeros(6), is_training=True)[0]
+                    h = tf.nn.relu(h) + 0.1 * tf.sin(h)
+                loss = tf.reduce_sum(h * h)
+                grads = tf.gradients(loss, xs) if method == "tf.gradients" else memsave.gradients(
+                    loss, xs, checkpoints="memory")
+                penalty = tf.add_n([tf.reduce_sum(g * g) for g in grads])
+            return tape.gradient(penalty, xs)
+
+        return step
+
+    want_fn, got_fn = penalty_gradients("tf.gradients"), penalty_gradients("memory")
+    assert _inference_copies(got_fn.get_concrete_function().graph), "the rewrite did not run"
+    want = want_fn()
+    assert all(w is not None for w in want)
+    got = got_fn()
+    assert all(g is not None for g in got)
+    assert_close([g.numpy() for g in got], [w.numpy() for w in want])
+
+
 # -- loss scaling --------------------------------------------------------------
 #
 # Mixed precision with loss scaling calls tf.gradients on the *scaled* loss
