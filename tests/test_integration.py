@@ -705,6 +705,14 @@ def test_graph_tensors_can_be_differentiated_outside_their_graph_context(checkpo
 # -- a GradientTape over memsave's gradients -----------------------------------
 
 
+def _tanh_chain_values(layers: int, *, rows: int):
+    """16x16 float32 weights of a tanh chain (0.3 standard deviation) and a
+    [rows, 16] input, from one seed."""
+    rs = np.random.RandomState(0)
+    inits = [rs.randn(16, 16).astype(np.float32) * 0.3 for _ in range(layers)]
+    return inits, tf.constant(rs.randn(rows, 16).astype(np.float32))
+
+
 @pytest.mark.parametrize("checkpoints", ["memory", "list"])
 def test_a_tape_differentiates_memsave_gradients_further(checkpoints):
     """A gradient penalty taken by the tape that watched the forward pass
@@ -714,9 +722,7 @@ def test_a_tape_differentiates_memsave_gradients_further(checkpoints):
     recorded as one op the tape missed every path through a recomputed
     segment: None or wrong second-order gradients. Reference: the same with
     tf.gradients."""
-    rs = np.random.RandomState(0)
-    inits = [rs.randn(16, 16).astype(np.float32) * 0.3 for _ in range(8)]
-    x = tf.constant(rs.randn(4, 16).astype(np.float32))
+    inits, x = _tanh_chain_values(8, rows=4)
     copies = []
 
     def penalty_gradients(method):
@@ -793,9 +799,7 @@ def test_a_gradient_that_opens_its_own_tape_works_under_a_watching_tape():
     thread; a gradient function that opens a tape of its own (tf.recompute_grad's)
     got nothing recorded, and every weight at or below the block a zero
     gradient, silently."""
-    rs = np.random.RandomState(0)
-    inits = [rs.randn(16, 16).astype(np.float32) * 0.3 for _ in range(6)]
-    x = tf.constant(rs.randn(256, 16).astype(np.float32))
+    inits, x = _tanh_chain_values(6, rows=256)
     copies = []
 
     def first_order(method):
