@@ -142,7 +142,9 @@ def _restarting(push, *, returns: bool):
         out = push(*args, **kwargs)
         if getattr(_paused, "depth", 0) and pywrap_tfe.TFE_Py_TapeSetIsStopped():
             tape = out if returns else args[0]
-            _paused.__dict__.setdefault("restarted", set()).add(id(tape._tape))  # pylint: disable=protected-access
+            if not hasattr(_paused, "restarted"):
+                _paused.restarted = set()
+            _paused.restarted.add(id(tape._tape))  # pylint: disable=protected-access
             pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
         return out
     return pushed
@@ -297,9 +299,8 @@ def _zeros_like_unless_unread(op: tf.Operation, index: int):
     """``control_flow_state.ZerosLike(op, index)``, but None for an output
     whose zero gradient the op's gradient function never reads."""
     if index and op.type in _FIRST_GRADIENT_ONLY_TYPES:
-        fn = ops_lib.get_gradient_function(op)
-        if fn is ops_lib.gradient_registry.lookup(op.type) or getattr(
-                fn, "memsave_reads_first_gradient_only", False):
+        if _has_stock_gradient(op) or getattr(ops_lib.get_gradient_function(op),
+                                              "memsave_reads_first_gradient_only", False):
             return None
     return _zeros_like_before(op, index)
 
@@ -318,12 +319,18 @@ def reuses_batch_statistics(op: tf.Operation) -> bool:
     """
     if op.type not in _FIRST_GRADIENT_ONLY_TYPES or not op.get_attr("is_training"):
         return False
-    if ops_lib.get_gradient_function(op) is not ops_lib.gradient_registry.lookup(op.type):
+    if not _has_stock_gradient(op):
         return False
     device = tf.DeviceSpec.from_string(op.device or "").device_type
     if device is None:
         return not _gpu_visible()
     return device.upper() == "CPU"
+
+
+def _has_stock_gradient(op: tf.Operation) -> bool:
+    """Whether tf.gradients differentiates ``op`` by its type's registered
+    gradient (no gradient_override_map, no ``_gradient_function``)."""
+    return ops_lib.get_gradient_function(op) is ops_lib.gradient_registry.lookup(op.type)
 
 
 @functools.cache
@@ -436,7 +443,7 @@ def _function_defs(op: tf.Operation):
 
 
 def outer_graphs(graph) -> list:
-    """The graphs enclosing ``graph`` (a FuncGraph's ``outer_graph``, its own, ...), nearest first."""
+    """The graphs enclosing ``graph`` (its ``outer_graph``, that one's, ...), nearest first."""
     out = []
     g = getattr(graph, "outer_graph", None)
     while g is not None:

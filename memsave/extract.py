@@ -192,6 +192,7 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
         ))
         return i
 
+    xla = bool(ops) and _tf_private.in_xla_context(ops[0].graph)
     op_nodes = []
     bodies: dict = {} if _bodies is None else _bodies
     for i, op in enumerate(ops):
@@ -210,12 +211,11 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
             recomputable=_tf_private.is_recomputable(op) and _tf_private.is_copyable(op),
             flops=flops, gradient=gradient, body=body,
             flops_linear=None if flops is not None else _tf_private.op_flops_linear(op, node_def),
-            reuses_statistics=_tf_private.reuses_batch_statistics(op) and not any(
+            reuses_statistics=not xla and _tf_private.reuses_batch_statistics(op) and not any(
                 c in index for t in op.outputs[1:] for c in t.consumers()),
         ))
     x_ids = tuple(tensor_id(x) for x in xs)
     y_ids = tuple(tensor_id(y) for y in ys)
-    xla = bool(ops) and _tf_private.in_xla_context(ops[0].graph)
     fg = ForwardGraph(ops=tuple(op_nodes), tensors=tuple(nodes), xs=x_ids, ys=y_ids, xla=xla)
     return Extraction(fg=fg, ops=ops, tensors=tensors, tensor_ids=ids, op_index=index)
 

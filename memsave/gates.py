@@ -47,7 +47,7 @@ def gate(grads: Sequence, *, once: bool = False) -> tf.Tensor | None:
     the step's peak was 69.8 MB instead of 79.7 MB. (XLA's optimization
     barrier does not do it: XLA:CPU removes it before fusion.) The weights'
     ordered gates are computed once only in float16 steps
-    (:func:`_ordered_after_step` says why).
+    (:func:`memsave.rewrite._ordered_after_step` says why).
     """
     op = _tf_private.raw_op
     bits = []

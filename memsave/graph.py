@@ -270,8 +270,8 @@ class OpNode:
     ``reuses_statistics``: a training-mode batch norm whose copy in a
     recompute step normalises with the statistics the forward pass computed
     (:func:`memsave._tf_private.reuses_batch_statistics`; no op of the
-    graph reads its other outputs), one pass instead of a reduction and a
-    pass.
+    graph reads its other outputs; not under XLA), one pass instead of a
+    reduction and a pass.
     """
 
     index: int

@@ -417,7 +417,8 @@ def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, d
         # The step reads what it receives through proxies of its own, never a
         # tensor an earlier step's ops also read (see "No shared inputs
         # across steps" in the module docstring).
-        head_grads = [gates.proxy(g, gate, casts) if gates.gateable(g.dtype) else g for g in head_grads]
+        head_grads = [gates.proxy(g, gate, casts) if gates.gateable(g.dtype) else g
+                      for g in head_grads]
 
     # Recompute only once the heads' gradients (through the gate) and the
     # previous step's gradients exist.
@@ -456,12 +457,10 @@ def _copy_and_differentiate(ex: Extraction, step: Step, heads, head_grads, stock
             ]
             if op.type in _tf_private.WHILE_OP_TYPES:
                 new = _copy_loop(op, inputs, waits + controls)
-            elif node.reuses_statistics and not fg.xla:
-                new = _tf_private.copy_batch_norm_with_statistics(op, inputs, name=op.name)
-                if controls:
-                    _tf_private.add_control_inputs(new, controls)
             else:
-                new = _tf_private.copy_op(op, inputs, name=op.name)
+                copy = (_tf_private.copy_batch_norm_with_statistics if node.reuses_statistics
+                        else _tf_private.copy_op)
+                new = copy(op, inputs, name=op.name)
                 if controls:
                     _tf_private.add_control_inputs(new, controls)
             if fg.xla:

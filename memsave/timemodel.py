@@ -479,8 +479,7 @@ def _op_seconds(fg: ForwardGraph, costs: Costs, profile: DeviceProfile) -> OpSec
             continue
         cls = op_class(op.type)
         kernel = _forward_kernel_s(fg, costs, op, cls, profile)
-        recompute.append(kernel * STATISTICS_REUSED if op.reuses_statistics and not fg.xla
-                         else kernel)
+        recompute.append(kernel * STATISTICS_REUSED if op.reuses_statistics else kernel)
         forward.append(0.0 if fused_into_producer(fg, op, consumers=consumers) else kernel)
         gradient.append(_gradient_s(fg, costs, op, cls, profile, needs, consumers, ys))
     accumulate = []

@@ -439,7 +439,8 @@ def measure_batch_norm_copies() -> dict:
     real = _tf_private.reuses_batch_statistics
     fns, copies = {}, {}
     for method in ("tf.gradients", "statistics", "plain copies"):
-        _tf_private.reuses_batch_statistics = (lambda op: False) if method == "plain copies" else real
+        plain = method == "plain copies"
+        _tf_private.reuses_batch_statistics = (lambda op: False) if plain else real
         try:
             fns[method] = step(method)
             graph = fns[method].get_concrete_function().graph

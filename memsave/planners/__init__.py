@@ -131,8 +131,9 @@ def check(name: str, *, budget=None, options: Mapping[str, Any] | None = None,
           api: str = "memsave.gradients", instead: str | None = "a list of tensors") -> None:
     """What :func:`run` checks before it reads a graph: ``name`` is
     registered, ``options`` are its options (and, for the built-in
-    strategies, their values) and ``budget`` is bytes or a fraction. For callers that plan later (``memsave.keras.checkpointed``
-    plans when ``fit`` traces the step) and want a mistake reported now.
+    strategies, their values) and ``budget`` is bytes or a fraction. For
+    callers that plan later (``memsave.keras.checkpointed`` plans when
+    ``fit`` traces the step) and want a mistake reported now.
     ``instead``: as for :func:`get`."""
     planner = get(name, api=api, instead=instead)
     options = dict(options or {})
