@@ -41,6 +41,14 @@ original_gradients = gradients_impl.gradients
 #: The stock tf.gradients of the TF2 API (no colocate_gradients_with_ops).
 original_gradients_v2 = gradients_impl.gradients_v2
 
+
+def default_grad_ys(grad_ys: Sequence, ys: Sequence[tf.Tensor], colocate: bool) -> list:
+    """The seeds tf.gradients starts from: each ``grad_ys`` entry converted
+    as tf.gradients converts it (a NumPy array keeps its dtype), ones shaped
+    like its y for None, and tf.gradients' own checks and errors (a complex
+    y needs its grad_y; a grad_y's kind must suit its y's)."""
+    return gradients_util._DefaultGradYs(list(grad_ys), list(ys), colocate)
+
 #: Stateful op types that only read state: recomputing them inside a called
 #: function or a control-flow body reads the same value, because variable
 #: updates wait for the gradients that the recomputation produces.
@@ -489,12 +497,13 @@ def _fdef_read_only(fdef, graph) -> bool:
 
 def written_variable(op: tf.Operation) -> str:
     """The name of an op of ``op``'s graph that writes a variable ``op``
-    takes as a resource input ("" when none): a call, cond or loop reading
-    it again later could read another value than the forward pass did (a
-    step counter or a temperature assigned during the step). Variable
-    initializers (``tf.compat.v1`` graphs) do not count; ops created after
-    this is asked are not seen."""
-    initializers = None
+    takes as a resource input, or a ``tf.compat.v1`` reference variable
+    whose read ``op`` takes (:func:`written_reference`); "" when none: a
+    call, cond or loop reading it again later could read another value than
+    the forward pass did (a step counter or a temperature assigned during
+    the step). Variable initializers (``tf.compat.v1`` graphs) do not count;
+    ops created after this is asked are not seen."""
+    writers = []
     for t in op.inputs:
         if t.dtype != tf.resource:
             continue
@@ -506,23 +515,57 @@ def written_variable(op: tf.Operation) -> str:
                 fdefs = _function_defs(reader)
                 if fdefs is not None and all(_fdef_read_only(f, reader.graph) for f in fdefs):
                     continue
-            if initializers is None:
-                keys = tf.compat.v1.GraphKeys
-                variables = [*reader.graph.get_collection(keys.GLOBAL_VARIABLES),
-                             *reader.graph.get_collection(keys.LOCAL_VARIABLES)]
-                initializers = {v.initializer for v in variables
-                                if getattr(v, "initializer", None) is not None}
-            if reader not in initializers:
-                return reader.name
-    return ""
+            writers.append(reader)
+    return _first_not_initializer(writers, op.graph) or written_reference(op)
+
+
+def written_reference(op: tf.Operation) -> str:
+    """The name of an op that writes a ``tf.compat.v1`` reference variable
+    whose read ``op`` takes ("" when none).
+
+    A reference variable's read (``Variable/read``, an Identity of its
+    reference) shares the variable's buffer: an assignment later in the
+    step changes what the read holds, so a copy of ``op`` made after it
+    would compute from the new value, where the forward pass (and
+    tf.gradients, which keeps ``op``'s outputs) used the old one. Any op
+    taking the variable's reference but a read counts as a writer (an
+    assignment, an optimizer's update); initializers do not; ops created
+    after this is asked are not seen.
+    """
+    writers = []
+    for t in op.inputs:
+        read = t.op
+        for ref in read.inputs:
+            if ref.dtype._is_ref_dtype:  # pylint: disable=protected-access
+                writers += [w for w in ref.consumers()
+                            if w is not read and w.type not in _REFERENCE_READ_TYPES]
+    return _first_not_initializer(writers, op.graph)
+
+
+#: Ops that take a reference variable's reference and only read it.
+_REFERENCE_READ_TYPES = frozenset({"Identity", "IsVariableInitialized"})
+
+
+def _first_not_initializer(ops: list, graph: tf.Graph) -> str:
+    """The name of the first of ``ops`` that is not a variable's initializer
+    (of ``graph``'s variable collections), or ""."""
+    if not ops:
+        return ""
+    keys = tf.compat.v1.GraphKeys
+    variables = [*graph.get_collection(keys.GLOBAL_VARIABLES),
+                 *graph.get_collection(keys.LOCAL_VARIABLES)]
+    initializers = {v.initializer for v in variables
+                    if getattr(v, "initializer", None) is not None}
+    return next((w.name for w in ops if w not in initializers), "")
 
 
 def is_recomputable(op: tf.Operation) -> bool:
     """Whether copying ``op`` gives the values the original gave.
 
-    Stateless ops are, unless they read a reference variable. Stateful ops
-    are not (a random op draws again, an assignment writes twice), except
-    calls and control flow whose bodies only read variables
+    Stateless ops are, unless they take a reference variable, or the read of
+    one that an op of the graph writes (:func:`written_reference`). Stateful
+    ops are not (a random op draws again, an assignment writes twice),
+    except calls and control flow whose bodies only read variables
     (``READ_ONLY_STATEFUL_TYPES``) that no other op of the graph writes
     (:func:`written_variable`). Version 1 control flow is not copied.
     """
@@ -532,7 +575,7 @@ def is_recomputable(op: tf.Operation) -> bool:
         # Reads a tf.compat.v1 reference variable (``Variable/read``).
         return False
     if not op._is_stateful:  # pylint: disable=protected-access
-        return True
+        return not written_reference(op)
     if op.type not in _CALL_TYPES:
         return False
     fdefs = _function_defs(op)

@@ -47,7 +47,7 @@ from memsave.memory_model import BFC, CPU_ONEDNN, Allocator, MemoryModel
 from memsave.planners.strategies import budget_refused, given
 from memsave.problem import Problem
 from memsave.record import Plan
-from memsave.rewrite import aggregate, colocated, rewrite
+from memsave.rewrite import aggregate, rewrite
 from memsave.simulate import paused_gc
 
 __all__ = [
@@ -466,6 +466,14 @@ def gradients(
         ) from None
     if isinstance(xs, (list, tuple)) and not xs and not tf.executing_eagerly():
         return []  # as tf.gradients: nothing to differentiate with respect to
+    if isinstance(ys, (list, tuple)) and not ys and not tf.executing_eagerly():
+        # As tf.gradients: nothing to differentiate, each x's gradient None
+        # (zeros with unconnected_gradients='zero').
+        return _tf_private.original_gradients(
+            ys, xs, grad_ys, name=name, stop_gradients=stop_gradients,
+            unconnected_gradients=unconnected, gate_gradients=gate_gradients,
+            aggregation_method=aggregation_method,
+            colocate_gradients_with_ops=colocate_gradients_with_ops)
     build = functools.partial(
         _build_gradients, ys, xs, grad_ys, checkpoints, name=name,
         colocate_gradients_with_ops=colocate_gradients_with_ops, gate_gradients=gate_gradients,
@@ -563,11 +571,9 @@ def _build_prepared(p: Plan, ex: Extraction, args, prepared: dict, *, name, stoc
             "recomputation's data dependencies, and the forecast is the executor's "
             "(compile the step with jit_compile=True for XLA's forecast; see memsave.xla)")
     with graph.as_default(), tf.name_scope(name or "gradients"):
-        seeds = []
-        for y, g in zip(ys, grad_ys):
-            with colocated(y.op if colocate else None):
-                seeds.append(tf.ones_like(y) if g is None
-                             else tf.convert_to_tensor(g, dtype=y.dtype))
+        # Densified as the stock gradients' seeds: a step reads each through a proxy.
+        seeds = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                 for g in _tf_private.default_grad_ys(grad_ys, ys, colocate)]
         received = rewrite(ex, p.schedule, seeds, stop_gradients=stop_gradients, **stock)
         out = []
         for x, grads in zip(xs, received):

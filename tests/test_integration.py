@@ -5,6 +5,7 @@ every user error the API documents. tf.compat.v1 optimizers and training
 loops across replicas and workers are in test_distribute.py.
 """
 
+import functools
 import logging
 import sys
 
@@ -576,6 +577,66 @@ def test_grad_ys_of_wrong_length_raises():
         y = tf.reduce_sum(tf.tanh(x))
         with pytest.raises(ValueError, match="2 grad_ys for 1 ys"):
             memsave.gradients(y, [x], grad_ys=[tf.ones([]), tf.ones([])], checkpoints="memory")
+
+
+def _chain_with_seeds(dtype=tf.float32):
+    """Six tanh layers on 32x16 in a fresh graph: (graph, ys, ws, activations)."""
+    g = tf.Graph()
+    with g.as_default():
+        rs = np.random.RandomState(0)
+        ws = [tf.Variable(rs.randn(16, 16).astype(dtype.as_numpy_dtype) / 4) for _ in range(6)]
+        h = tf.constant(rs.randn(32, 16).astype(dtype.as_numpy_dtype))
+        acts = []
+        for w in ws:
+            h = tf.tanh(h @ w)
+            acts.append(h)
+    return g, h, ws, acts
+
+
+def test_seeds_are_tf_gradients_own_where_memsave_rewrites():
+    """The seeds of a rewritten call are made as tf.gradients makes them:
+    a complex y without grad_ys and a NumPy float64 grad_y for a float32 y
+    raise tf.gradients' errors (memsave once cast the array silently and
+    seeded the complex y with ones), and an IndexedSlices grad_y gives its
+    gradients."""
+    g, h, ws, acts = _chain_with_seeds()
+    with g.as_default():
+        y = tf.reduce_sum(tf.complex(h, h))
+        for differentiate in (tf.gradients, functools.partial(
+                memsave.gradients, checkpoints=[acts[1], acts[3]])):
+            with pytest.raises(TypeError, match="complex tensors .* must set grad_ys"):
+                differentiate(y, ws)
+            with pytest.raises(TypeError, match="float64 that does not match type float32"):
+                differentiate(h, ws, grad_ys=np.ones([32, 16]))
+        seed = tf.IndexedSlices(tf.ones([3, 16]), tf.constant([0, 5, 9]), tf.constant([32, 16]))
+        ours = memsave.gradients(h, ws, grad_ys=seed, checkpoints=[acts[1], acts[3]])
+        assert any("/recompute_" in op.name for op in g.get_operations())
+        ref = tf.gradients(h, ws, grad_ys=seed)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for a, b in zip(*sess.run([ours, ref])):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_no_ys_gives_tf_gradients_answer():
+    """tf.gradients([], xs) is a None per x (zeros with
+    unconnected_gradients='zero'); memsave said ys was empty."""
+    g, h, ws, _ = _chain_with_seeds()
+    with g.as_default():
+        assert memsave.gradients([], ws[:2], checkpoints="memory") == [None, None]
+        zeros = memsave.gradients([], ws[:1], unconnected_gradients="zero")
+        assert zeros[0].shape == ws[0].shape
+        with memsave.patch(checkpoints="memory"):
+            assert tf.gradients([], ws[:1]) == [None]
+
+
+@pytest.mark.parametrize("options", [[1], "num_checkpoints=4", 5, {4: 1}])
+def test_strategy_options_that_are_not_a_dict_are_an_options_error(options):
+    g, h, ws, _ = _chain_with_seeds()
+    with g.as_default():
+        with pytest.raises(memsave.errors.OptionsError, match="strategy_options must be a dict"):
+            memsave.gradients(tf.reduce_sum(h), ws, checkpoints="memory",
+                              strategy_options=options)
 
 
 def test_every_error_derives_from_the_base():

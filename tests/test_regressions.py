@@ -503,6 +503,39 @@ def test_an_empty_gradient_opens_the_gate(graph, session, rows):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_ops_reading_a_reference_variable_the_step_assigns_are_not_recomputed(graph, session):
+    """A tf.compat.v1 reference variable's read shares the variable's buffer:
+    assigned later in the step, a recomputed layer reading it computed from
+    the new weight, where the forward pass (and tf.gradients) had the old
+    one. The gradients were off by a third of their scale. The layer that
+    reads it is kept; the others are still recomputed."""
+    rs = np.random.RandomState(0)
+    ws = [tf.compat.v1.Variable((rs.randn(16, 16) / 3).astype(np.float32), use_resource=False)
+          for _ in range(8)]
+    h = tf.constant(rs.randn(64, 16).astype(np.float32))
+    acts = []
+    for i, w in enumerate(ws):
+        h = tf.tanh(h @ w)
+        if i == 3:  # after layer 3 ran, rescale layer 2's weight
+            with tf.control_dependencies([h]):
+                scaled = tf.compat.v1.assign(ws[2], ws[2] * 2.0)
+            with tf.control_dependencies([scaled]):
+                h = tf.identity(h)
+        acts.append(h)
+    loss = tf.reduce_sum(h ** 2)
+    ref = tf.gradients(loss, ws)
+    ours = memsave.gradients(loss, ws, checkpoints=[acts[0], acts[4]])
+    copied = {m.group(1) for op in graph.get_operations()
+              if (m := re.search(r"/recompute_\d+/([^/]+)$", op.name))}
+    assert "matmul_1" in copied, "the rewrite did not recompute layer 1"
+    assert "matmul_2" not in copied, "layer 2 was recomputed from the assigned weight"
+    for _ in range(2):  # the assignment doubles ws[2] each run
+        session.run(tf.compat.v1.global_variables_initializer())
+        want, got = session.run([ref, ours])
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["cond", "function", "while"])
 def test_a_body_reading_a_variable_the_step_writes_is_not_read_again(kind):
     """A step reads a temperature inside a tf.cond / a nested tf.function /

@@ -109,7 +109,7 @@ def run(name: str | Planner, problem, *, budget=None, options: Mapping[str, Any]
     """
     planner = get(name, api=api) if isinstance(name, str) else name
     name = name if isinstance(name, str) else getattr(planner, "__name__", "planner")
-    options = dict(options or {})
+    options = _as_options(options, api)
     if _check_options(planner, name, options, api):
         options["api"] = api
     checked = _checking(planner, name, api)
@@ -136,7 +136,7 @@ def check(name: str, *, budget=None, options: Mapping[str, Any] | None = None,
     ``fit`` traces the step) and want a mistake reported now.
     ``instead``: as for :func:`get`."""
     planner = get(name, api=api, instead=instead)
-    options = dict(options or {})
+    options = _as_options(options, api)
     _check_options(planner, name, options, api)
     if budget is not None:
         if getattr(planner, "refuses_budget", False):
@@ -197,6 +197,18 @@ def _of(plan: Plan, problem) -> bool:
         return True
     fg = getattr(base, "fg", None)
     return fg is not None and fg.numbering_key() == problem.base.fg.numbering_key()
+
+
+def _as_options(options, api: str) -> dict:
+    """``strategy_options`` as a dict, or an :class:`OptionsError` when it is
+    not a mapping of option names."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise OptionsError(
+            f"{api}: strategy_options must be a dict of option names to values "
+            f"(e.g. {{'num_checkpoints': 4}}), got {options!r}")
+    return dict(options)
 
 
 def _check_options(planner: Planner, name: str, options: Mapping[str, Any], api: str) -> bool:
