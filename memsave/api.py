@@ -314,12 +314,24 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options, *,
 
 def _validate_plan(p: Plan, ex: Extraction, api: str) -> Plan:
     """``p`` itself, when it was made for the forward graph ``ex`` holds."""
-    if p.problem.base.fg.numbering_key() != ex.fg.numbering_key():
-        raise GraphMismatchError(
-            f"{api}: checkpoints= is a Plan of another forward graph (made by memsave.plan "
-            "with other ys or xs, or before the model or its input shapes changed); plan "
-            "again with the ys and xs given here")
-    return p
+    planned, here = p.problem.base.fg, ex.fg
+    if planned.numbering_key() == here.numbering_key():
+        return p
+    if planned.xla != here.xla:
+        why = ("it was made for a step XLA compiles (jit_compile=True), and this one is not"
+               if planned.xla else
+               "it was made for a step XLA does not compile, and this one is (jit_compile=True)")
+    elif any(d.chosen is not None and d.chosen.choice.kind != "plain" for d in p.loops) \
+            and [op.name for op in planned.ops] == [op.name for op in here.ops]:
+        why = ("an earlier call on this graph gave its loops the gradients the Plan chose, "
+               "changing them in place; use one call for all the gradients of a loss "
+               "(memsave.gradients(loss, vars_a + vars_b))")
+    else:
+        why = ("made by memsave.plan with other ys or xs, or before the model or its input "
+               "shapes changed")
+    raise GraphMismatchError(
+        f"{api}: checkpoints= is a Plan of another forward graph ({why}); plan again with the "
+        "ys and xs given here")
 
 
 @tf.autograph.experimental.do_not_convert

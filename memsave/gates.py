@@ -29,7 +29,8 @@ def gate(grads: Sequence, *, once: bool = False) -> tf.Tensor | None:
     """A float32 zero that cannot be computed before ``grads`` are.
 
     ``where(b == b, -0.0, nan)`` with ``b`` the sum of each gradient's first
-    element, NaN replaced by 0 (a NaN in a gradient must not spread to every
+    element in float32, each replaced by 0 where it is not finite (a NaN in
+    a gradient, or infinities of both signs summed, must not spread to every
     tensor the gate touches): always -0.0 (``_tf_private.GATE_ZERO`` says
     why negative), but no compiler can prove it without the gradients'
     values. Built from raw ops (``_tf_private.raw_op``).
@@ -70,13 +71,16 @@ def gate(grads: Sequence, *, once: bool = False) -> tf.Tensor | None:
             if dt.is_complex:
                 dt = dt.real_dtype
                 first = op("Real", [first], [dt], {"T": v.dtype, "Tout": dt}, "real").outputs[0]
-            nan = op("IsNan", [first], [tf.bool], {"T": dt}, "is_nan").outputs[0]
-            first = op("SelectV2", [nan, c(dt, 0), first], [dt], {"T": dt}, "not_nan").outputs[0]
             b = op("Sum", [first, c(tf.int32, 0)], [dt], {"T": dt, "Tidx": tf.int32,
                                                           "keep_dims": False}, "b").outputs[0]
             if dt != tf.float32:
                 b = op("Cast", [b], [tf.float32], {"SrcT": dt, "DstT": tf.float32,
                                                     "Truncate": False}, "cast").outputs[0]
+            # Finite, or 0: a NaN or an infinity (or a float64 beyond float32's
+            # range) must not make the sum below NaN (inf + -inf).
+            finite = op("IsFinite", [b], [tf.bool], {"T": tf.float32}, "is_finite").outputs[0]
+            b = op("SelectV2", [finite, b, c(tf.float32, 0)], [tf.float32], {"T": tf.float32},
+                   "finite").outputs[0]
             bits.append(b)
     if not bits:
         return None

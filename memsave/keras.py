@@ -549,8 +549,12 @@ class _CheckpointedFit:
         fit = type(model).fit
         step = _private.instance_train_step(model)
         if isinstance(step, _CheckpointedStep) and step.given_batch_size is None:
+            signature = inspect.signature(fit)
+            if not {"x", "batch_size"} <= set(signature.parameters):
+                # An override taking (*args, **kwargs) passes them on to Keras' fit.
+                signature = inspect.signature(keras.Model.fit)
             try:
-                bound = inspect.signature(fit).bind(model, *args, **kwargs).arguments
+                bound = signature.bind(model, *args, **kwargs).arguments
             except TypeError:
                 bound = {}  # Keras' fit reports the bad call itself
             size = _fit_batch_size(bound.get("x"), bound.get("batch_size"))
@@ -640,7 +644,7 @@ def _forward_and_loss(model: keras.Model, config: _Config, data, *, with_outputs
     checkpoints = None
     if model.trainable_weights:
         checkpoints = config.strategy if config.strategy is not None else _checkpoint_tensors(
-            config.layers, outputs)
+            config.layers, outputs, loss.graph)
     if with_outputs:
         return x, y, sample_weight, y_pred, loss, checkpoints
     return loss, checkpoints
@@ -700,10 +704,17 @@ def _unwrap(layer) -> None:
             del _wrapped[id(layer)]
 
 
-def _checkpoint_tensors(layers: Sequence, recorded: dict) -> list:
+def _checkpoint_tensors(layers: Sequence, recorded: dict, graph: tf.Graph) -> list:
+    """The floating outputs the step's forward pass (``graph``) got from ``layers``.
+
+    Calls traced elsewhere are left out: Keras builds a layer the first
+    time it is called by calling its sublayers in a scratch graph of its own
+    (``compute_output_spec``), a subclassed model's during the first step.
+    """
     out = []
     for layer in layers:
-        calls = recorded[id(layer)]
+        calls = [value for value in recorded[id(layer)]
+                 if any(getattr(t, "graph", None) is graph for t in tf.nest.flatten(value))]
         if not calls:
             raise CheckpointError(
                 f"memsave.keras: checkpoint layer {layer.name!r} was not called in the forward "
@@ -712,7 +723,7 @@ def _checkpoint_tensors(layers: Sequence, recorded: dict) -> list:
         for value in calls:
             out.extend(
                 t for t in tf.nest.flatten(value)
-                if isinstance(t, tf.Tensor) and t.dtype.is_floating
+                if isinstance(t, tf.Tensor) and t.dtype.is_floating and t.graph is graph
             )
     return out
 
@@ -933,9 +944,14 @@ class _private:
         """Build the model, its loss and metrics and the optimizer's slots, as fit does first.
 
         ``Trainer._symbolic_build`` is what ``fit`` calls before its first
-        step; it takes anything with a shape and dtype (TensorSpecs here).
+        step, in the model's distribution strategy's scope (outside it, a
+        model compiled under a ``tf.distribute`` strategy failed half way,
+        leaving an optimizer marked built without its slots, so that a
+        later plain ``fit`` failed too); it takes anything with a shape and
+        dtype (TensorSpecs here).
         """
-        model._symbolic_build(data_batch=data)  # pylint: disable=protected-access
+        with model.distribute_strategy.scope():
+            model._symbolic_build(data_batch=data)  # pylint: disable=protected-access
 
     @staticmethod
     def metric_variables(model) -> list:

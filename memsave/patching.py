@@ -23,6 +23,7 @@ import tensorflow as tf
 from memsave import _tf_private, planners
 from memsave.errors import ArgumentError, PatchError
 from memsave.api import gradients as _memsave_gradients
+from memsave.planners.budget import check_budget
 
 __all__ = ["Patch", "patch", "unpatch"]
 
@@ -175,9 +176,16 @@ def patch(checkpoints="memory", *, strategy_options: Mapping[str, Any] | None = 
     UnknownStrategyError
         ``checkpoints`` names no registered strategy (here, not at the
         first patched call).
+    OptionsError, MemoryBudgetError
+        ``strategy_options`` the strategy does not take (or values it
+        refuses), a ``memory_budget`` that is neither bytes nor a fraction:
+        here too.
     """
     if isinstance(checkpoints, str):
-        planners.get(checkpoints, api="memsave.patch")
+        planners.check(checkpoints, budget=memory_budget, options=strategy_options,
+                       api="memsave.patch")
+    elif memory_budget is not None:
+        check_budget(memory_budget, api="memsave.patch")
     return Patch(checkpoints, strategy_options, memory_budget, batch_size)
 
 

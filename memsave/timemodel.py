@@ -331,7 +331,7 @@ _BIAS_ADDS = frozenset({"BiasAdd", "BiasAddV1", "Add", "AddV2"})
 STATISTICS_REUSED = 0.6
 
 #: Ops the rewrite adds per recomputed step to make its gate (a reshape,
-#: slice, is_nan, where, sum and cast of the first element of each head's
+#: slice, sum, cast, is_finite and where of the first element of each head's
 #: gradient, then equal and where): tiny kernels, counted at one launch
 #: each (memsave.gates.gate).
 GATE_OPS = 8

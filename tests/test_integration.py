@@ -548,6 +548,15 @@ def test_an_unknown_strategy_fails_when_patching_not_at_the_first_call():
     assert tf.gradients is saved  # nothing was patched
 
 
+def test_a_bad_budget_or_option_fails_when_patching_not_at_the_first_call():
+    saved = tf.gradients
+    with pytest.raises(memsave.MemoryBudgetError, match="memsave.patch: memory_budget=7.0"):
+        memsave.patch("memory", memory_budget=7.0)
+    with pytest.raises(memsave.errors.OptionsError, match="memsave.patch: .*not options of"):
+        memsave.patch("memory", strategy_options={"num_checkpoint": 4})
+    assert tf.gradients is saved  # nothing was patched
+
+
 def test_nested_ys_get_an_error_that_says_so():
     """tf.gradients packs ``[[y]]`` into a tensor; memsave asks for a flat
     list (it said the ys were not graph tensors, inside a graph)."""

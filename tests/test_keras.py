@@ -267,15 +267,21 @@ def test_collection_takes_the_tensors_tagged_in_call():
     assert model.spy.last_recompute_ops() > 0
 
 
-def test_layer_checkpoints_are_the_layers_outputs_and_match_plain_fit(monkeypatch):
-    seen = []
+def _gradient_calls(monkeypatch) -> list:
+    """The keyword arguments of each memsave.gradients call the Keras step makes."""
+    calls = []
     real = memsave.keras._memsave_gradients
 
-    def spy(ys, xs, *args, checkpoints, **kwargs):
-        seen.append(checkpoints)
-        return real(ys, xs, *args, checkpoints=checkpoints, **kwargs)
+    def spy(ys, xs, *args, **kwargs):
+        calls.append(kwargs)
+        return real(ys, xs, *args, **kwargs)
 
     monkeypatch.setattr(memsave.keras, "_memsave_gradients", spy)
+    return calls
+
+
+def test_layer_checkpoints_are_the_layers_outputs_and_match_plain_fit(monkeypatch):
+    calls = _gradient_calls(monkeypatch)
 
     def by_name_and_object(model):
         memsave.keras.checkpointed(model, ["dense_1", model.get_layer("dense_5")])
@@ -283,12 +289,64 @@ def test_layer_checkpoints_are_the_layers_outputs_and_match_plain_fit(monkeypatc
     model, history, _ = train(prepare=by_name_and_object)
     assert_same_history(history, plain_history(), F32_RTOL)
     assert model.get_layer("spy").last_recompute_ops() > 0
+    seen = [c["checkpoints"] for c in calls]
     assert seen, "memsave.gradients was not called"
     for checkpoints in seen:  # one list per trace
         assert [t.op.type for t in checkpoints] == ["Tanh", "Tanh"]
         assert "dense_1" in checkpoints[0].name and "dense_5" in checkpoints[1].name
     # The recording wrappers are gone after the step.
     assert "call" not in vars(model.get_layer("dense_5"))
+
+
+class UnbuiltSubclass(keras.Model):
+    """A subclassed model with no build(): Keras builds it in the first step."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = keras.layers.Dense(128, activation="tanh", name="a")
+        self.b = keras.layers.Dense(128, activation="tanh", name="b")
+        self.o = keras.layers.Dense(1, name="o")
+
+    def call(self, x):
+        return self.o(self.b(self.a(x)))
+
+
+class LoggedFitSequential(keras.Sequential):
+    """A model whose fit override passes everything on."""
+
+    def fit(self, *args, **kwargs):
+        return super().fit(*args, **kwargs)
+
+
+def test_layer_checkpoints_of_a_model_built_by_its_first_step(monkeypatch):
+    """Keras builds an unbuilt subclassed model by calling its layers in a
+    scratch graph during the step's trace; memsave took those outputs for
+    checkpoints and refused them as tensors of another graph."""
+    calls = _gradient_calls(monkeypatch)
+    rs = np.random.RandomState(0)
+    x, y = rs.rand(64, 16).astype("float32"), rs.rand(64, 1).astype("float32")
+    model = UnbuiltSubclass()
+    model.compile(optimizer="sgd", loss="mse")
+    memsave.keras.checkpointed(model, checkpoints=["b"])
+    history = model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    seen = [c["checkpoints"] for c in calls]
+    assert seen and all(len(c) == 1 and "b" in c[0].name for c in seen), seen
+
+
+def test_a_fit_override_passing_its_arguments_on_still_gives_the_batch_size(monkeypatch):
+    """fit(self, *args, **kwargs) hid batch_size: memsave warned that the
+    arguments gave none and planned the partial-batch trace for a batch of 1."""
+    calls = _gradient_calls(monkeypatch)
+    model = LoggedFitSequential([keras.Input((16,)), keras.layers.Dense(32, activation="tanh"),
+                        keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    memsave.keras.checkpointed(model, checkpoints="memory")
+    rs = np.random.RandomState(0)
+    model.fit(rs.rand(100, 16).astype("float32"), rs.rand(100, 1).astype("float32"),
+              batch_size=64, epochs=1, verbose=0)  # a partial last batch: the trace is unknown
+    sizes = [c.get("batch_size") for c in calls]
+    assert 64 in sizes, sizes
 
 
 # -- undo and re-configuring --------------------------------------------------------
@@ -654,6 +712,23 @@ def test_plan_forecasts_a_saving_without_changing_the_model():
     assert not memsave.keras.is_checkpointed(model)
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), w0))
     assert model.train_function is None
+
+
+def test_plan_of_a_model_compiled_under_a_strategy_leaves_fit_working():
+    """memsave.keras.plan built the optimizer outside the model's
+    distribution strategy's scope: it raised, and left the optimizer marked
+    built without its slots, so that a later plain fit failed too."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="tanh"),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse")
+    x = np.random.RandomState(0).rand(64, 64).astype("float32")
+    y = np.random.RandomState(1).rand(64, 1).astype("float32")
+    p = memsave.keras.plan(model, x, y, checkpoints="memory", batch_size=32)
+    assert p.baseline_peak_bytes >= 0
+    history = model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
 
 
 def test_plan_batch_size_hint_equals_a_batch_of_that_size():

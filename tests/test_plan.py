@@ -412,3 +412,19 @@ def test_a_plan_of_another_graph_or_with_planning_options_is_refused():
         other = _small_chain(ws, batch=128)  # the same names, other shapes
         with pytest.raises(memsave.GraphMismatchError):
             memsave.gradients(other, ws, checkpoints=p)
+
+
+def test_a_plan_made_without_xla_is_refused_under_xla_and_the_error_says_why():
+    ws = _chain_weights()
+    made = {}
+
+    def step(plan=None):
+        loss = _small_chain(ws)
+        if plan is None:
+            made["plan"] = memsave.plan(loss, ws, checkpoints="memory")
+            return memsave.gradients(loss, ws, checkpoints=made["plan"])
+        return memsave.gradients(loss, ws, checkpoints=plan)
+
+    tf.function(step).get_concrete_function()  # the Plan, and a build from it
+    with pytest.raises(memsave.GraphMismatchError, match="XLA does not compile, and this one is"):
+        tf.function(lambda: step(made["plan"]), jit_compile=True).get_concrete_function()

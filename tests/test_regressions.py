@@ -503,6 +503,33 @@ def test_an_empty_gradient_opens_the_gate(graph, session, rows):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype, big", [(tf.float32, np.inf), (tf.float64, 1e300)])
+def test_huge_gradients_of_both_signs_do_not_make_the_gate_nan(graph, session, dtype, big):
+    """A recompute step's gate sums the first element of each incoming
+    gradient in float32: +inf and -inf (or float64 values beyond float32's
+    range) made it NaN, and every recomputed tensor, so every gradient of
+    the segment, NaN where tf.gradients' were finite."""
+    rs = np.random.RandomState(0)
+    np_dtype = dtype.as_numpy_dtype
+    ws = [tf.Variable((rs.randn(16, 16) / 4).astype(np_dtype)) for _ in range(6)]
+    h = tf.constant(rs.randn(8, 16).astype(np_dtype))
+    for w in ws[:4]:
+        h = tf.tanh(h @ w)
+    c1, c2 = tf.tanh(h @ ws[4]), tf.tanh(h @ ws[5])
+    seeds = [np.ones([8, 16], np_dtype), np.ones([8, 16], np_dtype)]
+    seeds[0][0, 0], seeds[1][0, 0] = big, -big
+    seeds = [tf.constant(s) for s in seeds]
+    ys = [c1 * 2.0, c2 * 2.0]  # c1's gradient starts with +big, c2's with -big
+    ours = memsave.gradients(ys, ws, grad_ys=seeds, checkpoints=[c1, c2])
+    assert any("/recompute_" in op.name for op in graph.get_operations())
+    ref = tf.gradients(ys, ws, grad_ys=seeds)
+    session.run(tf.compat.v1.global_variables_initializer())
+    got, want = session.run([ours, ref])
+    assert np.isfinite(want[-1]).mean() > 0.5  # mostly finite in tf.gradients
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
 def test_ops_reading_a_reference_variable_the_step_assigns_are_not_recomputed(graph, session):
     """A tf.compat.v1 reference variable's read shares the variable's buffer:
     assigned later in the step, a recomputed layer reading it computed from
