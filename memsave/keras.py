@@ -715,6 +715,12 @@ def _checkpoint_tensors(layers: Sequence, recorded: dict, graph: tf.Graph) -> li
     for layer in layers:
         calls = [value for value in recorded[id(layer)]
                  if any(getattr(t, "graph", None) is graph for t in tf.nest.flatten(value))]
+        if not calls and recorded[id(layer)]:
+            raise CheckpointError(
+                f"memsave.keras: checkpoint layer {layer.name!r} runs only inside a loop or "
+                "function of the train step (an RNN's cell, say), whose outputs are not "
+                "tensors of the step; list the layer that contains it"
+            )
         if not calls:
             raise CheckpointError(
                 f"memsave.keras: checkpoint layer {layer.name!r} was not called in the forward "
@@ -814,12 +820,12 @@ def _resolve_layers(model: keras.Model, checkpoints, api: str = "memsave.keras.c
         return ()
     by_name: dict = {}
     every = []
-    stack = list(reversed(getattr(model, "layers", [])))
+    stack = list(reversed(_private.sublayers(model)))
     while stack:
         layer = stack.pop()
         every.append(layer)
         by_name.setdefault(layer.name, layer)
-        stack.extend(reversed(getattr(layer, "layers", [])))
+        stack.extend(reversed(_private.sublayers(layer)))
     known = {id(layer) for layer in every}
     out = []
     for c in checkpoints:
@@ -844,6 +850,14 @@ _MISSING = object()
 
 class _private:
     """Every use of Keras internals by this module."""
+
+    @staticmethod
+    def sublayers(layer) -> list:
+        """The layers ``layer`` tracks itself, input layers left out: a model's,
+        and a wrapper's (``TimeDistributed``, ``Bidirectional``) or a
+        custom layer's inner layers, which ``layers`` does not list."""
+        return [sub for sub in getattr(layer, "_layers", ())
+                if not isinstance(sub, keras.layers.InputLayer)]
 
     @staticmethod
     def wrap_call(layer, record):

@@ -334,6 +334,57 @@ def test_layer_checkpoints_of_a_model_built_by_its_first_step(monkeypatch):
     assert seen and all(len(c) == 1 and "b" in c[0].name for c in seen), seen
 
 
+class FeedForwardBlock(keras.layers.Layer):
+    """A custom layer holding two Dense layers of its own."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.ff1 = keras.layers.Dense(64, activation="relu", name="ff1")
+        self.ff2 = keras.layers.Dense(32, name="ff2")
+
+    def call(self, x):
+        return x + self.ff2(self.ff1(x))
+
+
+class LoopedDense(keras.layers.Layer):
+    """A Dense layer applied twice in a loop (keras.ops.fori_loop)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(32, activation="tanh", name="inner")
+
+    def build(self, input_shape):
+        self.inner.build(input_shape)
+
+    def call(self, x):
+        return keras.ops.fori_loop(0, 2, lambda i, h: self.inner(h), x)
+
+
+def test_layers_inside_wrappers_and_custom_layers_can_be_checkpoints(monkeypatch):
+    """Only nested models were searched for a checkpoint layer's name: a
+    TimeDistributed's layer or a custom layer's Dense was "not a layer of
+    model". A layer that runs only inside a loop is refused saying so."""
+    calls = _gradient_calls(monkeypatch)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((12, 32))
+    seq = FeedForwardBlock(name="block")(
+        keras.layers.TimeDistributed(keras.layers.Dense(32, name="td_inner"), name="td")(inputs))
+    looped = LoopedDense(name="looped")
+    model = keras.Model(inputs, keras.layers.Dense(1)(looped(seq)))
+    model.compile(optimizer="sgd", loss="mse")
+    memsave.keras.checkpointed(model, checkpoints=["td_inner", model.get_layer("block").ff1])
+    rs = np.random.RandomState(0)
+    x, y = rs.rand(32, 12, 32).astype("float32"), rs.rand(32, 1).astype("float32")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    seen = [[t.name for t in c["checkpoints"]] for c in calls]
+    assert seen, "memsave.gradients was not called"
+    for names in seen:  # TimeDistributed calls its layer once per step here
+        assert any("/td_1/" in n for n in names) and any("ff1" in n for n in names), names[-3:]
+    memsave.keras.checkpointed(model, checkpoints=[looped.inner])
+    with pytest.raises(memsave.CheckpointError, match="runs only inside a loop or function"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
 def test_a_fit_override_passing_its_arguments_on_still_gives_the_batch_size(monkeypatch):
     """fit(self, *args, **kwargs) hid batch_size: memsave warned that the
     arguments gave none and planned the partial-batch trace for a batch of 1."""
