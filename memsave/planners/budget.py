@@ -93,9 +93,8 @@ DP_PROBES_PER_CUT_SQUARED = 6.2
 #: candidate cuts; beyond that its enumeration may visit many partitions.
 MILP_MAX_CUTS = 12
 
-#: With fewer articulation points than this, ``'memory'``'s search for
-#: time also plans over the cuts of the topological order and keeps the
-#: faster plan (a budget and ``'speed'`` always do): the
+#: With fewer articulation points than this, the budget solvers also plan
+#: over the cuts of the topological order and keep the faster plan: the
 #: segments between few points are long (a U-Net has four, around its whole
 #: body), and a segment is stored, recomputed or expensive-kept whole. On
 #: the study's U-Net-64 the points alone gave budget 0.75 a plan forecast at
@@ -283,19 +282,18 @@ def _solve(problem: Problem, memory_budget, solver: str, time_limit_s, api: str,
     baseline = problem.peak(None, model=model)
     budget_bytes = resolve_budget(memory_budget, baseline, api=api)
     fg = problem.fg
-    # Articulation points, then (skips leave few or none: a U-Net, dense and
-    # inception blocks) the points and the activations crossing the cuts of
-    # the topological order that 'memory' plans with, as a second space;
-    # the faster plan wins. Not one space of both: on a ResNet the wider
-    # set, coarsened to MAX_CUTS, forecast 15-40% more recomputation at
-    # budgets 0.2-0.5 of the plain peak. A budget plans over both, so its
-    # answer is the faster of two searches that each give a larger budget
-    # a plan no slower: taking the points' plan whenever it fitted gave a
-    # larger budget a slower plan where the wider space had a faster one
-    # (a ResNet-like CNN: 1.154x the plain step at 0.75, 1.148x at 0.7),
-    # and ResNet-110 at 0.5 1.141x where the wider space has 1.130x; so
-    # does 'speed' (a budget of its own). 'memory''s search for time stops
-    # at the points when they are many (FEW_POINTS).
+    # Articulation points first; where they cannot meet the budget (skips
+    # leave few or none: a U-Net, dense and inception blocks), the
+    # activations crossing the cuts of the topological order that 'memory'
+    # plans with join them. Not both at once where the points are many: on
+    # a ResNet the wider set, coarsened to MAX_CUTS, forecast 15-40% more
+    # recomputation at budgets 0.2-0.5 of the plain peak. Where they are
+    # few (FEW_POINTS), both, and the faster plan wins. So a larger budget
+    # may get a plan forecast slower than a smaller one's, where the points
+    # meet only the larger one and the wider space had a faster plan.
+    # Searching both always gave ResNet-110 at 0.5 a plan forecast at
+    # 1.130x the plain step instead of 1.141x, which measured 1.5-2.4%
+    # slower (interleaved, 16-20 rounds) with 11 MiB more: not done.
     points = problem.articulation_points()
     wide = list(dict.fromkeys([*points, *(t for cut in problem.topological_cuts()
                                           for t in cut.crossing)]))
@@ -318,7 +316,7 @@ def _solve(problem: Problem, memory_budget, solver: str, time_limit_s, api: str,
         if out.evaluation.peak_bytes <= budget_bytes:
             if found is None or out.evaluation.recompute_ns < found[0].evaluation.recompute_ns:
                 found = (out, name, space)
-            if strategy == "memory" and len(cands) >= FEW_POINTS:
+            if len(cands) >= FEW_POINTS:
                 break
         elif closest is None or out.evaluation.peak_bytes < closest[0].evaluation.peak_bytes:
             closest = (out, name, space)
