@@ -49,6 +49,7 @@ def default_grad_ys(grad_ys: Sequence, ys: Sequence[tf.Tensor], colocate: bool) 
     y needs its grad_y; a grad_y's kind must suit its y's)."""
     return gradients_util._DefaultGradYs(list(grad_ys), list(ys), colocate)
 
+
 #: Stateful op types that only read state: recomputing them inside a called
 #: function or a control-flow body reads the same value, because variable
 #: updates wait for the gradients that the recomputation produces.

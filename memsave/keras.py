@@ -713,24 +713,21 @@ def _checkpoint_tensors(layers: Sequence, recorded: dict, graph: tf.Graph) -> li
     """
     out = []
     for layer in layers:
-        calls = [value for value in recorded[id(layer)]
-                 if any(getattr(t, "graph", None) is graph for t in tf.nest.flatten(value))]
-        if not calls and recorded[id(layer)]:
-            raise CheckpointError(
-                f"memsave.keras: checkpoint layer {layer.name!r} runs only inside a loop or "
-                "function of the train step (an RNN's cell, say), whose outputs are not "
-                "tensors of the step; list the layer that contains it"
-            )
+        calls = recorded[id(layer)]
         if not calls:
             raise CheckpointError(
                 f"memsave.keras: checkpoint layer {layer.name!r} was not called in the forward "
                 "pass of the train step; list layers the model calls when training"
             )
-        for value in calls:
-            out.extend(
-                t for t in tf.nest.flatten(value)
-                if isinstance(t, tf.Tensor) and t.dtype.is_floating and t.graph is graph
+        tensors = [t for value in calls for t in tf.nest.flatten(value)
+                   if isinstance(t, tf.Tensor) and t.graph is graph]
+        if not tensors:
+            raise CheckpointError(
+                f"memsave.keras: checkpoint layer {layer.name!r} runs only inside a loop or "
+                "function of the train step (an RNN's cell, say), whose outputs are not "
+                "tensors of the step; list the layer that contains it"
             )
+        out.extend(t for t in tensors if t.dtype.is_floating)
     return out
 
 
