@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 if importlib.util.find_spec("tensorflow") is None:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "memsave needs TensorFlow >= 2.16, which is not installed. Install one of: "
-        "pip install 'memsave[tensorflow-cpu]' (CPU only), 'memsave[tensorflow]' "
-        "(with GPU support), or tf-nightly."
+        "memsave needs TensorFlow >= 2.16, which is not installed. Install it: "
+        "pip install tensorflow-cpu (CPU only) or tensorflow (with GPU support); or, in "
+        "memsave's checkout, pip install '.[tensorflow-cpu]' or '.[tensorflow]'."
     )
 
 __version__ = "0.1.0"
@@ -51,6 +51,10 @@ _WHERE = {
     "UnknownStrategyError": "memsave.errors",
     "MemoryBudgetError": "memsave.errors",
     "OptionsError": "memsave.errors",
+    "ArgumentError": "memsave.errors",
+    "PatchError": "memsave.errors",
+    "DeviceProfileError": "memsave.errors",
+    "LoopChoiceError": "memsave.errors",
 }
 
 __all__ = [name for name in _WHERE if name != "keras"]
@@ -74,12 +78,16 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from memsave import costs, keras, planners, simulate, strategies
     from memsave.api import gradients, gradients_collection, gradients_memory, gradients_speed, plan
     from memsave.errors import (
+        ArgumentError,
         CheckpointError,
+        DeviceProfileError,
         EagerExecutionError,
         GraphMismatchError,
+        LoopChoiceError,
         MemoryBudgetError,
         MemsaveError,
         OptionsError,
+        PatchError,
         UnknownStrategyError,
     )
     from memsave.memory_model import MemoryModel

@@ -101,7 +101,10 @@ class NoBatchFitsError(CapacityError):
     Attributes
     ----------
     batch_1_peak_bytes : int
-        The forecast peak of a ``fit`` step on a batch of one.
+        What a batch of one is forecast to need: the forecast peak of its
+        ``fit`` step, or the weights and the batch with every buffer counted
+        where those are more (the forecast leaves out buffers under the
+        allocator's counting threshold).
     memory_bytes : int
         The memory asked for.
     """
@@ -394,7 +397,7 @@ class Forecasts:
                 f"and the batch alone hold {resident:,} bytes "
                 f"({_mib(resident)}), every buffer counted ({what}'s forecast peak, "
                 f"{peak:,} bytes, leaves out buffers under the allocator's counting "
-                "threshold); give more memory", peak, memory_bytes)
+                "threshold); give more memory", resident, memory_bytes)
         return NoBatchFitsError(
             f"{self.api}: no batch fits in {memory}: with a batch of 1, {what} is forecast to "
             f"peak at {peak:,} bytes ({_mib(peak)}; {_mib(peak * (1 + margin))} with the "

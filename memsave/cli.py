@@ -169,7 +169,15 @@ def _run_plan(args) -> int:
     x, y = _batch_specs(model)
     forecasts = Forecasts(model, x, y, checkpoints=args.checkpoints,
                           memory_budget=args.memory_budget, api="memsave plan")
-    plan = forecasts.plan(args.batch_size)
+    try:
+        plan = forecasts.plan(args.batch_size)
+    except ValueError as e:  # Keras' own, tracing fit's step of a model compiled without a loss
+        if "No loss to compute" not in str(e):
+            raise
+        raise UsageError(
+            f"MODEL {args.model!r}: model {model.name!r} was compiled without a loss and adds "
+            "none itself, so fit has no step to forecast; compile it with one (model.compile("
+            "optimizer=..., loss=...))") from None
     if plan is None:  # the budget cannot be met at this batch
         raise forecasts.unmet(args.batch_size)
     fits = {}

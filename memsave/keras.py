@@ -404,7 +404,8 @@ def extra_resident_bytes(model: keras.Model, allocator: Allocator | None = None)
     trainable = {id(v) for v in model.trainable_variables}
     seen: set = set()
     total = 0
-    optimizer = [] if model.optimizer is None else model.optimizer.variables
+    optimizer = getattr(model, "optimizer", None)  # Keras 3: no attribute until compiled
+    optimizer = [] if optimizer is None else optimizer.variables
     for v in [*model.variables, *optimizer, *_private.metric_variables(model)]:
         if id(v) in trainable or id(v) in seen:
             continue
@@ -644,7 +645,7 @@ def _forward_and_loss(model: keras.Model, config: _Config, data, *, with_outputs
     checkpoints = None
     if model.trainable_weights:
         checkpoints = config.strategy if config.strategy is not None else _checkpoint_tensors(
-            config.layers, outputs, loss.graph)
+            config.layers, outputs, loss)
     if with_outputs:
         return x, y, sample_weight, y_pred, loss, checkpoints
     return loss, checkpoints
@@ -704,14 +705,19 @@ def _unwrap(layer) -> None:
             del _wrapped[id(layer)]
 
 
-def _checkpoint_tensors(layers: Sequence, recorded: dict, graph: tf.Graph) -> list:
-    """The floating outputs the step's forward pass (``graph``) got from ``layers``.
+def _checkpoint_tensors(layers: Sequence, recorded: dict, loss: tf.Tensor) -> list:
+    """The floating outputs the step's forward pass (``loss``'s graph) got
+    from ``layers`` and computed the loss from.
 
     Calls traced elsewhere are left out: Keras builds a layer the first
     time it is called by calling its sublayers in a scratch graph of its own
     (``compute_output_spec``), a subclassed model's during the first step.
+    So are calls whose outputs the loss does not read, where another call's
+    does: Keras' RNN runs its cell once outside the loop, for shapes only.
     """
+    graph = loss.graph
     out = []
+    read = None  # the ops the loss is computed from, found on first need
     for layer in layers:
         calls = recorded[id(layer)]
         if not calls:
@@ -719,8 +725,11 @@ def _checkpoint_tensors(layers: Sequence, recorded: dict, graph: tf.Graph) -> li
                 f"memsave.keras: checkpoint layer {layer.name!r} was not called in the forward "
                 "pass of the train step; list layers the model calls when training"
             )
-        tensors = [t for value in calls for t in tf.nest.flatten(value)
-                   if isinstance(t, tf.Tensor) and t.graph is graph]
+        flat = [t for value in calls for t in tf.nest.flatten(value) if isinstance(t, tf.Tensor)]
+        tensors = [t for t in flat if t.graph is graph]
+        if tensors and len(tensors) < len(flat):  # called inside a loop or function too
+            read = _ancestors(loss.op) if read is None else read
+            tensors = [t for t in tensors if t.op in read]
         if not tensors:
             raise CheckpointError(
                 f"memsave.keras: checkpoint layer {layer.name!r} runs only inside a loop or "
@@ -729,6 +738,18 @@ def _checkpoint_tensors(layers: Sequence, recorded: dict, graph: tf.Graph) -> li
             )
         out.extend(t for t in tensors if t.dtype.is_floating)
     return out
+
+
+def _ancestors(op: tf.Operation) -> set:
+    """``op`` and the ops of its graph it reads from, by data edges."""
+    seen = {op}
+    stack = [op]
+    while stack:
+        for t in stack.pop().inputs:
+            if t.op not in seen:
+                seen.add(t.op)
+                stack.append(t.op)
+    return seen
 
 
 # -- validation --------------------------------------------------------------

@@ -21,9 +21,10 @@ from typing import Any
 import tensorflow as tf
 
 from memsave import _tf_private, planners
-from memsave.errors import ArgumentError, PatchError
+from memsave.errors import ArgumentError, CheckpointError, PatchError
 from memsave.api import gradients as _memsave_gradients
 from memsave.planners.budget import check_budget
+from memsave.record import Plan
 
 __all__ = ["Patch", "patch", "unpatch"]
 
@@ -83,13 +84,21 @@ def _aliases():
 
 
 class Patch:
-    """An applied patch; a context manager that undoes itself on exit."""
+    """An applied patch; a context manager that undoes itself on exit.
+
+    Entering one that was undone (a second ``with`` block on the same
+    object) applies it again.
+    """
 
     def __init__(self, checkpoints, strategy_options: Mapping[str, Any] | None = None,
                  memory_budget: int | float | None = None, batch_size: int | None = None):
         self.checkpoints = checkpoints
         self._settings = (checkpoints, strategy_options, memory_budget, batch_size)
-        v1, v2 = _wrappers(checkpoints, strategy_options, memory_budget, batch_size)
+        self._undone = True
+        self._apply()
+
+    def _apply(self) -> None:
+        v1, v2 = _wrappers(*self._settings)
         with _lock:
             self._saved = []
             for module, attr, value in _aliases():
@@ -99,12 +108,12 @@ class Patch:
             for outer in _active:
                 for module, attr, _ in outer._saved:
                     current = vars(module).get(attr)
-                    if getattr(current, "memsave_checkpoints", None) is not None:
+                    if hasattr(current, "memsave_signature"):
                         wrapper = v1 if current.memsave_signature == "v1" else v2
                         self._saved.append((module, attr, current))
                         setattr(module, attr, wrapper)
             _active.append(self)
-        self._undone = False
+            self._undone = False
 
     @property
     def aliases(self) -> int:
@@ -127,6 +136,8 @@ class Patch:
             self._undone = True
 
     def __enter__(self) -> "Patch":
+        if self._undone:
+            self._apply()
         return self
 
     def __call__(self, fn):
@@ -173,6 +184,9 @@ def patch(checkpoints="memory", *, strategy_options: Mapping[str, Any] | None = 
 
     Raises
     ------
+    CheckpointError
+        ``checkpoints`` is neither a strategy name, a list of tensors nor a
+        Plan.
     UnknownStrategyError
         ``checkpoints`` names no registered strategy (here, not at the
         first patched call).
@@ -184,6 +198,10 @@ def patch(checkpoints="memory", *, strategy_options: Mapping[str, Any] | None = 
     if isinstance(checkpoints, str):
         planners.check(checkpoints, budget=memory_budget, options=strategy_options,
                        api="memsave.patch")
+    elif not isinstance(checkpoints, (list, tuple, Plan)):
+        raise CheckpointError(
+            f"memsave.patch: checkpoints={checkpoints!r} is neither a strategy name "
+            f"({', '.join(planners.available())}), a list of tensors nor a memsave.plan Plan")
     elif memory_budget is not None:
         check_budget(memory_budget, api="memsave.patch")
     return Patch(checkpoints, strategy_options, memory_budget, batch_size)

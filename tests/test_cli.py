@@ -67,6 +67,11 @@ def files(tmp_path_factory):
         def uncompiled():
             return keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
 
+        def without_loss():
+            m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+            m.compile(optimizer="adam")
+            return m
+
         def by_name():
             z, a = keras.Input((32,), name="z"), keras.Input((16,), name="a")
             h = keras.layers.Concatenate()([keras.layers.Dense(8)(z), keras.layers.Dense(8)(a)])
@@ -179,6 +184,7 @@ def _bad_inputs(d) -> dict:
         "missing file": (["plan", d / "missing.keras"], "no such file"),
         "not compiled (file)": (["plan", d / "raw.keras"], "not compiled"),
         "not compiled (function)": (["plan", "factories:uncompiled"], "not compiled"),
+        "compiled without a loss": (["plan", "factories:without_loss"], "without a loss"),
         "not a model file": (["plan", d / "broken.keras"], "cannot load it"),
         "unparsable size": (["plan", d / "mlp.keras", "--memory", "8 gigs"], "'8 gigs' is not a size"),
         "zero size": (["plan", d / "mlp.keras", "--memory", "0"], "'0' is not a size"),
@@ -274,6 +280,9 @@ def test_names_load_on_first_use_and_patch_is_the_function():
         assert memsave.simulate.__name__ == "memsave.simulate"
         assert "tensorflow" in sys.modules
         assert set(memsave.__all__) <= set(dir(memsave))
+        import memsave.errors  # every error class, as `except memsave.<Name>:` (docs/guide.md)
+        for name in memsave.errors.__all__:
+            assert getattr(memsave, name) is getattr(memsave.errors, name), name
         try:
             memsave.no_such_name
         except AttributeError as e:
@@ -290,7 +299,7 @@ def test_without_tensorflow_import_memsave_says_what_to_install():
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: memsave needs TensorFlow"), proc.stderr
-    assert "pip install 'memsave[tensorflow-cpu]'" in last
+    assert "pip install tensorflow-cpu" in last and "'.[tensorflow-cpu]'" in last
 
 
 # -- as a command, in fresh processes ------------------------------------------------------

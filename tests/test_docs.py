@@ -18,6 +18,8 @@ repository.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -68,10 +70,11 @@ def _pending(source: str, missing: set[str]) -> bool:
     return any(marker in source for marker in missing)
 
 
-def run_blocks(spec: str) -> None:
+def run_blocks(spec: str) -> str:
     """Run the blocks listed in the file ``spec`` in one namespace, in order, in
     ``spec``'s directory; on the first failure raise, naming the block (with
-    the traceback). Called in a fresh process (tests/fresh.py).
+    the traceback); return what they printed. Called in a fresh process
+    (tests/fresh.py).
 
     Each block is written to a file of its own first, as a user's script
     would be, so that code reading its source (autograph, in tf.function)
@@ -80,13 +83,16 @@ def run_blocks(spec: str) -> None:
     os.chdir(Path(spec).parent)
     os.environ["MPLBACKEND"] = "Agg"
     namespace = {"__name__": "__main__"}
+    printed = io.StringIO()
     for i, (where, source) in enumerate(json.loads(Path(spec).read_text())):
         path = Path(f"block_{i:02d}.py").resolve()
         path.write_text(source)
         try:
-            exec(compile(source, str(path), "exec"), namespace)
+            with contextlib.redirect_stdout(printed):
+                exec(compile(source, str(path), "exec"), namespace)
         except BaseException as e:
             raise AssertionError(f"FAILED: the block at {where} ({path.name})") from e
+    return printed.getvalue()
 
 
 def _id(path: Path) -> str:
@@ -101,7 +107,13 @@ def test_python_blocks_run(fresh, path, tmp_path):
               if not _pending(source, missing)]
     spec = tmp_path / "blocks.json"
     spec.write_text(json.dumps(blocks))
-    fresh.call(run_blocks, str(spec), timeout_s=RUN_TIMEOUT_S)
+    printed = fresh.call(run_blocks, str(spec), timeout_s=RUN_TIMEOUT_S)
+    if path.name == "README.md":  # the prose states what the first example prints
+        said = re.search(r"forecasts are (\d+) MiB for plain `fit` and (\d+) MiB with memsave",
+                         " ".join(path.read_text().split()))
+        shown = re.search(r"plain fit: (\d+) MiB, memsave: (\d+) MiB", printed)
+        assert said and shown, printed
+        assert said.groups() == shown.groups(), (said.group(0), shown.group(0))
 
 
 def test_blocks_waiting_for_an_api():

@@ -557,6 +557,27 @@ def test_a_bad_budget_or_option_fails_when_patching_not_at_the_first_call():
     assert tf.gradients is saved  # nothing was patched
 
 
+@pytest.mark.parametrize("checkpoints", [None, 5])
+def test_checkpoints_that_are_no_strategy_list_or_plan_fail_when_patching(checkpoints):
+    saved = tf.gradients
+    with pytest.raises(memsave.CheckpointError, match="memsave.patch: checkpoints=.*neither"):
+        memsave.patch(checkpoints=checkpoints)
+    assert tf.gradients is saved  # nothing was patched
+
+
+def test_a_patch_entered_again_after_undo_applies_again():
+    """A second ``with`` on one Patch object once ran under the stock
+    tf.gradients, silently: entering did not apply an undone patch."""
+    original = tf.gradients
+    p = memsave.patch(checkpoints="speed")
+    p.undo()
+    assert tf.gradients is original
+    for _ in range(2):
+        with p:
+            assert tf.gradients.memsave_checkpoints == "speed"
+        assert tf.gradients is original
+
+
 def test_nested_ys_get_an_error_that_says_so():
     """tf.gradients packs ``[[y]]`` into a tensor; memsave asks for a flat
     list (it said the ys were not graph tensors, inside a graph)."""

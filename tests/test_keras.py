@@ -385,6 +385,21 @@ def test_layers_inside_wrappers_and_custom_layers_can_be_checkpoints(monkeypatch
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
 
 
+def test_an_rnn_cell_as_a_checkpoint_is_refused_saying_it_runs_in_a_loop():
+    """Keras' RNN also calls its cell once outside the loop, for shapes
+    only: memsave took that output and said an internal tensor of the cell
+    "is not between xs and ys"."""
+    inputs = keras.Input((8, 4))
+    lstm = keras.layers.LSTM(8)
+    model = keras.Model(inputs, keras.layers.Dense(1)(lstm(inputs)))
+    model.compile(optimizer="sgd", loss="mse")
+    memsave.keras.checkpointed(model, checkpoints=[lstm.cell])
+    rs = np.random.RandomState(0)
+    x, y = rs.rand(16, 8, 4).astype("float32"), rs.rand(16, 1).astype("float32")
+    with pytest.raises(memsave.CheckpointError, match=f"'{lstm.cell.name}' runs only inside a loop"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
 def test_a_fit_override_passing_its_arguments_on_still_gives_the_batch_size(monkeypatch):
     """fit(self, *args, **kwargs) hid batch_size: memsave warned that the
     arguments gave none and planned the partial-batch trace for a batch of 1."""
@@ -477,6 +492,19 @@ def test_mirrored_strategy_fit_matches_plain_mirrored_fit(fresh):
 
 
 # -- errors --------------------------------------------------------------------------
+
+
+def test_extra_resident_bytes_counts_an_uncompiled_models_variables():
+    """Keras 3 models have no ``optimizer`` attribute until compiled: it raised AttributeError."""
+    from memsave.api import device_model
+
+    n = 100_000  # each moving statistic 400 kB: above the CPU allocator's 256 KiB
+    model = keras.Sequential([keras.Input((n,)), keras.layers.BatchNormalization()])
+    one = device_model().allocator.counted(4 * n)
+    assert one > 0
+    assert memsave.keras.extra_resident_bytes(model) == 2 * one  # moving mean and variance
+    model.compile(optimizer="sgd", loss="mse")
+    assert memsave.keras.extra_resident_bytes(model) >= 2 * one
 
 
 def test_run_eagerly_raises_with_the_fix():

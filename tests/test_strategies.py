@@ -389,7 +389,8 @@ def test_memory_num_checkpoints_spreads_evenly(k, expected):
 def test_memory_num_checkpoints_bounds():
     fg = H.chain(10)
     cands = articulation_candidates(fg)
-    assert plan("memory", fg, num_checkpoints=0).checkpoint_ids == ()
+    none = plan("memory", fg, num_checkpoints=0)
+    assert none.checkpoint_ids == () and "num_checkpoints=0" in none.note  # the fallback says why
     assert plan("memory", fg, num_checkpoints=len(cands)).checkpoint_ids == tuple(cands)
     assert plan("memory", fg, num_checkpoints=50).checkpoint_ids == tuple(cands)
     with pytest.raises(ValueError, match="num_checkpoints"):

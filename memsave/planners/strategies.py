@@ -493,6 +493,8 @@ def memory(
     def reason(t: int) -> str:
         return "articulation point" if t in on_point else CUT_REASON
 
+    if num_checkpoints == 0:
+        return problem.plan("memory", (), {}, note="strategy_options num_checkpoints=0 keeps none")
     if num_checkpoints is not None:
         cum, total = problem.positions()
         if points:
