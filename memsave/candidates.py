@@ -31,6 +31,7 @@ from memsave.graph import ForwardGraph
 
 __all__ = [
     "keepable",
+    "fused_away",
     "articulation_points",
     "Cut",
     "topological_cuts",
@@ -54,6 +55,48 @@ def keepable(fg: ForwardGraph) -> list[int]:
     ys = set(fg.ys)
     return [t for op in fg.ops for t in op.outputs
             if is_activation(fg, t) and fg.tensors[t].size_bytes > 0 and t not in ys]
+
+
+#: Activations whose gradient reads only their output, and that TensorFlow's
+#: CPU remapper fuses into a convolution together with the Add before them
+#: (``_FusedConv2D``: Conv2D + BiasAdd + Add + activation).
+FUSED_ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu"})
+_CONTRACTIONS = frozenset({"Conv2D", "Conv3D", "MatMul"})
+
+
+def fused_away(fg: ForwardGraph) -> dict[int, int]:
+    """Activations a plan must not keep, each with the tensor that stands for it.
+
+    The residual ``Add`` of ``activation(bias_add(conv(x), b) + r)``, whose
+    only reader is the activation, is fused with them into the convolution
+    on CPU (TensorFlow's remapper; ``Relu``, ``Relu6`` and ``Elu``), which
+    then never writes it. The remapper does not check that the sum has no
+    other reader: one more (memsave's proxy of a checkpoint) and the pass
+    fails for the whole function ("remapper failed: ... fanout ... exist for
+    missing node"), leaving every op of the step unfused. The activation's
+    output is as large, and its gradient reads it anyway: keeping it instead
+    holds the same bytes and recomputes one op less. Returns ``{sum:
+    activation's output}``.
+    """
+    consumers = fg.consumers()
+
+    def biased_contraction(t: int) -> bool:
+        p = fg.tensors[t].producer
+        if p is None or fg.ops[p].type != "BiasAdd":
+            return False
+        q = fg.tensors[fg.ops[p].inputs[0]].producer
+        return q is not None and fg.ops[q].type in _CONTRACTIONS
+
+    out = {}
+    for op in fg.ops:
+        if op.type not in ("Add", "AddV2", "AddN") or len(op.inputs) != 2 \
+                or len(op.outputs) != 1:
+            continue
+        readers = consumers[op.outputs[0]]
+        if len(readers) == 1 and fg.ops[readers[0]].type in FUSED_ACTIVATIONS \
+                and any(biased_contraction(t) for t in op.inputs):
+            out[op.outputs[0]] = fg.ops[readers[0]].outputs[0]
+    return out
 
 
 #: A differentiable tensor with a fully known size at most this fraction of
@@ -84,7 +127,7 @@ def articulation_points(
     path between them in the block-cut tree. Its output is a candidate when
     it is the op's only differentiable output consumed in the forward graph:
     keeping it then lets everything after it be recomputed without anything
-    before it.
+    before it (and it is not :func:`fused_away`).
 
     A cut vertex off those paths is not a candidate: it only cuts off a side
     branch that rejoins the rest through small tensors (a normalisation's
@@ -161,6 +204,7 @@ def articulation_points(
 
     consumers = fg.consumers()
     ys = set(fg.ys)
+    fused = fused_away(fg)
     out = []
     for i in sorted(on_path):
         used = [
@@ -168,7 +212,7 @@ def articulation_points(
             for t in fg.ops[i].outputs
             if fg.tensors[t].trainable and consumers[t] and t not in ys
         ]
-        if len(used) == 1:
+        if len(used) == 1 and used[0] not in fused:
             out.append(used[0])
     return out
 
@@ -239,9 +283,9 @@ def topological_cuts(fg: ForwardGraph, costs: Costs) -> list[Cut]:
     inception blocks), a cut crosses the running activation and the skips
     still open, which the schedule keeps like any checkpoint. A cut is a
     candidate when it follows a recomputable op, crosses at least one
-    activation, and its crossing bytes are no more than at the cuts just
-    before and after it (plateaus count whole: every layer of a stack under
-    the same skip is a candidate).
+    activation, none :func:`fused_away`, and its crossing bytes are no more
+    than at the cuts just before and after it (plateaus count whole: every
+    layer of a stack under the same skip is a candidate).
 
     Notes
     -----
@@ -280,7 +324,8 @@ def topological_cuts(fg: ForwardGraph, costs: Costs) -> list[Cut]:
         and (i == 0 or profile[i] <= profile[i - 1])
         and (i + 1 == n or profile[i] <= profile[i + 1])
     }
-    return [c for c in sweep(chosen) if c.crossing]
+    fused = fused_away(fg)
+    return [c for c in sweep(chosen) if c.crossing and fused.keys().isdisjoint(c.crossing)]
 
 
 #: Fraction of a segment's activation bytes assumed alive at once while it

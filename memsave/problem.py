@@ -139,6 +139,11 @@ class Problem:
         """Activations a plan may keep (:func:`memsave.candidates.keepable`)."""
         return self._once(("keepable",), lambda: _candidates.keepable(self.fg))
 
+    def fused_away(self) -> dict[int, int]:
+        """:func:`memsave.candidates.fused_away`: activations no plan keeps, each
+        with the tensor kept in its place."""
+        return self._once(("fused_away",), lambda: _candidates.fused_away(self.fg))
+
     def articulation_points(
         self, *, small_tensor_fraction: float = _candidates.SMALL_TENSOR_FRACTION
     ) -> list[int]:

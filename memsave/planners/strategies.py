@@ -132,8 +132,21 @@ _CHOOSE_YOURSELF = (
 
 def _plan(problem: Problem, name: str, chosen: Iterable[int], reason: Callable[[int], str],
           note: str = "") -> Plan:
-    ids = sorted(set(chosen))
-    return problem.plan(name, ids, {t: reason(t) for t in ids}, note=note)
+    """The plan keeping ``chosen``, each for ``reason(t)``; a tensor no plan
+    keeps (:meth:`Problem.fused_away`: a user's list, the collection) is
+    replaced by the one that stands for it."""
+    fused = problem.fused_away()
+    reasons: dict[int, str] = {}
+    for t in chosen:
+        kept = fused.get(t, t)
+        if kept == t:
+            reasons[t] = reason(t)
+        else:
+            reasons.setdefault(kept, (
+                f"{reason(t)}, in place of {problem.fg.tensors[t].name} (TensorFlow fuses that "
+                "sum into the convolution before it, with this activation)"))
+    ids = sorted(reasons)
+    return problem.plan(name, ids, {t: reasons[t] for t in ids}, note=note)
 
 
 def _check_fraction(name: str, value: float, api: str) -> None:
