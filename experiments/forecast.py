@@ -284,6 +284,7 @@ MODELS: dict[str, Entry] = {
         zoo_entry("build_resnet_fused_bn", batch_size=16, size=32, channels=16, blocks=3),
         zoo_entry("build_unet", batch_size=32, size=32),
         zoo_entry("build_transformer", batch_size=8, seq=128, d_model=128, heads=2, blocks=2),
+        zoo_entry("build_seq_dense", batch_size=128, seq=32, width=256, depth=4),
         zoo_entry("build_embedding", batch_size=2048, tokens=32, vocab=1000, dim=16),
         zoo_entry("build_dropout_stateful", **_CHAIN),
         zoo_entry("build_dropout_stateless", **_CHAIN),

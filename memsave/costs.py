@@ -35,8 +35,10 @@ What the numbers mean
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import weakref
+from collections.abc import Sequence
 
 from memsave.errors import ArgumentError
 from memsave.graph import Body, ForwardGraph, GradientUse
@@ -46,6 +48,7 @@ __all__ = [
     "estimate_costs",
     "is_activation",
     "body_costs",
+    "gradient_scratch_bytes",
     "ALIAS_OP_TYPES",
     "INPLACE_OP_TYPES",
     "SCRATCH_OP_TYPES",
@@ -91,6 +94,15 @@ INPLACE_OP_TYPES = frozenset(
 #: size of the incoming gradient and of its largest input.
 SCRATCH_OP_TYPES = frozenset({"Einsum"})
 
+#: Batched matrix products whose gradient, where one operand is broadcast
+#: over the other's batch dimensions (``x @ w``, x ``[B, T, D]`` and w
+#: ``[D, U]``: a dense layer on a sequence written with ``@``), computes that operand's
+#: gradient for every batch element (``[B, D, U]``) and then sums it
+#: (TensorFlow's ``_BatchMatMulV2`` gradient). Measured: 4 such layers, B =
+#: 512, T = 64, D = U = 256, float32: plain tf.gradients peaked at 386 MiB,
+#: the forecast without that 128 MiB temporary 193 MiB.
+BATCH_MATMUL_OP_TYPES = frozenset({"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+
 
 def _without_early(use: GradientUse) -> GradientUse:
     ins, outs = set(use.reads_inputs), set(use.reads_outputs)
@@ -129,6 +141,9 @@ class Costs:
     scratch : tuple of bool
         Per op: its kernel allocates temporaries of its operands' size
         (:data:`SCRATCH_OP_TYPES`).
+    gradient_scratch : tuple of tuple of int
+        Per op: bytes of the temporaries its gradient allocates while it
+        runs, beside what it writes (:func:`gradient_scratch_bytes`).
     gradient_reads : tuple of (tuple of int, tuple of int)
         Per op: the input and the output tensor ids its gradient reads (from
         ``gradient``): the one definition of what backprop keeps alive for
@@ -148,6 +163,7 @@ class Costs:
     assumptions: tuple[str, ...]
     batch_size: int | None = None
     scratch: tuple[bool, ...] = ()
+    gradient_scratch: tuple[tuple[int, ...], ...] = ()
     gradient_reads: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
     gradient_targets: tuple[tuple[tuple[int, int], ...], ...] = ()
 
@@ -338,9 +354,44 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None,
         assumptions=tuple(assumptions),
         batch_size=batch_size,
         scratch=tuple(op.type in SCRATCH_OP_TYPES for op in fg.ops),
+        gradient_scratch=tuple(gradient_scratch_bytes(fg, op, tensor_bytes, gradient_targets[i])
+                               for i, op in enumerate(fg.ops)),
         gradient_reads=gradient_reads,
         gradient_targets=gradient_targets,
     )
+
+
+def gradient_scratch_bytes(fg: ForwardGraph, op, tensor_bytes: Sequence[int],
+                           targets: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """Bytes of the temporaries ``op``'s gradient allocates while it runs.
+
+    :data:`SCRATCH_OP_TYPES`: one the size of its largest output (the
+    incoming gradient's) and one of its largest input. A batched matrix
+    product (:data:`BATCH_MATMUL_OP_TYPES`): per operand that receives a
+    gradient (``targets``: its position and tensor) and is broadcast over
+    the other's batch dimensions, its gradient for every batch element of
+    the output before the sum (not under XLA, which may contract the batch
+    in the product). Unknown shapes: none.
+    """
+    if op.type in SCRATCH_OP_TYPES:
+        return (max([tensor_bytes[t] for t in op.outputs]),
+                max([tensor_bytes[t] for t in op.inputs], default=0))
+    if op.type not in BATCH_MATMUL_OP_TYPES or fg.xla or len(op.inputs) < 2 or not op.outputs:
+        return ()
+    out = fg.tensors[op.outputs[0]]
+    if out.shape is None or len(out.shape) < 3 or None in out.shape[-2:] \
+            or out.shape[-2] * out.shape[-1] * out.itemsize == 0:
+        return ()
+    batch = tensor_bytes[out.id] // (out.shape[-2] * out.shape[-1] * out.itemsize)
+    scratch = []
+    for position, t in targets:
+        shape = fg.tensors[t].shape
+        if position > 1 or shape is None or None in shape or len(shape) < 2:
+            continue
+        own_batch = math.prod(shape[:-2])
+        if own_batch < batch:  # broadcast: summed over the output's batch after the product
+            scratch.append(batch * shape[-2] * shape[-1] * out.itemsize)
+    return tuple(scratch)
 
 
 _body_costs: "weakref.WeakKeyDictionary[Body, Costs]" = weakref.WeakKeyDictionary()

@@ -90,7 +90,7 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from memsave.bodies import BodyFigures, body_figures
-from memsave.costs import Costs
+from memsave.costs import BATCH_MATMUL_OP_TYPES, Costs
 from memsave.errors import ArgumentError
 from memsave.graph import ForwardGraph
 from memsave.memory_model import (BFC, CPU_ONEDNN, Allocator, MemoryModel, cpu_threads,
@@ -426,10 +426,10 @@ class _Builder:
                 reads += early_of[i]
             writes = []
             if scratch:
-                # Each input's gradient is a kernel of the same type, run one
-                # after the other: temporaries of the incoming gradient and
-                # the other operand, the largest input at most.
-                writes += [(p.value(b), ()) for b in scratch]
+                # The gradient's temporaries (Costs.gradient_scratch): an
+                # Einsum's kernels', a broadcast product's per-example products.
+                temporaries = [p.value(b) for b in scratch]
+                writes += [(v, ()) for v in temporaries]
             if body_bytes is not None:
                 if i in saved_of:
                     reads.append(saved_of[i])
@@ -501,6 +501,12 @@ class _Builder:
                 # next gradient ops, which allocate while it still holds what
                 # it reads (the layer's input, the incoming gradient).
                 lingering.append((overlap, reads))
+                if scratch and i in fp.summed_scratch:
+                    # Its per-example products, summed by the next kernel on
+                    # that side: alive while one more gradient runs. Measured:
+                    # 4 layers x @ w, [512, 64, 256] @ [256, 256]: two
+                    # layers' products at once (417 MiB, a pre-split pool).
+                    lingering.append((overlap + 1, temporaries))
 
     def xla_proxies(self, step, cur: list[int], touched: list[int]) -> None:
         """:meth:`proxies` under XLA, then the step's transformed kernels.
@@ -598,6 +604,11 @@ class ForwardProgram:
         self.foldable = [node.size_known and tensor_bytes[node.id] <= max_folded
                          for node in tensors]
         self.overlap = 0 if fg.xla else model.weight_gradient_overlap
+        # Gradients whose temporaries a kernel of their own sums afterwards (a
+        # broadcast operand's per-example products, Costs.gradient_scratch).
+        self.summed_scratch = frozenset(
+            i for i, op in enumerate(fg.ops)
+            if op.type in BATCH_MATMUL_OP_TYPES and costs.gradient_scratch[i])
         self.xla_model = XlaModel(fg, costs) if fg.xla else None
         self._plan_ops()
 
@@ -773,14 +784,13 @@ class ForwardProgram:
                 use.has_gradient,
                 read_ins + read_outs,
                 bool(use.early_bytes) and use.has_gradient,
-                (max([tensor_bytes[t] for t in outputs]),
-                 max([tensor_bytes[t] for t in inputs], default=0)) if scratch_ops[i] else (),
+                costs.gradient_scratch[i],
                 loop_constants,
                 figures.backward_bytes + sums_bytes if figures is not None else None,
                 tuple(targets),
                 not use.reads_outputs and all([tensors[inputs[j]].constant
                                                for j in use.reads_inputs if j < len(inputs)]),
-                op.body is None and not scratch_ops[i],
+                op.body is None and not costs.gradient_scratch[i],
             ))
         self.copy_plans, self.gradient_plans = copy_plans, gradient_plans
         if not fg.xla and model.runs_float16_without_onednn:

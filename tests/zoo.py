@@ -373,6 +373,28 @@ def build_transformer(batch_size=2, seq=6, d_model=16, heads=2, blocks=2, seed=5
     return Model("transformer", _variables_from(values), forward)
 
 
+def build_seq_dense(batch_size=2, seq=6, width=8, depth=4, seed=19):
+    """Dense layers on a sequence written ``h @ w`` (``w`` broadcast over the
+    batch: a BatchMatMulV2), whose gradient computes every example's
+    product with ``w``'s shape before summing them."""
+    rng = np.random.RandomState(seed)
+    x = _normal(rng, (batch_size, seq, width))
+    values = {f"w{i}": _glorot(rng, (width, width)) * 1.5 for i in range(depth)}
+    target = _normal(rng, (batch_size, seq, width), 0.5)
+
+    def forward(v):
+        h = tf.constant(x)
+        hidden = []
+        for i in range(depth):
+            h = tf.tanh(h @ v[f"w{i}"])
+            hidden.append(h)
+        _tag(hidden[1])
+        loss = _mse(h, target)
+        return Forward(ys=loss, xs=list(v.values()), checkpoints=[hidden[1]])
+
+    return Model("seq_dense", _variables_from(values), forward)
+
+
 # ----------------------------------------------------------------------------
 # sparse gradients
 
@@ -901,6 +923,7 @@ BUILDERS = (
     build_resnet_fused_bn,
     build_unet,
     build_transformer,
+    build_seq_dense,
     build_embedding,
     build_dropout_stateful,
     build_dropout_stateless,
