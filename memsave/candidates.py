@@ -59,13 +59,13 @@ def keepable(fg: ForwardGraph) -> list[int]:
 
 #: Activations whose gradient reads only their output, and that TensorFlow's
 #: CPU remapper fuses into a convolution together with the Add before them
-#: (``_FusedConv2D``: Conv2D + BiasAdd + Add + activation).
+#: (``_FusedConv2D``: Conv2D + BiasAdd + Add + activation; :func:`fused_away`).
 FUSED_ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu"})
 _CONTRACTIONS = frozenset({"Conv2D", "Conv3D", "MatMul"})
 
 
 def fused_away(fg: ForwardGraph) -> dict[int, int]:
-    """Activations a plan must not keep, each with the tensor that stands for it.
+    """Sums a plan must not keep, each with the tensor that stands for it.
 
     The residual ``Add`` of ``activation(bias_add(conv(x), b) + r)``, whose
     only reader is the activation, is fused with them into the convolution
