@@ -726,15 +726,18 @@ def _checkpoint_tensors(layers: Sequence, recorded: dict, loss: tf.Tensor) -> li
                 "pass of the train step; list layers the model calls when training"
             )
         flat = [t for value in calls for t in tf.nest.flatten(value) if isinstance(t, tf.Tensor)]
-        tensors = [t for t in flat if t.graph is graph]
-        if tensors and len(tensors) < len(flat):  # called inside a loop or function too
+        top = [t for t in flat if t.graph is graph]
+        tensors = top
+        if top and len(top) < len(flat):  # called inside a loop or function too
             read = _ancestors(loss.op) if read is None else read
-            tensors = [t for t in tensors if t.op in read]
+            tensors = [t for t in top if t.op in read]
         if not tensors:
             raise CheckpointError(
-                f"memsave.keras: checkpoint layer {layer.name!r} runs only inside a loop or "
-                "function of the train step (an RNN's cell, say), whose outputs are not "
-                "tensors of the step; list the layer that contains it"
+                f"memsave.keras: checkpoint layer {layer.name!r} runs "
+                f"{'' if top else 'only '}inside a loop or function of the train step (an "
+                "RNN's cell, say), whose outputs are not tensors of the step"
+                + (", and its other calls' outputs do not reach the loss" if top else "")
+                + "; list the layer that contains the loop"
             )
         out.extend(t for t in tensors if t.dtype.is_floating)
     return out

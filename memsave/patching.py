@@ -87,7 +87,8 @@ class Patch:
     """An applied patch; a context manager that undoes itself on exit.
 
     Entering one that was undone (a second ``with`` block on the same
-    object) applies it again.
+    object) applies it again; entering one that is applied nests, and only
+    the outermost block's exit undoes it.
     """
 
     def __init__(self, checkpoints, strategy_options: Mapping[str, Any] | None = None,
@@ -95,6 +96,7 @@ class Patch:
         self.checkpoints = checkpoints
         self._settings = (checkpoints, strategy_options, memory_budget, batch_size)
         self._undone = True
+        self._entered = 0  # with-blocks open on this patch
         self._apply()
 
     def _apply(self) -> None:
@@ -138,6 +140,7 @@ class Patch:
     def __enter__(self) -> "Patch":
         if self._undone:
             self._apply()
+        self._entered += 1
         return self
 
     def __call__(self, fn):
@@ -158,7 +161,10 @@ class Patch:
         return patched
 
     def __exit__(self, *exc) -> None:
-        self.undo()
+        self._entered -= 1
+        if self._entered <= 0:
+            self._entered = 0
+            self.undo()
 
 
 def patch(checkpoints="memory", *, strategy_options: Mapping[str, Any] | None = None,

@@ -578,6 +578,15 @@ def test_a_patch_entered_again_after_undo_applies_again():
         assert tf.gradients is original
 
 
+def test_a_patch_entered_while_applied_is_undone_by_the_outermost_exit():
+    original = tf.gradients
+    with memsave.patch(checkpoints="speed") as p:
+        with p:
+            assert tf.gradients.memsave_checkpoints == "speed"
+        assert tf.gradients.memsave_checkpoints == "speed"  # the inner exit undid it
+    assert tf.gradients is original
+
+
 def test_nested_ys_get_an_error_that_says_so():
     """tf.gradients packs ``[[y]]`` into a tensor; memsave asks for a flat
     list (it said the ys were not graph tensors, inside a graph)."""

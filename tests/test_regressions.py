@@ -721,3 +721,26 @@ def test_a_listed_residual_sum_is_kept_as_its_activations_output(graph):
     p = memsave.plan(loss, [w, b], checkpoints=[s])
     assert p.checkpoints == (h.name,)
     assert f"in place of {s.name}" in p.reasons[0]
+
+
+def test_a_listed_residual_sum_whose_activation_is_a_y_is_not_replaced_by_it(graph, session):
+    """The activation's output stood in for a listed sum even where it is a
+    y: CheckpointError for a tensor the user never listed."""
+    rs = np.random.RandomState(0)
+    ws = [tf.Variable(rs.randn(16, 16).astype("float32") / 4) for _ in range(2)]
+    bs = [tf.Variable(np.zeros(16, "float32")) for _ in range(2)]
+    h = tf.constant(rs.randn(8, 16).astype("float32"))
+    sums = []
+    for w, b in zip(ws, bs):
+        s = tf.nn.bias_add(tf.matmul(h, w), b) + h
+        sums.append(s)
+        h = tf.nn.relu(s)
+    ours = memsave.gradients(h, ws + bs, checkpoints=sums)
+    p = memsave.plan(h, ws + bs, checkpoints=sums)
+    # The first sum's activation stands in for it; the second's is the y, kept anyway.
+    assert len(p.checkpoints) == 1 and p.checkpoints[0].startswith("Relu"), p.checkpoints
+    assert p.recomputed_ops > 0
+    ref = tf.gradients(h, ws + bs)
+    session.run(tf.compat.v1.global_variables_initializer())
+    for a, b in zip(*session.run([ours, ref])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())

@@ -134,14 +134,15 @@ def _plan(problem: Problem, name: str, chosen: Iterable[int], reason: Callable[[
           note: str = "") -> Plan:
     """The plan keeping ``chosen``, each for ``reason(t)``; a tensor no plan
     keeps (:meth:`Problem.fused_away`: a user's list, the collection) is
-    replaced by the one that stands for it."""
-    fused = problem.fused_away()
+    replaced by the one that stands for it, or dropped when that is a y
+    (kept anyway)."""
+    fused, ys = problem.fused_away(), set(problem.fg.ys)
     reasons: dict[int, str] = {}
     for t in chosen:
         kept = fused.get(t, t)
         if kept == t:
             reasons[t] = reason(t)
-        else:
+        elif kept not in ys:
             reasons.setdefault(kept, (
                 f"{reason(t)}, in place of {problem.fg.tensors[t].name} (TensorFlow fuses that "
                 "sum into the convolution before it, with this activation)"))
