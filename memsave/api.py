@@ -289,10 +289,7 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options, *,
         if memory_budget is not None:
             raise budget_refused("a list of checkpoints", api)
     else:
-        raise CheckpointError(
-            f"{api}: checkpoints={checkpoints!r} is neither a strategy name "
-            f"({', '.join(planners.available())}), a list of tensors nor a memsave.plan Plan"
-        )
+        raise not_checkpoints(checkpoints, api)
     tagged = []
     if name == "collection":
         tagged = [t for t in graph.get_collection(COLLECTION_KEY) if isinstance(t, tf.Tensor)]
@@ -310,6 +307,13 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options, *,
         return args, ex, given(problem, _validate_list(checkpoints, ex, ys, xs, api))
     return args, ex, planners.run(name, problem, budget=memory_budget, options=strategy_options,
                                   api=api)
+
+
+def not_checkpoints(checkpoints, api: str) -> CheckpointError:
+    """The error for a ``checkpoints=`` that is no strategy name, list or Plan."""
+    return CheckpointError(
+        f"{api}: checkpoints={checkpoints!r} is neither a strategy name "
+        f"({', '.join(planners.available())}), a list of tensors nor a memsave.plan Plan")
 
 
 def _validate_plan(p: Plan, ex: Extraction, api: str) -> Plan:

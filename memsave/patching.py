@@ -21,8 +21,8 @@ from typing import Any
 import tensorflow as tf
 
 from memsave import _tf_private, planners
-from memsave.errors import ArgumentError, CheckpointError, PatchError
-from memsave.api import gradients as _memsave_gradients
+from memsave.errors import ArgumentError, PatchError
+from memsave.api import gradients as _memsave_gradients, not_checkpoints
 from memsave.planners.budget import check_budget
 from memsave.record import Plan
 
@@ -162,8 +162,7 @@ class Patch:
 
     def __exit__(self, *exc) -> None:
         self._entered -= 1
-        if self._entered <= 0:
-            self._entered = 0
+        if not self._entered:
             self.undo()
 
 
@@ -205,9 +204,7 @@ def patch(checkpoints="memory", *, strategy_options: Mapping[str, Any] | None = 
         planners.check(checkpoints, budget=memory_budget, options=strategy_options,
                        api="memsave.patch")
     elif not isinstance(checkpoints, (list, tuple, Plan)):
-        raise CheckpointError(
-            f"memsave.patch: checkpoints={checkpoints!r} is neither a strategy name "
-            f"({', '.join(planners.available())}), a list of tensors nor a memsave.plan Plan")
+        raise not_checkpoints(checkpoints, "memsave.patch")
     elif memory_budget is not None:
         check_budget(memory_budget, api="memsave.patch")
     return Patch(checkpoints, strategy_options, memory_budget, batch_size)

@@ -140,8 +140,8 @@ class Problem:
         return self._once(("keepable",), lambda: _candidates.keepable(self.fg))
 
     def fused_away(self) -> dict[int, int]:
-        """:func:`memsave.candidates.fused_away`: activations no plan keeps, each
-        with the tensor kept in its place."""
+        """:func:`memsave.candidates.fused_away`: sums no plan keeps, each with
+        the tensor kept in its place."""
         return self._once(("fused_away",), lambda: _candidates.fused_away(self.fg))
 
     def articulation_points(
