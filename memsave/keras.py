@@ -712,12 +712,13 @@ def _checkpoint_tensors(layers: Sequence, recorded: dict, loss: tf.Tensor) -> li
     Calls traced elsewhere are left out: Keras builds a layer the first
     time it is called by calling its sublayers in a scratch graph of its own
     (``compute_output_spec``), a subclassed model's during the first step.
-    So are calls whose outputs the loss does not read, where another call's
-    does: Keras' RNN runs its cell once outside the loop, for shapes only.
+    So are outputs the loss does not read (Keras' RNN runs its cell once
+    outside the loop, for shapes only; a second output no loss reads); a
+    layer none of whose outputs the loss reads is an error naming it.
     """
     graph = loss.graph
     out = []
-    read = None  # the ops the loss is computed from, found on first need
+    read = _ancestors(loss.op)
     for layer in layers:
         calls = recorded[id(layer)]
         if not calls:
@@ -727,10 +728,13 @@ def _checkpoint_tensors(layers: Sequence, recorded: dict, loss: tf.Tensor) -> li
             )
         flat = [t for value in calls for t in tf.nest.flatten(value) if isinstance(t, tf.Tensor)]
         top = [t for t in flat if t.graph is graph]
-        tensors = top
-        if top and len(top) < len(flat):  # called inside a loop or function too
-            read = _ancestors(loss.op) if read is None else read
-            tensors = [t for t in top if t.op in read]
+        tensors = [t for t in top if t.op in read]
+        if top and not tensors and len(top) == len(flat):
+            raise CheckpointError(
+                f"memsave.keras: checkpoint layer {layer.name!r}: the loss is not computed "
+                "from its outputs (an output only metrics read, say); list layers the loss "
+                "is computed from"
+            )
         if not tensors:
             raise CheckpointError(
                 f"memsave.keras: checkpoint layer {layer.name!r} runs "

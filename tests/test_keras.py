@@ -402,6 +402,22 @@ def test_an_rnn_cell_as_a_checkpoint_is_refused_saying_it_runs_in_a_loop():
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
 
 
+def test_a_checkpoint_layer_the_loss_does_not_read_is_refused_by_name():
+    """A layer whose output only a metric reads (no loss on it): memsave
+    said one of its tensors "is not between xs and ys", naming no layer."""
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="tanh", name="hidden")(inputs)
+    side = keras.layers.Dense(2, name="side")
+    model = keras.Model(inputs, [keras.layers.Dense(1, name="main")(hidden), side(hidden)])
+    model.compile(optimizer="sgd", loss=["mse", None], metrics=[[], ["mae"]])
+    memsave.keras.checkpointed(model, checkpoints=[side])
+    rs = np.random.RandomState(0)
+    x = rs.rand(16, 8).astype("float32")
+    y = [rs.rand(16, 1).astype("float32"), rs.rand(16, 2).astype("float32")]
+    with pytest.raises(memsave.CheckpointError, match="'side': the loss is not computed from"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
 def test_a_fit_override_passing_its_arguments_on_still_gives_the_batch_size(monkeypatch):
     """fit(self, *args, **kwargs) hid batch_size: memsave warned that the
     arguments gave none and planned the partial-batch trace for a batch of 1."""
