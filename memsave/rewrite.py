@@ -411,43 +411,56 @@ def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, d
             ", ".join(fg.describe(heads)),
         )
     casts: dict = {}  # the gate cast to each dtype, for this step
-    proxies = {b: gates.proxy(ex.tensors[b], gate if b in gated else None, casts)
-               for b in step.boundary}
-    if gate is not None:
-        # The step reads what it receives through proxies of its own, never a
-        # tensor an earlier step's ops also read (see "No shared inputs
-        # across steps" in the module docstring).
-        head_grads = [gates.proxy(g, gate, casts) if gates.gateable(g.dtype) else g
-                      for g in head_grads]
-
     # Recompute only once the heads' gradients (through the gate) and the
     # previous step's gradients exist.
     if gate is not None:
         waits = [gate.op] + previous
     else:
         waits = [g.op for g in head_grads if not isinstance(g, tf.IndexedSlices)] + previous
+    # The proxies wait, so the copies reading them need no control input of
+    # their own (see _copy_and_differentiate).
+    with ex.ops[0].graph.control_dependencies(waits):
+        proxies = {b: gates.proxy(ex.tensors[b], gate if b in gated else None, casts)
+                   for b in step.boundary}
+    if gate is not None:
+        # The step reads what it receives through proxies of its own, never a
+        # tensor an earlier step's ops also read (see "No shared inputs
+        # across steps" in the module docstring).
+        head_grads = [gates.proxy(g, gate, casts) if gates.gateable(g.dtype) else g
+                      for g in head_grads]
     return _copy_and_differentiate(ex, step, heads, head_grads, stock, proxies, waits, deep)
 
 
 def _copy_and_differentiate(ex: Extraction, step: Step, heads, head_grads, stock, proxies: dict,
                             waits: list, deep: Sequence[bool]) -> list:
-    """Copy the step's ops reading ``proxies``, after ``waits``; differentiate the copies."""
+    """Copy the step's ops reading ``proxies``, after ``waits``; differentiate the copies.
+
+    A copy that reads a proxy (which waits) or another copy runs after
+    ``waits`` through its inputs; only a copy reading neither (forward
+    tensors alone) gets them as control inputs. An op with a control input
+    is one TensorFlow's remapper does not fuse: with them on every first op
+    of a segment, a recomputed batch norm and the ReLU after it ran as two
+    passes over the activation (``_FusedBatchNormEx`` in the forward pass).
+    """
     fg = ex.fg
     copies: dict[int, tf.Tensor] = {}
     copied_ops: dict[int, tf.Operation] = {}
     graph = ex.ops[0].graph
-    with graph.control_dependencies(waits):
+    with graph.control_dependencies(None):
         for o in step.ops:
             op = ex.ops[o]
             node = fg.ops[o]
             inputs = []
+            entered = False  # reads a proxy or a copy: waits through it
             for t in node.inputs:
                 # A kept tensor is read through its proxy even when its
                 # producer is copied in this step (a sibling output).
                 if t in proxies:
                     inputs.append(proxies[t])
+                    entered = True
                 elif t in copies:
                     inputs.append(copies[t])
+                    entered = True
                 else:
                     inputs.append(ex.tensors[t])
             # Wait for what the original waited for: copies of ops copied
@@ -461,6 +474,7 @@ def _copy_and_differentiate(ex: Extraction, step: Step, heads, head_grads, stock
                 copy = (_tf_private.copy_batch_norm_with_statistics if node.reuses_statistics
                         else _tf_private.copy_op)
                 new = copy(op, inputs, name=op.name)
+                controls = controls if entered else waits + controls
                 if controls:
                     _tf_private.add_control_inputs(new, controls)
             if fg.xla:

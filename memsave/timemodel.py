@@ -53,7 +53,8 @@ visual performance model", CACM 2009)::
   activations Grappler's remapper fuses into their producer's kernel
   (:func:`fused_into_producer`: a Relu after a FusedBatchNorm, a BiasAdd
   after a MatMul or Conv2D): their work is in the producer's time. Their
-  copies in a recompute step are not fused (:attr:`OpSeconds.recompute`).
+  copies in a recompute step are counted as kernels of their own
+  (:attr:`OpSeconds.recompute`).
 
 The model of a gradient
 -----------------------
@@ -391,10 +392,14 @@ class OpSeconds:
         Per op: its forward kernel (0 for views and fused ops; for a call
         or loop, its body's forward times its trips).
     recompute : tuple of float
-        Per op: its copy's kernel in a recompute step. Not fused: every
-        copy waits on a control dependency (memsave.rewrite), and Grappler's
-        remapper does not fuse nodes with control inputs (measured: the
-        copies of a batch norm and its ReLU run as two kernels).
+        Per op: its copy's kernel in a recompute step, fused or not. The
+        remapper fuses copies as it fuses the forward pass where the
+        producer is copied in the same step (memsave.rewrite gives them no
+        control input), but not where the producer's output is kept and
+        the copy reads its proxy; counting the kernel keeps a plan that
+        keeps the activation's input from looking free (an upper bound
+        where both are recomputed: measured on ResNet-110, a recomputed
+        batch norm's ReLU is a kernel of its own no more).
     gradient : tuple of float
         Per op: its gradient kernels (0 where no input takes a gradient).
     accumulate : tuple of float
