@@ -944,9 +944,13 @@ def read_sequences_in_place(op: tf.Operation, positions) -> tuple[int, ...]:
     the body reads ``gather(x, t, axis)`` from the source tensor instead (a
     new loop input), and the op gets a list of unset items in the list's
     place (nothing then computes the copies). Rewrites ``op`` in place.
+    Under XLA, a list whose items' shape is not fully known (an unknown
+    batch) is left alone: XLA needs the size of the list left in its place
+    ("TensorList is not initialized" at run time).
     """
     # pylint: disable=protected-access
     cond_graph, body_graph = function_graphs(op)
+    xla = _tf_private.in_xla_context(op.graph)
     found = []
     for j in positions:
         source = _unstacked_source(op.inputs[j])
@@ -960,6 +964,8 @@ def read_sequences_in_place(op: tf.Operation, positions) -> tuple[int, ...]:
             continue
         if any(c.graph is cond_graph for c in cond_graph.inputs[j].consumers()):
             continue  # the cond reads the list
+        if xla and not all(r.outputs[0].shape.is_fully_defined() for r in reads):
+            continue
         found.append((j, x, axis, perm, reads))
     if not found:
         return ()

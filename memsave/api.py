@@ -237,6 +237,10 @@ def device_model(allocator: Allocator | None = None) -> MemoryModel:
     Warns once when that is oneDNN's and this process runs without oneDNN;
     float16 kernels then run without it whatever the CPU
     (:attr:`MemoryModel.float16_without_onednn`)."""
+    if allocator is not None and not isinstance(allocator, Allocator):
+        raise ArgumentError(
+            f"memsave: allocator={allocator!r} is not a memsave.memory_model.Allocator; pass "
+            "one of memsave.memory_model's (CPU_ONEDNN, BFC, ...) or leave it None")
     if allocator is None:
         allocator = BFC if tf.config.list_logical_devices("GPU") else CPU_ONEDNN
         if allocator == CPU_ONEDNN:
@@ -294,7 +298,7 @@ def _prepare(ys, xs, grad_ys, checkpoints, stop_gradients, strategy_options, *,
     if name == "collection":
         tagged = [t for t in graph.get_collection(COLLECTION_KEY) if isinstance(t, tf.Tensor)]
     with graph.as_default():
-        ex = extract(ys, xs, stop_gradients, tagged)
+        ex = extract(ys, xs, stop_gradients, tagged, batch_size=batch_size)
     problem = Problem(ex.fg, model=device_model(allocator), batch_size=batch_size,
                       extra_resident_bytes=extra_resident_bytes)
     args = (ys, xs, grad_ys, stop_gradients, graph)
@@ -600,19 +604,27 @@ def _build_prepared(p: Plan, ex: Extraction, args, prepared: dict, *, name, stoc
     return out
 
 
+def _preset(api: str, strategy: str, kwargs: dict) -> str:
+    if "checkpoints" in kwargs:
+        raise ArgumentError(
+            f"memsave.{api}: checkpoints={kwargs['checkpoints']!r} given to a preset of "
+            f"checkpoints={strategy!r}; call memsave.gradients(..., checkpoints=...) instead")
+    return strategy
+
+
 @tf.autograph.experimental.do_not_convert
 def gradients_memory(ys, xs, grad_ys=None, **kwargs) -> list:
     """:func:`gradients` with ``checkpoints='memory'``."""
-    return gradients(ys, xs, grad_ys, checkpoints="memory", **kwargs)
+    return gradients(ys, xs, grad_ys, checkpoints=_preset("gradients_memory", "memory", kwargs), **kwargs)
 
 
 @tf.autograph.experimental.do_not_convert
 def gradients_speed(ys, xs, grad_ys=None, **kwargs) -> list:
     """:func:`gradients` with ``checkpoints='speed'``."""
-    return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)
+    return gradients(ys, xs, grad_ys, checkpoints=_preset("gradients_speed", "speed", kwargs), **kwargs)
 
 
 @tf.autograph.experimental.do_not_convert
 def gradients_collection(ys, xs, grad_ys=None, **kwargs) -> list:
     """:func:`gradients` with ``checkpoints='collection'``."""
-    return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)
+    return gradients(ys, xs, grad_ys, checkpoints=_preset("gradients_collection", "collection", kwargs), **kwargs)

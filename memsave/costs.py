@@ -237,9 +237,7 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None,
     -----
     One pass over tensors and ops: linear in the graph size.
     """
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
-            batch_size, numbers.Integral) or batch_size < 1):
-        raise ArgumentError(f"memsave: batch_size must be a positive int, got {batch_size!r}")
+    check_batch_size(batch_size)
     batch_size = None if batch_size is None else int(batch_size)  # a numpy integer is one
     tensor_bytes = []
     guessed: dict[str, list[str]] = {"batch": [], "other": [], "rank": []}
@@ -397,9 +395,17 @@ def gradient_scratch_bytes(fg: ForwardGraph, op, tensor_bytes: Sequence[int],
 _body_costs: "weakref.WeakKeyDictionary[Body, Costs]" = weakref.WeakKeyDictionary()
 
 
+def check_batch_size(batch_size, api: str = "memsave") -> None:
+    """Raise ArgumentError unless ``batch_size`` is None or a positive int."""
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
+            batch_size, numbers.Integral) or batch_size < 1):
+        raise ArgumentError(f"{api}: batch_size must be a positive int, got {batch_size!r}")
+
+
 def body_costs(body: Body) -> Costs:
-    """:func:`estimate_costs` of a call's or loop's body (cached per body)."""
+    """:func:`estimate_costs` of a call's or loop's body (cached per body), at
+    the body's ``batch_size``."""
     found = _body_costs.get(body)
     if found is None:
-        found = _body_costs[body] = estimate_costs(body.fg)
+        found = _body_costs[body] = estimate_costs(body.fg, batch_size=body.batch_size)
     return found

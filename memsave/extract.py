@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from memsave import _tf_private
-from memsave.costs import ALIAS_OP_TYPES, estimate_costs
+from memsave.costs import ALIAS_OP_TYPES, check_batch_size, estimate_costs
 from memsave.graph import Body, ForwardGraph, GradientUse, OpNode, TensorNode
 
 __all__ = ["Extraction", "extract"]
@@ -59,16 +59,18 @@ def _dims(t: tf.Tensor) -> list | None:
     return t.shape.as_list() if t.shape.rank is not None else None
 
 
-def _size(dims: list | None, dtype: tf.DType) -> tuple[int, bool]:
+def _size(dims: list | None, dtype: tf.DType, batch_size: int | None = None) -> tuple[int, bool]:
     """Bytes of a tensor of these dimensions (None: unknown rank), unknown ones
-    counted as 1, and whether all were known."""
+    counted as 1 (an unknown first one as ``batch_size`` when given, as
+    :func:`memsave.costs.estimate_costs` counts it), and whether all were known."""
     itemsize = _itemsize(dtype)
     if dims is None:
         return itemsize, False
     n, known = 1, True
-    for d in dims:
+    for k, d in enumerate(dims):
         if d is None:
             known = False
+            n *= batch_size if k == 0 and batch_size is not None else 1
         else:
             n *= d
     return n * itemsize, known
@@ -110,20 +112,25 @@ def extract(
     stop_gradients: Sequence[tf.Tensor] = (),
     tagged: Sequence[tf.Tensor] = (),
     _bodies: dict | None = None,
+    *,
+    batch_size: int | None = None,
 ) -> Extraction:
     """Build the ForwardGraph of the ops on differentiable paths from xs to ys.
 
     Calls of tf.functions and While loops get a :class:`~memsave.graph.Body`:
     the function they run, read the same way (``_bodies`` caches it per
-    function and input shapes).
+    function and input shapes). ``batch_size``: the size of an unknown
+    first dimension in the bodies (``Body.batch_size``; the enclosing
+    graph's take it from :func:`memsave.costs.estimate_costs`).
     """
     from memsave.simulate import paused_gc  # TF-free; a burst of small allocations here too
 
+    check_batch_size(batch_size)
     with paused_gc():
-        return _extract(ys, xs, stop_gradients, tagged, _bodies)
+        return _extract(ys, xs, stop_gradients, tagged, _bodies, batch_size)
 
 
-def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
+def _extract(ys, xs, stop_gradients, tagged, _bodies, batch_size) -> Extraction:
     stop_ops = {t.op for t in stop_gradients}
 
     # Forward: ops reached from the xs along differentiable tensors.
@@ -202,7 +209,7 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies) -> Extraction:
         body, gradient = None, None
         if op.type in _tf_private.CALL_OP_TYPES or op.type in _tf_private.WHILE_OP_TYPES:
             external = frozenset(j for j, t in enumerate(inputs) if nodes[t].kind == "external")
-            body, gradient = _read_body(op, bodies, external)
+            body, gradient = _read_body(op, bodies, external, batch_size)
         if gradient is None:
             gradient = _gradient_use(op, node_def)
         flops = _tf_private.op_flops(op, node_def)
@@ -269,8 +276,8 @@ _COUNTER_COMPARISONS = {"Less": 0, "LessEqual": 1}
 UNKNOWN_TRIPS = 1
 
 
-def _read_body(op: tf.Operation, cache: dict, external: frozenset = frozenset()
-               ) -> tuple[Body | None, GradientUse | None]:
+def _read_body(op: tf.Operation, cache: dict, external: frozenset = frozenset(),
+               batch_size: int | None = None) -> tuple[Body | None, GradientUse | None]:
     """The Body of a call or While, and what the op's gradient reads.
 
     ``external``: positions of the op's inputs that carry no gradient in
@@ -289,7 +296,7 @@ def _read_body(op: tf.Operation, cache: dict, external: frozenset = frozenset()
         return None, None
     if key not in cache:
         try:
-            cache[key] = _read_function(op, cache)
+            cache[key] = _read_function(op, cache, batch_size)
         except Exception:  # noqa: BLE001 - modelling a body must never stop the rewrite
             logger.debug("memsave: could not read the body of %s", op.name, exc_info=True)
             cache[key] = None
@@ -305,12 +312,12 @@ def _read_body(op: tf.Operation, cache: dict, external: frozenset = frozenset()
     body = Body(fg=fg, trips=trips, trips_known=known, saved=saved, stored=stored, loop=loop,
                 invariant=invariant, state=state if loop else (), kept_bytes=kept if loop else (),
                 once=once if loop else "",
-                read_lists_bytes=_read_lists_bytes(op, [j for j in invariant if j not in external])
-                if loop else 0,
+                read_lists_bytes=_read_lists_bytes(
+                    op, [j for j in invariant if j not in external], batch_size) if loop else 0,
                 no_gradient=no_gradient,
                 pinned=_pinned(op) if loop else "",
                 stored_outputs=stored_outputs if loop else (),
-                stored_state=stored_state if loop else ())
+                stored_state=stored_state if loop else (), batch_size=batch_size)
     gradient = GradientUse(
         reads_inputs=reads_inputs, reads_outputs=() if loop else reads_outputs,
         aliases=(None,) * len(op.inputs),
@@ -325,7 +332,7 @@ def _pinned(op: tf.Operation) -> str:
             "write would read the new value") if writer else ""
 
 
-def _read_function(op: tf.Operation, cache: dict):
+def _read_function(op: tf.Operation, cache: dict, batch_size: int | None):
     func = _tf_private.body_graph(op)
     if func is None:
         return None
@@ -336,7 +343,7 @@ def _read_function(op: tf.Operation, cache: dict):
     ys = [t for t in outputs if _tf_private.is_trainable(t)]
     if not xs or not ys:
         return None
-    sub = extract(ys, xs, _bodies=cache)
+    sub = extract(ys, xs, _bodies=cache, batch_size=batch_size)
     fg = sub.fg
     loop = op.type in _tf_private.WHILE_OP_TYPES
 
@@ -371,7 +378,7 @@ def _read_function(op: tf.Operation, cache: dict):
     # A body's backward runs apart from its forward (a function's backward
     # function, the gradient loop): what early gradient values are computed
     # from is what it keeps, as the costs count it by default.
-    costs = estimate_costs(fg)
+    costs = estimate_costs(fg, batch_size=batch_size)
     for node in fg.ops:
         read_ins, read_outs = costs.gradient_reads[node.index]
         read = read_ins + read_outs
@@ -425,7 +432,7 @@ def _read_function(op: tf.Operation, cache: dict):
     once = _tf_private.first_run_once(func) if loop else None
     return (fg, saved_ids, stored_ids, tuple(sorted(reads_inputs)), tuple(sorted(reads_outputs)),
             tuple(sorted(invariant)), state,
-            tuple(_size(_dims(t), t.dtype)[0] for t in kept.values()), tuple(input_ids),
+            tuple(_size(_dims(t), t.dtype, batch_size)[0] for t in kept.values()), tuple(input_ids),
             stored_outputs, stored_state, "" if once is None else once.name)
 
 
@@ -471,7 +478,7 @@ class _Draws:
 
 
 
-def _read_lists_bytes(op: tf.Operation, invariant) -> int:
+def _read_lists_bytes(op: tf.Operation, invariant, batch_size: int | None) -> int:
     """Bytes of the TensorLists a While passes through that were unstacked
     from a tensor (``TensorListFromTensor``): the items its body reads.
     (Those that carry no gradient are not counted: a loop memsave prepares
@@ -483,7 +490,7 @@ def _read_lists_bytes(op: tf.Operation, invariant) -> int:
             if t.op.type == "TensorListFromTensor":
                 source = t.op.inputs[0]
                 total += _size(source.shape.as_list() if source.shape.rank is not None else None,
-                               source.dtype)[0]
+                               source.dtype, batch_size)[0]
                 break
             if t.op.type == "Identity":
                 t = t.op.inputs[0]

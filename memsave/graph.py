@@ -236,6 +236,10 @@ class Body:
         The ids of ``stored`` that are also the next trip's loop state (the
         body outputs them at a state position, as a ``tf.scan`` its carried
         value): a gradient that stores the state keeps the same buffers.
+    batch_size : int or None
+        The size its tensors' unknown first dimension is counted at (the
+        ``batch_size`` hint of the plan it was read for; None: 1), as the
+        enclosing graph's are (:func:`memsave.costs.body_costs`).
     """
 
     fg: "ForwardGraph"
@@ -253,6 +257,7 @@ class Body:
     pinned: str = ""
     stored_outputs: tuple[int, ...] = ()
     stored_state: tuple[int, ...] = ()
+    batch_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -485,6 +485,9 @@ class LoopDecision:
         Every choice the planner weighed.
     chosen : LoopForecast
         The one it took.
+    pinned : str
+        Why the loop keeps while_v2's gradient whatever the plan (its body
+        reads a variable the step writes: ``Body.pinned``), "" if it need not.
     """
 
     op: int
@@ -495,6 +498,7 @@ class LoopDecision:
     trip_bytes: int
     forecasts: tuple[LoopForecast, ...]
     chosen: LoopForecast | None = None
+    pinned: str = ""
 
     @property
     def choice(self) -> LoopChoice:
@@ -529,5 +533,6 @@ def options(fg: "ForwardGraph", costs: "Costs", model: "MemoryModel") -> tuple[L
             for c in candidates(body, model))
         out.append(LoopDecision(op=op.index, name=op.name, trips=body.trips,
                                 trips_known=body.trips_known, state_bytes=per.state_bytes,
-                                trip_bytes=per.saved_bytes, forecasts=forecasts))
+                                trip_bytes=per.saved_bytes, forecasts=forecasts,
+                                pinned=body.pinned))
     return tuple(out)

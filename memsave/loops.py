@@ -348,6 +348,8 @@ def apply(decisions: Sequence, graph: tf.Graph, *, xs: Sequence | None = None,
     """
     done = {}
     for d in decisions:
+        if d.pinned:
+            logger.warning("memsave: loop %s keeps while_v2's gradient: %s", d.name, d.pinned)
         if d.choice.kind == "plain":
             continue
         done[d.name] = prepare(graph.get_operation_by_name(d.name), d.choice, xs=xs)

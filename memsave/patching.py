@@ -23,6 +23,7 @@ import tensorflow as tf
 from memsave import _tf_private, planners
 from memsave.errors import ArgumentError, PatchError
 from memsave.api import gradients as _memsave_gradients, not_checkpoints
+from memsave.costs import check_batch_size
 from memsave.planners.budget import check_budget
 from memsave.record import Plan
 
@@ -207,6 +208,7 @@ def patch(checkpoints="memory", *, strategy_options: Mapping[str, Any] | None = 
         raise not_checkpoints(checkpoints, "memsave.patch")
     elif memory_budget is not None:
         check_budget(memory_budget, api="memsave.patch")
+    check_batch_size(batch_size, api="memsave.patch")
     return Patch(checkpoints, strategy_options, memory_budget, batch_size)
 
 

@@ -546,12 +546,14 @@ def _loop_lines(loops) -> list[str]:
         weighed = ", ".join(f"{f.choice} {_size(f.kept_bytes)}" for f in d.forecasts)
         rows.append((d.name, str(d.choice), f"{d.trips}{'' if d.trips_known else '?'}",
                      str(d.k) if d.k else "-", _size(d.state_bytes), weighed))
-    return lines + _table(rows)
+    pinned = [f"    loop {d.name} keeps while_v2's gradient: {d.pinned}" for d in loops if d.pinned]
+    return lines + _table(rows) + pinned
 
 
 def _loop_dict(d) -> dict:
     return {"name": d.name, "choice": str(d.choice), "trips": d.trips,
-            "trips_known": d.trips_known, "k": d.k, "state_bytes_per_step": d.state_bytes,
+            "trips_known": d.trips_known, "k": d.k, "pinned": d.pinned,
+            "state_bytes_per_step": d.state_bytes,
             "plain_bytes_per_step": d.trip_bytes,
             "kept_bytes": None if d.chosen is None else d.chosen.kept_bytes,
             "recompute_flops": None if d.chosen is None else d.chosen.recompute_flops,

@@ -16,8 +16,8 @@ import inspect
 from collections.abc import Callable
 
 from memsave import planners
-from memsave.errors import ArgumentError, CheckpointError
-from memsave.planners.strategies import EXPENSIVE_OP_TYPES, MIN_SAVING_FRACTION
+from memsave.errors import ArgumentError
+from memsave.planners.strategies import EXPENSIVE_OP_TYPES, MIN_SAVING_FRACTION, budget_refused
 
 __all__ = ["Selection", "register", "unregister", "get", "available", "EXPENSIVE_OP_TYPES",
            "MIN_SAVING_FRACTION"]
@@ -74,9 +74,7 @@ def _as_planner(name: str, fn: Strategy):
     @functools.wraps(fn)
     def planner(problem, *, budget=None, **options):
         if budget is not None:
-            raise CheckpointError(
-                f"memsave.gradients: memory_budget= plans the checkpoints itself; it cannot be "
-                f"combined with checkpoints={name!r}. Pass one or the other")
+            raise budget_refused(f"checkpoints={name!r}", "memsave")
         if wants_costs and "costs" not in options:
             options["costs"] = problem.costs
         sel = fn(problem.fg, **options)

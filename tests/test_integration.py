@@ -557,6 +557,32 @@ def test_a_bad_budget_or_option_fails_when_patching_not_at_the_first_call():
     assert tf.gradients is saved  # nothing was patched
 
 
+@pytest.mark.parametrize("batch_size", [0, -4, "8", 2.5, True])
+def test_a_bad_batch_size_fails_when_patching(batch_size):
+    """It was accepted, and failed inside the first patched tf.gradients call."""
+    saved = tf.gradients
+    with pytest.raises(memsave.ArgumentError, match="memsave.patch: batch_size must be"):
+        memsave.patch("memory", batch_size=batch_size)
+    assert tf.gradients is saved  # nothing was patched
+
+
+@pytest.mark.parametrize("preset", ["gradients_memory", "gradients_speed", "gradients_collection"])
+def test_a_preset_given_checkpoints_says_to_call_gradients(preset):
+    """Python's "got multiple values for keyword argument" before."""
+    with tf.Graph().as_default():
+        w = tf.Variable(1.0)
+        with pytest.raises(memsave.ArgumentError, match=f"memsave.{preset}: checkpoints='speed'"):
+            getattr(memsave, preset)(w * w, [w], checkpoints="speed")
+
+
+def test_an_allocator_that_is_not_one_is_refused():
+    """A string was accepted; the Plan's first figure then raised AttributeError."""
+    with tf.Graph().as_default():
+        w = tf.Variable(tf.ones([4, 4]))
+        with pytest.raises(memsave.ArgumentError, match="allocator='bfc' is not"):
+            memsave.plan(tf.reduce_sum(tf.tanh(w @ w)), [w], allocator="bfc")
+
+
 @pytest.mark.parametrize("checkpoints", [None, 5])
 def test_checkpoints_that_are_no_strategy_list_or_plan_fail_when_patching(checkpoints):
     saved = tf.gradients

@@ -396,10 +396,12 @@ def test_a_gradient_penalty_through_memsave_gradients_of_a_loop(evaluate):
     assert_grads_equal(got, ref)
 
 
-def test_a_loop_reading_a_variable_the_graph_writes_keeps_its_gradient():
+def test_a_loop_reading_a_variable_the_graph_writes_keeps_its_gradient(caplog):
     """A trip recomputed backwards reads the loop's variables again: if the
     step writes one of them (a temperature annealed in the step) it reads
-    the new value. Such a loop is weighed plain only, and prepare refuses it."""
+    the new value. Such a loop is weighed plain only, and prepare refuses it;
+    the plan's summary and memsave.gradients' warning name the loop and why
+    (they said only that no tensor cuts the graph)."""
     import memsave
 
     g = tf.Graph()
@@ -420,8 +422,14 @@ def test_a_loop_reading_a_variable_the_graph_writes_keeps_its_gradient():
         assert "per_step" in free  # before the write, the loop may be recomputed
         with tf.control_dependencies([loss]):
             temperature.assign(3.0)
-        pinned = memsave.plan(loss, [W, U], checkpoints="memory").loops[0]
+        plan = memsave.plan(loss, [W, U], checkpoints="memory")
+        pinned = plan.loops[0]
         assert [f.choice.kind for f in pinned.forecasts] == ["plain"]
+        why = f"loop {op.name} keeps while_v2's gradient: its body reads a variable that"
+        assert why in plan.summary(), plan.summary()
+        with caplog.at_level(logging.WARNING, logger="memsave"):
+            memsave.gradients(loss, [W, U], checkpoints="memory")
+        assert any(why in r.getMessage() for r in caplog.records), caplog.text
         refused = loops.prepare(op, PER_STEP, xs=[W, U])
     assert refused.applied == LoopChoice.plain() and "writes" in refused.reason
 
@@ -978,6 +986,30 @@ def test_hand_written_loop_under_xla(choice):
     ref = grads(None)
     assert_grads_equal(grads(choice), ref)
     assert [p.applied for _, p in out] == [choice]
+
+
+@pytest.mark.parametrize("choice", (PER_STEP, LoopChoice.chunk(3)), ids=str)
+def test_a_scan_of_unknown_batch_under_xla(choice):
+    """A loop reading its input from a TensorList (tf.scan), traced with an
+    unknown batch, under XLA: memsave's in-place read of the sequence left an
+    item list of unknown shape in the list's place, which XLA cannot create
+    ("TensorList is not initialized"). It is left alone there."""
+    xv, Wv, Uv = _rnn_values()
+    W, U = tf.Variable(Wv), tf.Variable(Uv)
+
+    def grads(choice):
+        @tf.function(input_signature=[tf.TensorSpec([T, None, F])], jit_compile=True)
+        def f(x):
+            hs = tf.scan(lambda h, x_t: tf.tanh(x_t @ W + h @ U), x, tf.zeros_like(x[0] @ W))
+            loss = tf.reduce_sum(hs * hs)
+            if choice is not None:
+                for op in loops.find_loops([loss]):
+                    assert loops.prepare(op, choice, xs=[W, U]).applied == choice
+            return tf.gradients(loss, [W, U])
+
+        return [g.numpy() for g in f(tf.constant(xv))]
+
+    assert_grads_equal(grads(choice), grads(None))
 
 
 # -- refusals and bad input ---------------------------------------------------------

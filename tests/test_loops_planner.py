@@ -556,3 +556,34 @@ def test_the_draws_behind_a_tensor_are_found_through_every_path(graph):
     assert list(draws.behind(b)) == [r.ref()]  # answered on the way
     assert list(draws.behind(tf.add(a, b))) == [r.ref()]
     assert draws.behind(tf.constant(1.0) * 2.0) == {}
+
+
+def test_an_unknown_batch_in_a_loop_body_takes_the_batch_size_hint():
+    """A step traced with an unknown batch and planned with ``batch_size=``
+    counted the loop body's [None, H] tensors at a batch of 1: 0 bytes a
+    trip on the CPU, the loop left plain. The body takes the hint as the
+    enclosing graph does, and the loop is planned as with that batch."""
+    xv, Wv, Uv = _values()
+    W, U = tf.Variable(Wv), tf.Variable(Uv)
+    loops_of = {}
+    for name, batch in (("static", B), ("hinted", None)):
+        @tf.function(input_signature=[tf.TensorSpec([T, batch, F])])
+        def f(x):
+            def body(t, h, c):
+                h, c = _lstm_cell(x[t], h, c, W, U)
+                return t + 1, h, c
+
+            zeros = tf.zeros_like(x[0] @ W[:, :H])
+            h = tf.while_loop(lambda t, h, c: t < T, body, [0, zeros, zeros],
+                              maximum_iterations=T)[1]
+            loss = tf.reduce_mean(tf.square(h))
+            loops_of[name] = memsave.plan(loss, [W, U], checkpoints="memory", batch_size=B,
+                                          allocator=CPU_ONEDNN).loops
+            return loss
+
+        f.get_concrete_function()
+    (static,), (hinted,) = loops_of["static"], loops_of["hinted"]
+    assert hinted.state_bytes == static.state_bytes == 2 * B * H * 4
+    assert hinted.choice == static.choice != LoopChoice.plain()
+    assert [(f.choice, f.kept_bytes) for f in hinted.forecasts] == \
+        [(f.choice, f.kept_bytes) for f in static.forecasts]

@@ -218,6 +218,13 @@ def test_registering_what_is_not_callable_is_refused_at_once(register):
     assert "not_callable" not in planners.available()
 
 
+def test_a_planner_without_a_budget_keyword_is_refused_at_once():
+    """It was registered, and every call then raised a bare TypeError."""
+    with pytest.raises(ArgumentError, match="for 'no_budget' takes no budget= keyword"):
+        planners.register("no_budget", lambda problem: problem.plan("no_budget", (), {}))
+    assert "no_budget" not in planners.available()
+
+
 def test_a_planner_that_ignores_the_budget_is_refused_above_it(registered):
     @registered_as(registered, "last_only")
     def last_only(problem, *, budget=None):

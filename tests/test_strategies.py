@@ -221,6 +221,14 @@ def test_speed_op_types_option():
     assert names(fg, sel.checkpoint_ids) == ["tanh1:0", "relu:0"]
 
 
+@pytest.mark.parametrize("op_types", ["MatMul", 3, [3]])
+def test_speed_op_types_must_be_a_set_of_names(op_types):
+    """A string was matched as a substring ('Mul' in 'MatMul': Mul outputs
+    kept), a number raised a bare TypeError."""
+    with pytest.raises(memsave.OptionsError, match="op_types must be a set of op type names"):
+        plan("speed", _mixed_graph(), op_types=op_types)
+
+
 def test_collection_keeps_tagged_tensors_only():
     fg = _mixed_graph(tag=("bias1:0", "relu:0", "add:0"))
     sel = plan("collection", fg)

@@ -59,6 +59,10 @@ def register(name: str, planner: Planner | None = None):
             raise ArgumentError(
                 f"memsave.planners.register: planner={fn!r} for {name!r} is not callable; pass "
                 "a function (problem, *, budget=None, **options) -> Plan")
+        if not _takes_budget(fn):
+            raise ArgumentError(
+                f"memsave.planners.register: planner {fn!r} for {name!r} takes no budget= "
+                "keyword; write it as (problem, *, budget=None, **options) -> Plan")
         if name in _REGISTRY:
             raise ArgumentError(f"memsave.planners.register: {name!r} is registered already; "
                              "unregister it first")
@@ -66,6 +70,18 @@ def register(name: str, planner: Planner | None = None):
         return fn
 
     return deco if planner is None else deco(planner)
+
+
+def _takes_budget(fn) -> bool:
+    """Whether ``fn`` can be called with ``budget=`` (True when its signature
+    cannot be read)."""
+    try:
+        # (not the function a wrapper names: memsave.strategies.register's adapter takes budget=)
+        params = inspect.signature(fn, follow_wrapped=False).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind == p.VAR_KEYWORD or (p.name == "budget" and p.kind in (
+        p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)) for p in params)
 
 
 def unregister(name: str) -> Planner:

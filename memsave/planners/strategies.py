@@ -185,6 +185,11 @@ def _check_speed_options(*, budget=None, budget_fraction: float = SPEED_BUDGET_F
         raise budget_refused("checkpoints='speed'", api)
     _check_fraction("min_saving_fraction", min_saving_fraction, api)
     if op_types is not None:
+        if isinstance(op_types, str) or not isinstance(op_types, Iterable) \
+                or not all(isinstance(t, str) for t in op_types):
+            raise OptionsError(
+                f"{api}: op_types must be a set of op type names (e.g. {{'MatMul', 'Conv2D'}}), "
+                f"got {op_types!r}")
         _no_solver_options(solver, time_limit_s, "'speed' with op_types", api)
     else:
         _budget.check_solver(solver, time_limit_s, api=api)
