@@ -445,45 +445,43 @@ def _copy_and_differentiate(ex: Extraction, step: Step, heads, head_grads, stock
     fg = ex.fg
     copies: dict[int, tf.Tensor] = {}
     copied_ops: dict[int, tf.Operation] = {}
-    graph = ex.ops[0].graph
-    with graph.control_dependencies(None):
-        for o in step.ops:
-            op = ex.ops[o]
-            node = fg.ops[o]
-            inputs = []
-            entered = False  # reads a proxy or a copy: waits through it
-            for t in node.inputs:
-                # A kept tensor is read through its proxy even when its
-                # producer is copied in this step (a sibling output).
-                if t in proxies:
-                    inputs.append(proxies[t])
-                    entered = True
-                elif t in copies:
-                    inputs.append(copies[t])
-                    entered = True
-                else:
-                    inputs.append(ex.tensors[t])
-            # Wait for what the original waited for: copies of ops copied
-            # in this step, the originals otherwise (already run).
-            controls = [
-                copied_ops.get(ex.op_index.get(c), c) for c in op.control_inputs
-            ]
-            if op.type in _tf_private.WHILE_OP_TYPES:
-                new = _copy_loop(op, inputs, waits + controls)
+    for o in step.ops:
+        op = ex.ops[o]
+        node = fg.ops[o]
+        inputs = []
+        entered = False  # reads a proxy or a copy: waits through it
+        for t in node.inputs:
+            # A kept tensor is read through its proxy even when its
+            # producer is copied in this step (a sibling output).
+            if t in proxies:
+                inputs.append(proxies[t])
+                entered = True
+            elif t in copies:
+                inputs.append(copies[t])
+                entered = True
             else:
-                copy = (_tf_private.copy_batch_norm_with_statistics if node.reuses_statistics
-                        else _tf_private.copy_op)
-                new = copy(op, inputs, name=op.name)
-                controls = controls if entered else waits + controls
-                if controls:
-                    _tf_private.add_control_inputs(new, controls)
-            if fg.xla:
-                xla_gradient = xla_gradient_for(op)
-                if xla_gradient is not None:
-                    _tf_private.set_gradient_function(new, xla_gradient)
-            copied_ops[o] = new
-            for t, out in zip(node.outputs, new.outputs):
-                copies[t] = out
+                inputs.append(ex.tensors[t])
+        # Wait for what the original waited for: copies of ops copied
+        # in this step, the originals otherwise (already run).
+        controls = [
+            copied_ops.get(ex.op_index.get(c), c) for c in op.control_inputs
+        ]
+        if op.type in _tf_private.WHILE_OP_TYPES:
+            new = _copy_loop(op, inputs, waits + controls)
+        else:
+            copy = (_tf_private.copy_batch_norm_with_statistics if node.reuses_statistics
+                    else _tf_private.copy_op)
+            new = copy(op, inputs, name=op.name)
+            controls = controls if entered else waits + controls
+            if controls:
+                _tf_private.add_control_inputs(new, controls)
+        if fg.xla:
+            xla_gradient = xla_gradient_for(op)
+            if xla_gradient is not None:
+                _tf_private.set_gradient_function(new, xla_gradient)
+        copied_ops[o] = new
+        for t, out in zip(node.outputs, new.outputs):
+            copies[t] = out
     logger.debug("memsave: recomputing %d ops for heads %s", len(step.ops), fg.describe(heads))
     return _differentiate([copies[h] for h in heads], [proxies[b] for b in step.boundary],
                           head_grads, stock, deep, xla=fg.xla)
