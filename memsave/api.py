@@ -605,6 +605,7 @@ def _build_prepared(p: Plan, ex: Extraction, args, prepared: dict, *, name, stoc
 
 
 def _preset(api: str, strategy: str, kwargs: dict) -> str:
+    """``strategy``, unless the caller of preset ``api`` also gave ``checkpoints=``."""
     if "checkpoints" in kwargs:
         raise ArgumentError(
             f"memsave.{api}: checkpoints={kwargs['checkpoints']!r} given to a preset of "
@@ -615,16 +616,19 @@ def _preset(api: str, strategy: str, kwargs: dict) -> str:
 @tf.autograph.experimental.do_not_convert
 def gradients_memory(ys, xs, grad_ys=None, **kwargs) -> list:
     """:func:`gradients` with ``checkpoints='memory'``."""
-    return gradients(ys, xs, grad_ys, checkpoints=_preset("gradients_memory", "memory", kwargs), **kwargs)
+    checkpoints = _preset("gradients_memory", "memory", kwargs)
+    return gradients(ys, xs, grad_ys, checkpoints=checkpoints, **kwargs)
 
 
 @tf.autograph.experimental.do_not_convert
 def gradients_speed(ys, xs, grad_ys=None, **kwargs) -> list:
     """:func:`gradients` with ``checkpoints='speed'``."""
-    return gradients(ys, xs, grad_ys, checkpoints=_preset("gradients_speed", "speed", kwargs), **kwargs)
+    checkpoints = _preset("gradients_speed", "speed", kwargs)
+    return gradients(ys, xs, grad_ys, checkpoints=checkpoints, **kwargs)
 
 
 @tf.autograph.experimental.do_not_convert
 def gradients_collection(ys, xs, grad_ys=None, **kwargs) -> list:
     """:func:`gradients` with ``checkpoints='collection'``."""
-    return gradients(ys, xs, grad_ys, checkpoints=_preset("gradients_collection", "collection", kwargs), **kwargs)
+    checkpoints = _preset("gradients_collection", "collection", kwargs)
+    return gradients(ys, xs, grad_ys, checkpoints=checkpoints, **kwargs)

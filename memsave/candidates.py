@@ -60,7 +60,9 @@ def keepable(fg: ForwardGraph) -> list[int]:
 #: Activations whose gradient reads only their output, and that TensorFlow's
 #: CPU remapper fuses into a convolution together with the Add before them
 #: (``_FusedConv2D``: Conv2D + BiasAdd + Add + activation; :func:`fused_away`).
-FUSED_ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu"})
+#: Not :data:`memsave.timemodel.FUSED_ACTIVATIONS`, the activations fused
+#: into a batch norm or a bias add (LeakyRelu too).
+_SUM_FUSED_ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu"})
 _CONTRACTIONS = frozenset({"Conv2D", "Conv3D", "MatMul"})
 
 
@@ -93,7 +95,7 @@ def fused_away(fg: ForwardGraph) -> dict[int, int]:
                 or len(op.outputs) != 1:
             continue
         readers = consumers[op.outputs[0]]
-        if len(readers) == 1 and fg.ops[readers[0]].type in FUSED_ACTIVATIONS \
+        if len(readers) == 1 and fg.ops[readers[0]].type in _SUM_FUSED_ACTIVATIONS \
                 and any(biased_contraction(t) for t in op.inputs):
             out[op.outputs[0]] = fg.ops[readers[0]].outputs[0]
     return out
