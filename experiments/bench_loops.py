@@ -7,6 +7,8 @@ Cases (batch 1024, 64 features, 128 units, so that one step's tensors are
   error, in a ``tf.function``; T = 128, 512, 1024.
 - ``stacked``: ``LSTM(128, return_sequences=True)``, ``GRU(128,
   return_sequences=True)``, ``Dense(10)`` on every step; T = 128.
+- ``bidirectional``: ``Bidirectional(LSTM(128))`` + ``Dense(10)``, two
+  loops that run side by side; T = 128.
 - ``while``: a hand-written ``tf.while_loop`` running an LSTM cell
   (``x[t] @ W + h @ U``, four gates) over a time-major input; T = 1000, in
   a ``tf.compat.v1`` Session and in a ``tf.function``.
@@ -82,11 +84,12 @@ METHODS = ("plain", "per_step", "chunk", "chunk_store", "slots", "memory", "budg
 #: Methods planned by memsave (memsave.gradients' own loop choices).
 PLANNED = {"memory": {"checkpoints": "memory"}, "budget_0.5": {"memory_budget": 0.5},
            "budget_0.25": {"memory_budget": 0.25}}
-CASES = ("keras", "stacked", "while", "scan")
+CASES = ("keras", "stacked", "bidirectional", "while", "scan")
 #: Modes measured per case.
-CASE_MODES = {"keras": ("function",), "stacked": ("function",), "while": ("session", "function"),
+CASE_MODES = {"keras": ("function",), "stacked": ("function",), "bidirectional": ("function",),
+              "while": ("session", "function"),
               "scan": ("session", "function")}
-#: Sequence length of the stacked case.
+#: Sequence length of the stacked and bidirectional cases.
 STACKED_T = 128
 KERAS_T = (128, 512, 1024)
 LOOP_T = 1000
@@ -189,7 +192,7 @@ def build_step(case, mode, method, steps, seed=0):
 
     report = {}
     rng = np.random.RandomState(seed)
-    if case in ("keras", "stacked"):
+    if case in ("keras", "stacked", "bidirectional"):
         import keras
 
         keras.utils.set_random_seed(seed)
@@ -198,6 +201,9 @@ def build_step(case, mode, method, steps, seed=0):
         if case == "keras":
             y = tf.constant(rng.randn(BATCH, 10).astype(np.float32))
             layers = [L.LSTM(UNITS)]
+        elif case == "bidirectional":
+            y = tf.constant(rng.randn(BATCH, 10).astype(np.float32))
+            layers = [L.Bidirectional(L.LSTM(UNITS))]
         else:
             y = tf.constant(rng.randn(BATCH, steps, 10).astype(np.float32))
             layers = [L.LSTM(UNITS, return_sequences=True), L.GRU(UNITS, return_sequences=True)]
@@ -387,7 +393,8 @@ def main() -> int:
     rows, failed = [], False
     tmp = Path(tempfile.mkdtemp(prefix="bench_loops"))
     for case in args.cases:
-        lengths = {"keras": args.T, "stacked": [STACKED_T]}.get(case, [args.loop_T])
+        lengths = {"keras": args.T, "stacked": [STACKED_T],
+                   "bidirectional": [STACKED_T]}.get(case, [args.loop_T])
         for mode in CASE_MODES[case]:
             for steps in lengths:
                 print(f"[{case} {mode} T={steps}] timing", file=sys.stderr, flush=True)

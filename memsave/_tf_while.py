@@ -376,7 +376,17 @@ def recomputing_gradient(op: tf.Operation, grads, *, recompute: bool, steps: int
         output_shapes=[t.shape for t in body_grad_graph.outputs],
         parallel_iterations=parallel_iterations, name=f"{while_op.name}_grad",
         num_original_outputs=len(body_grad_graph.outputs))
-    outputs = [tf.identity(t) for t in outputs]
+    # The TensorLists the gradient loop reads from the forward pass (an input
+    # sequence its trips are recomputed from) leave it as outputs nobody
+    # reads, dropped when the executor gets to them: the gradient's readers
+    # could allocate first (its input sequence's gradient, stacked: measured
+    # on a GRU(128) reading an LSTM's outputs, T=128, batch 1024, three
+    # sequences alive in four runs out of six). They wait for an op that
+    # reads each such list, whose inputs are released before its successors run.
+    released = [list_ops.tensor_list_length(t, name="release")
+                for t in outputs[len(args):] if t.dtype == tf.variant]
+    with tf.control_dependencies(released):
+        outputs = [tf.identity(t) for t in outputs]
     return while_v2._get_structured_grad_output(outputs, grads, body_grad_graph)
 
 
@@ -440,18 +450,36 @@ def _lazy_zeros(grad, while_op, i):
     and a step that reads only h held c's and its zeros, 1 MiB per trip of
     an LSTM(128) at batch 1024. An unset item reads as zeros (TensorList
     reads are given the item's shape), so nothing changes but the memory.
+    The zeros of a list the loop passes through unchanged (an input
+    sequence it reads items of) may be made of the loop's input instead, as
+    a gradient graph captures it: in a chunked loop's gradient, every chunk's
+    were T zero items (measured on a GRU(128) reading an LSTM's outputs,
+    T=128, batch 1024: 119 MiB of zeros at the step's peak).
     Only for items of a static shape; other gradients are returned as given.
     """
     output = while_op.outputs[i]
-    if (grad is None or grad.dtype != tf.variant or grad.op.type != "ZerosLike"
-            or grad.op.inputs[0] is not output):
+    if grad is None or grad.dtype != tf.variant or grad.op.type != "ZerosLike":
         return grad
     item = _list_item(output)
     if item is None or not item[0].is_fully_defined():
         return grad
+    of = grad.op.inputs[0]
+    if of is output:
+        length = _output_length(while_op, i)
+    elif (_tf_private.captured_outer(of) is while_op.inputs[i]
+          and _passes_through(while_op, i)):
+        length = list_ops.tensor_list_length(of)  # (it reads what the zeros read)
+    else:
+        return grad
     return list_ops.tensor_list_reserve(
-        element_shape=item[0].as_list(), num_elements=_output_length(while_op, i),
+        element_shape=item[0].as_list(), num_elements=length,
         element_dtype=item[1], name="unset_gradient")
+
+
+def _passes_through(while_op, i) -> bool:
+    """Whether ``while_op``'s body returns its input ``i`` unchanged."""
+    body_graph = function_graphs(while_op)[1]
+    return i < len(body_graph.outputs) and body_graph.outputs[i] is body_graph.inputs[i]
 
 
 def _one_item(grad, while_op, i):
@@ -934,16 +962,19 @@ def read_sequences_in_place(op: tf.Operation, positions) -> tuple[int, ...]:
     they were unstacked from; return the new input positions of those tensors.
 
     A Keras RNN unstacks its input into a TensorList before the loop
-    (``TensorListFromTensor(transpose(x, [1, 0, 2]))``, tf.scan and map_fn
+    (``TensorListFromTensor(transpose(x, [1, 0, 2]))``, and
+    ``reverse(transpose(...), [0])`` first with ``go_backwards``, the
+    backward half of a ``Bidirectional``; tf.scan and map_fn
     ``TensorListFromTensor(elems)``) and its body reads trip t's item
     (``TensorListGetItem``). The list is a copy of the input (and the
-    transpose another): a loop that stores only its state still holds it
-    until its gradient, and building it holds two copies at the start of the
-    step. For each loop-invariant input at ``positions`` (inputs nobody needs
-    a gradient of) that is such a list, read only by ``TensorListGetItem``,
-    the body reads ``gather(x, t, axis)`` from the source tensor instead (a
-    new loop input), and the op gets a list of unset items in the list's
-    place (nothing then computes the copies). Rewrites ``op`` in place.
+    transpose and the reverse others): a loop that stores only its state
+    still holds it until its gradient, and building it holds two copies at
+    the start of the step. For each loop-invariant input at ``positions``
+    (inputs nobody needs a gradient of) that is such a list, read only by
+    ``TensorListGetItem``, the body reads ``gather(x, t, axis)`` from the
+    source tensor instead (a new loop input), and the op gets a list of
+    unset items in the list's place (nothing then computes the copies).
+    Rewrites ``op`` in place.
     Under XLA, a list whose items' shape is not fully known (an unknown
     batch) is left alone: XLA needs the size of the list left in its place
     ("TensorList is not initialized" at run time).
@@ -956,7 +987,7 @@ def read_sequences_in_place(op: tf.Operation, positions) -> tuple[int, ...]:
         source = _unstacked_source(op.inputs[j])
         if source is None:
             continue
-        x, axis, perm = source
+        x, axis, perm, reverse = source
         placeholder = body_graph.inputs[j]
         reads = [c for c in placeholder.consumers()]
         if not reads or any(c.type != "TensorListGetItem" or c.inputs[0] is not placeholder
@@ -966,16 +997,19 @@ def read_sequences_in_place(op: tf.Operation, positions) -> tuple[int, ...]:
             continue  # the cond reads the list
         if xla and not all(r.outputs[0].shape.is_fully_defined() for r in reads):
             continue
-        found.append((j, x, axis, perm, reads))
+        found.append((j, x, axis, perm, reverse, reads))
     if not found:
         return ()
     new_positions = []
-    for j, x, axis, perm, reads in found:
+    for j, x, axis, perm, reverse, reads in found:
         with body_graph.as_default():
             x_in = body_graph.capture(x)
             for read in reads:
                 with ops.name_scope(None), ops.name_scope(read.name + "_in_place"):
-                    item = tf.gather(x_in, read.inputs[1], axis=axis)
+                    index = read.inputs[1]
+                    if reverse:  # item i of the reversed sequence
+                        index = tf.shape(x_in, out_type=index.dtype)[axis] - 1 - index
+                    item = tf.gather(x_in, index, axis=axis)
                     if perm is not None:
                         item = tf.transpose(item, perm)
                     item.set_shape(read.outputs[0].shape)
@@ -987,7 +1021,7 @@ def read_sequences_in_place(op: tf.Operation, positions) -> tuple[int, ...]:
     suffix = f"_memsave{next(_uid)}"
     cond_graph.name += suffix
     body_graph.name += suffix
-    added = [x for _, x, _, _, _ in found]
+    added = [x for _, x, *_ in found]
     op._set_func_attr("cond", util.create_new_tf_function(cond_graph))
     op._set_func_attr("body", util.create_new_tf_function(body_graph))
     op._set_type_list_attr("T", body_graph.output_types)
@@ -998,7 +1032,7 @@ def read_sequences_in_place(op: tf.Operation, positions) -> tuple[int, ...]:
     op._cond_graph, op._body_graph = cond_graph, body_graph
     with op.graph.as_default(), util.clear_control_inputs(), \
             op.graph.colocate_with(op, ignore_existing=True):
-        for j, x, axis, _, _ in found:
+        for j, x, axis, *_ in found:
             # Unset items: read (by an op TensorFlow did not prune) as zeros.
             item = _list_item(op.inputs[j])
             shape = None if item is None else item[0]
@@ -1009,9 +1043,11 @@ def read_sequences_in_place(op: tf.Operation, positions) -> tuple[int, ...]:
 
 
 def _unstacked_source(t):
-    """(x, axis, perm) when ``t`` is ``TensorListFromTensor`` of ``x`` or of
-    ``transpose(x, p)``: item i is ``gather(x, i, axis)``, transposed by
-    ``perm`` (None: no transpose). Else None."""
+    """(x, axis, perm, reverse) when ``t`` is ``TensorListFromTensor`` of
+    ``x``, of ``transpose(x, p)``, or of either reversed along the
+    sequence (``reverse(..., [0])``): item i is ``gather(x, i, axis)``
+    (``gather(x, n - 1 - i, axis)`` when ``reverse``, n the sequence's
+    length), transposed by ``perm`` (None: no transpose). Else None."""
     while t.op.type == "Identity":
         t = t.op.inputs[0]
     if t.dtype != tf.variant or t.op.type != "TensorListFromTensor":
@@ -1019,17 +1055,22 @@ def _unstacked_source(t):
     x = t.op.inputs[0]
     if x.shape.rank is None or x.shape.rank < 1:
         return None
+    reverse = False
+    if x.op.type == "ReverseV2":
+        dims = tf.get_static_value(x.op.inputs[1])
+        if dims is not None and [int(d) % x.shape.rank for d in dims.reshape(-1)] == [0]:
+            reverse, x = True, x.op.inputs[0]
     if x.op.type != "Transpose":
-        return x, 0, None
+        return x, 0, None, reverse
     p = tf.get_static_value(x.op.inputs[1])
     src = x.op.inputs[0]
     if p is None or src.shape.rank != len(p):
-        return x, 0, None
+        return x, 0, None, reverse
     p = [int(v) for v in p]
     axis = p[0]
     rest = [d for d in range(len(p)) if d != axis]
     perm = [rest.index(d) for d in p[1:]]
-    return src, axis, None if perm == sorted(perm) else perm
+    return src, axis, None if perm == sorted(perm) else perm, reverse
 
 
 def _replace_uses(old, new, graph) -> None:

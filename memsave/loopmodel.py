@@ -21,9 +21,9 @@ from; F, B: the plain transient peaks of one trip forward and backward)::
     choice           kept until the gradient (M)  forward transient            backward transient
     plain            T (I + K)                    F                            B
     per_step         T (S + K) + L                max(2L - M, F + I - S)       B + I
-    chunk(k)         ceil(T/k) S + L              max(2L - M, F + I - S + kS)  B + I + k S + 2L + G
-    chunk(k, store)  ceil(T/k) S + L              max(2L - M, F + k I)         B + k I + 2L + G
-    slots(s)         n S + L                      max(2L - M, F + I - S + xS)  B + I + x S + 2L + G
+    chunk(k)         ceil(T/k) S + L              max(2L - M, F + I - S + kS)  B + I + k S + L + G
+    chunk(k, store)  ceil(T/k) S + L              max(2L - M, F + k I)         B + k I + L + G
+    slots(s)         n S + L                      max(2L - M, F + I - S + xS)  B + I + x S + L + G
 
 (``slots(s)``: chunks of s, s - 1, ..., 1 trips, n of them; x = max over
 chunks j of (j + 1 + size_j) - n, what the widest chunk's states add to the
@@ -45,7 +45,8 @@ gradients of the invariants (G) from zeros of its own, beside the outer
 loop's sums, and those zeros are a constant of the gradient body, held for
 the life of the step function (``BodyFigures.invariant_sums``: 2, while
 the loop's own gradient holds one set; :mod:`memsave.simulate` counts G,
-knowing which inputs receive a gradient). The
+knowing which inputs receive a gradient), and, when the input sequence
+needs a gradient, fills its gradient's list (L, :data:`CHUNK_LIST_GRADIENTS`). The
 recomputation costs one forward of the loop per step (``per_step``,
 ``chunk(k, store)``) or two (``chunk(k)``, ``slots(s)``):
 :func:`recomputed_trips`. The chunk schedules need the loop to have no op
@@ -332,11 +333,14 @@ def stored_bytes(body: "Body", model: "MemoryModel", *, stored_states: int,
 
 #: Copies of a chunked loop's input sequence that its gradient holds at
 #: once when the sequence needs a gradient (a stacked RNN's second layer,
-#: an RNN after a Dense): measured at batch 1024, T=32, a Dense(64) before
-#: an LSTM(128), the chunked step peaked 13-14 MiB (1.6-1.8 sequences of 8
-#: MiB) above the forecast without them; a stacked LSTM+GRU at T=16, 18-22
-#: MiB (2.3-2.7 sequences).
-CHUNK_LIST_GRADIENTS = 2
+#: an RNN after a Dense), beside the sequence itself: the gradient's list,
+#: filled chunk by chunk. Measured on an LSTM(128, return_sequences=True)
+#: -> GRU(128), T=128, batch 1024, both chunk(k=11): the items of the GRU's
+#: input list and of its gradient's list, 64 MiB each, at the peak (the
+#: TensorFlow profiler's allocations), 148 MiB above resident against 158.5
+#: forecast. (It was 2, and 272 MiB measured, while each chunk's gradient
+#: started from ``zeros_like`` of the list: memsave._tf_while._lazy_zeros.)
+CHUNK_LIST_GRADIENTS = 1
 
 
 def _start_bytes(per: TripBytes, saved_bytes: int) -> int:

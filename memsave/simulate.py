@@ -42,7 +42,10 @@ The program
    the body's backward transient, and a loop's gradient starts its sums
    from ``zeros_like`` of the loop invariants (constants Grappler folds).
    The body's figures come from simulating the body itself
-   (:func:`memsave.bodies.body_figures`).
+   (:func:`memsave.bodies.body_figures`). Two loops neither of which
+   reads the other's results (the halves of a ``Bidirectional`` RNN) run
+   side by side, trip for trip, forward and backward: each one's transient
+   lives until the other's has run too (:func:`side_by_side_loops`).
 
 The settings come as one value, a :class:`~memsave.memory_model.MemoryModel`:
 its allocator decides what a byte costs (oneDNN's CPU allocator does not
@@ -267,6 +270,10 @@ class _Builder:
         self.constant: set[int] = set()  # gradient values Grappler folds into constants
         self.saved_of: dict[int, int] = {}  # op with a body -> what its gradient keeps
         self.early_of: dict[int, list[int]] = {}  # op -> gradient values run in the forward
+        # Loop op -> transients of the loops that run side by side with it,
+        # made before it (ForwardProgram.side_by_side): its run (forward) or
+        # its gradient (backward) reads them, so they live until then.
+        self.beside: dict[int, list[int]] = {}
 
     def restore(self) -> None:
         """Put this (fresh) builder in the state after the forward pass."""
@@ -278,6 +285,7 @@ class _Builder:
         self.early_of = dict(fp.early_of)
         self.resident_bytes = fp.resident_bytes
         self.constant = set(fp.constant)
+        self.beside = {}
 
     # -- forward ----------------------------------------------------------
 
@@ -294,6 +302,7 @@ class _Builder:
         size, alias, value = p.size, p.alias, p.value
         all_reads, all_writes, all_labels, lingering = p.reads, p.writes, p.labels, p.lingering
         forward = Event.FORWARD
+        side_by_side = self.fp.side_by_side if touched is None else {}
         for i in ops:
             label, inputs, figures, early, scratch, outputs = plans[i]
             reads = []
@@ -308,7 +317,10 @@ class _Builder:
                 saved = value(figures.saved_bytes)
                 saved_of[i] = saved
                 lists = value(figures.stored_bytes)
-                writes += [(saved, ()), (lists, ()), (value(figures.forward_bytes), ())]
+                transient = value(figures.forward_bytes)
+                writes += [(saved, ()), (lists, ()), (transient, ())]
+                if i in side_by_side:
+                    self.run_beside(i, transient, reads)
             if early:
                 # Gradient values computed from this op's values alone: they run
                 # right after it and wait for its gradient.
@@ -351,6 +363,19 @@ class _Builder:
                 all_reads.append(reads)
                 all_writes.append(writes)
                 all_labels.append(label)
+
+    def run_beside(self, i: int, transient: int, reads: list[int]) -> None:
+        """Loop ``i``, about to run (or its gradient), reads the transients
+        of the loops beside it that ran before it (into ``reads``), and
+        leaves its own ``transient`` to those still to run."""
+        beside = self.beside
+        reads += beside.pop(i, ())
+        for j in self.fp.side_by_side[i]:
+            found = beside.get(j)
+            if found is None:
+                beside[j] = [transient]
+            else:
+                found.append(transient)
 
     def proxies(self, boundary: Sequence[int], gated, cur: list[int], touched: list[int]) -> None:
         """A recompute step's proxies of its ``boundary`` (``t + gate`` for the
@@ -399,7 +424,7 @@ class _Builder:
         local: dict[int, list[int]] = {}
         for i in reversed(ops):
             (label, outputs, has_gradient, read_tensors, has_early, scratch, loop_constants,
-             body_bytes, targets, static_fold, kernels) = plans[i]
+             body_bytes, targets, static_fold, kernels, loop) = plans[i]
             out_grads: list[int | None] = []
             reads = []  # the gradients received, then what the gradient reads
             for t in outputs:
@@ -438,7 +463,10 @@ class _Builder:
                 # while_v2 differentiates every floating loop input, used or not.
                 for t in loop_constants:
                     self.constant_value(t)
-                writes.append((p.value(body_bytes), ()))
+                transient = p.value(body_bytes)
+                writes.append((transient, ()))
+                if loop and i in fp.side_by_side:
+                    self.run_beside(i, transient, reads)
             to_weight = flows_on = False
             for t, internal, k, nbytes, feeds_x, foldable, in_place in targets:
                 if not internal and t not in boundary:
@@ -494,12 +522,14 @@ class _Builder:
                 all_reads.append(reads)
                 all_writes.append(writes)
                 all_labels.append(label)
-            if to_weight and flows_on and overlap:
+            if to_weight and flows_on and overlap and not loop:
                 # The weight's gradient kernel (Conv2DBackpropFilter, the
                 # MatMul of x^T and dy) is ready with the input's, but nothing
                 # downstream waits for it: the executor runs it beside the
                 # next gradient ops, which allocate while it still holds what
-                # it reads (the layer's input, the incoming gradient).
+                # it reads (the layer's input, the incoming gradient). (Not a
+                # loop's gradient: it sums the weights' gradients trip by
+                # trip, and its outputs come when the whole loop has ended.)
                 lingering.append((overlap, reads))
                 if scratch and i in fp.summed_scratch:
                     # Its per-example products, summed by the next kernel on
@@ -610,6 +640,9 @@ class ForwardProgram:
             i for i, op in enumerate(fg.ops)
             if op.type in BATCH_MATMUL_OP_TYPES and costs.gradient_scratch[i])
         self.xla_model = XlaModel(fg, costs) if fg.xla else None
+        # Loop op -> the loops running side by side with it (not under XLA:
+        # one thunk at a time).
+        self.side_by_side = {} if fg.xla else side_by_side_loops(fg)
         self._plan_ops()
 
         b = _Builder(self)
@@ -704,8 +737,8 @@ class ForwardProgram:
         internal, the output whose gradient is passed through or None,
         bytes, whether it feeds an x, foldable, in-place candidates: None
         for none, True for every value read, False for those of its size),
-        whether it folds when its incoming gradients do, and whether each
-        buffer it writes is a kernel of its own.
+        whether it folds when its incoming gradients do, whether each
+        buffer it writes is a kernel of its own, and whether it is a loop's.
         """
         fg, costs, model, is_x = self.fg, self.costs, self.model, self.is_x
         tensors, tensor_bytes, alias_of = fg.tensors, costs.tensor_bytes, costs.alias_of
@@ -791,6 +824,7 @@ class ForwardProgram:
                 not use.reads_outputs and all([tensors[inputs[j]].constant
                                                for j in use.reads_inputs if j < len(inputs)]),
                 op.body is None and not costs.gradient_scratch[i],
+                op.body is not None and op.body.loop,
             ))
         self.copy_plans, self.gradient_plans = copy_plans, gradient_plans
         if not fg.xla and model.runs_float16_without_onednn:
@@ -829,7 +863,7 @@ class ForwardProgram:
                 filter_gradient=1 in targets, threads=threads, itemsize=out.itemsize)
             if scratch and costs.gradient[i].has_gradient:
                 g = plans[i]
-                plans[i] = g[:5] + (g[5] + scratch,) + g[6:10] + (False,)
+                plans[i] = g[:5] + (g[5] + scratch,) + g[6:10] + (False,) + g[11:]
 
     def _plan_half_matmul(self) -> None:
         """Add to the plans of float16 ``MatMul`` ops the float32 temporaries
@@ -853,7 +887,7 @@ class ForwardProgram:
                 scratch += half_matmul_scratch(nbytes[a], nbytes[y], nbytes[b])
             if scratch and costs.gradient[i].has_gradient:
                 g = plans[i]
-                plans[i] = g[:5] + (g[5] + scratch,) + g[6:10] + (False,)
+                plans[i] = g[:5] + (g[5] + scratch,) + g[6:10] + (False,) + g[11:]
 
     def _plan_xla_ops(self) -> None:
         """Under XLA, add to the per-op plans the buffers XLA makes for the
@@ -1089,6 +1123,34 @@ class _Counted(dict):
     def __missing__(self, nbytes: int) -> int:
         found = self[nbytes] = self.allocator.counted(nbytes)
         return found
+
+
+def side_by_side_loops(fg: ForwardGraph) -> dict[int, tuple[int, ...]]:
+    """Per loop op of ``fg``, the other loops that neither read its results
+    nor give it theirs (directly or through other ops): the executor runs
+    such loops side by side, forward and backward, each holding its trip's
+    values while the other's run. Measured on a ``Bidirectional(LSTM(128))``
+    (T=128, batch 1024, both halves' gradients in chunks of 6 trips kept
+    whole): 89.8 MiB above resident with two inter-op threads (66.5 with
+    one); forecast 90.5 so, 68.2 one after the other."""
+    loops = [i for i, op in enumerate(fg.ops) if op.body is not None and op.body.loop]
+    if len(loops) < 2:
+        return {}
+    bit = {i: 1 << n for n, i in enumerate(loops)}
+    upstream = [0] * len(fg.tensors)  # tensor -> the loops it is computed from (a bit set)
+    reach = {}
+    for i, op in enumerate(fg.ops):
+        mask = 0
+        for t in op.inputs:
+            mask |= upstream[t]
+        if i in bit:
+            reach[i] = mask
+            mask |= bit[i]
+        for t in op.outputs:
+            upstream[t] = mask
+    return {i: side for i in loops
+            if (side := tuple(j for j in loops if j != i and not reach[j] & bit[i]
+                              and not reach[i] & bit[j]))}
 
 
 def view_roots(alias: Sequence[int]) -> list[int]:

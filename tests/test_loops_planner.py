@@ -158,6 +158,42 @@ def test_the_step_time_forecast_counts_the_trips_run_again(graph):
     assert plan.step_time_ratio > 1
 
 
+@pytest.mark.parametrize("chained", [False, True])
+def test_loops_that_do_not_read_each_other_are_forecast_side_by_side(graph, chained):
+    """Two loops neither of which reads the other's results (the halves of a
+    Bidirectional RNN) run side by side, forward and backward: the forecast
+    holds both gradients' transients at once. One chunk each (all T trips'
+    values recomputed at once, the transient): the peak holds both. A loop
+    that starts from the other's state waits for it, and its gradient too:
+    one transient at a time."""
+    from memsave import simulate
+    from memsave.extract import extract
+    from memsave.memory_model import MemoryModel
+    from memsave.problem import Problem
+
+    xv, Wv, Uv = _values()
+    x = tf.constant(xv)
+    weights = [tf.Variable(Wv), tf.Variable(Uv), tf.Variable(Wv), tf.Variable(Uv)]
+    h = _while_lstm(x, *weights[:2])
+    if chained:
+        def body(t, h, c):
+            h, c = _lstm_cell(x[t], h, c, *weights[2:])
+            return t + 1, h, c
+        h = tf.while_loop(lambda t, h, c: t < T, body, [0, h, h], maximum_iterations=T)[1]
+    else:
+        h = h + _while_lstm(tf.reverse(x, [0]), *weights[2:])
+    loss = tf.reduce_mean(tf.square(h))
+    fg = extract([loss], [w.handle for w in weights]).fg
+    first, second = [n.index for n in fg.ops if n.body is not None and n.body.loop]
+    side = simulate.side_by_side_loops(fg)
+    assert side == ({} if chained else {first: (second,), second: (first,)})
+    choices = {i: LoopChoice.chunk(T) for i in (first, second)}
+    trace = Problem(fg, model=MemoryModel()).with_loops(choices).forecast(None)
+    both = sum(loopmodel.figures(fg.ops[i].body, choices[i], MemoryModel()).backward_bytes
+               for i in (first, second))
+    assert (trace.peak_bytes - trace.resident_bytes < both) == chained
+
+
 @pytest.mark.parametrize("mode", ["session", "function"])
 def test_speed_takes_the_least_recompute_within_its_budget(evaluate, mode):
     """'speed' chooses the loop's gradient too: the least recompute whose
