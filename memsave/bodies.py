@@ -73,7 +73,8 @@ def body_figures(body: Body, model: MemoryModel) -> BodyFigures:
         return t
 
     saved = sum(counted(bc.tensor_bytes[t]) for t in body.saved)
-    stored = sum(counted(bc.tensor_bytes[t]) for t in body.stored)
+    # (An item the gradient reads is kept once, with what it keeps.)
+    stored = sum(counted(bc.tensor_bytes[t]) for t in body.stored if t not in set(body.saved))
     outs = {root(t) for t in fg.ys if fg.tensors[root(t)].kind == "internal"}
     out_bytes = sum(counted(bc.tensor_bytes[t]) for t in outs if t not in set(body.saved))
     trace = simulate(fg, None, bc, model=model)

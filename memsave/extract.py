@@ -417,7 +417,7 @@ def _read_function(op: tf.Operation, cache: dict, batch_size: int | None):
             if fg.tensors[r].kind == "internal":
                 stored[r] = out_root.get(root(node.outputs[0]), -1)
     saved_ids = tuple(sorted(dict.fromkeys(saved.values())))
-    stored_ids = tuple(sorted(r for r in stored if r not in set(saved_ids)))
+    stored_ids = tuple(sorted(stored))
     stored_outputs = tuple(stored[r] for r in stored_ids)
     # An item that the body also outputs as loop state: the next trip's state.
     stored_state = tuple(r for r in stored_ids if r in out_root and out_root[r] not in invariant

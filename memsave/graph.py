@@ -187,7 +187,9 @@ class Body:
         constants and resource handles are not saved.
     stored : tuple of int
         Body tensor ids written into a TensorList (TensorArray) that the
-        loop carries: each trip adds one buffer the list keeps alive.
+        loop carries: each trip adds one buffer the list keeps alive. Some
+        may be in ``saved`` too (a ``tanh`` written out, which its gradient
+        reads): while_v2's gradient keeps that buffer once.
     loop : bool
         A While: the gradient runs a loop of its own, with one gradient
         buffer per loop-invariant input besides each trip's gradient.

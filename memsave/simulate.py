@@ -166,7 +166,7 @@ class _Program:
     """Values (buffers or views of buffers) and instructions reading/writing them."""
 
     __slots__ = ("size", "alias", "resident_ids", "reads", "writes", "labels", "pinned",
-                 "xs_grads", "lingering")
+                 "xs_grads", "lingering", "early_ids")
 
     def __init__(self) -> None:
         self.size: list[int] = []
@@ -177,6 +177,10 @@ class _Program:
         self.labels: list[tuple[Event, int]] = []
         self.pinned: list[int] = []
         self.xs_grads: list[int] = []  # gradients of the xs and of their reads
+        # Gradient values computed from constants only that Grappler does not
+        # fold (too large): ready when the step starts, the executor runs them
+        # then (alive from the step's start to their last reader).
+        self.early_ids: list[int] = []
         # (allocating instructions left, values): values still read by a
         # kernel that runs beside the next instructions (weight_gradient_overlap).
         self.lingering: list[tuple[int, list[int]]] = []
@@ -268,6 +272,7 @@ class _Builder:
         self.orig: list[int] = [-1] * len(fp.fg.tensors)  # tensor id -> its forward value
         self.resident_bytes = 0
         self.constant: set[int] = set()  # gradient values Grappler folds into constants
+        self.early: set[int] = set()  # gradient values computed from constants only, not folded
         self.saved_of: dict[int, int] = {}  # op with a body -> what its gradient keeps
         self.early_of: dict[int, list[int]] = {}  # op -> gradient values run in the forward
         # Loop op -> transients of the loops that run side by side with it,
@@ -285,6 +290,7 @@ class _Builder:
         self.early_of = dict(fp.early_of)
         self.resident_bytes = fp.resident_bytes
         self.constant = set(fp.constant)
+        self.early = set()
         self.beside = {}
 
     # -- forward ----------------------------------------------------------
@@ -416,7 +422,7 @@ class _Builder:
         fp, p = self.fp, self.p
         # Hot loop (every op of every simulated plan): names bound once.
         plans = fp.copy_gradient_plans if recomputed else fp.gradient_plans
-        is_x, grads, constant = fp.is_x, self.grads, self.constant
+        is_x, grads, constant, early = fp.is_x, self.grads, self.constant, self.early
         saved_of, early_of = self.saved_of, self.early_of
         size, alias, xs_grads = p.size, p.alias, p.xs_grads
         all_reads, all_writes, all_labels, lingering = p.reads, p.writes, p.labels, p.lingering
@@ -479,10 +485,17 @@ class _Builder:
                     writes.append((v, ()))
                     if g in constant:
                         constant.add(v)
-                elif static_fold and foldable and all(g in constant for g in out_grads
-                                                      if g is not None):
-                    # Computed from constants only: Grappler folds it.
-                    v = self.constant_value(t)
+                    elif g in early:
+                        early.add(v)
+                elif static_fold and all(g in constant or g in early for g in out_grads
+                                         if g is not None):
+                    # Computed from constants only: Grappler folds it, or,
+                    # too large to fold, the executor runs it at the start.
+                    if foldable and all(g in constant for g in out_grads if g is not None):
+                        v = self.constant_value(t)
+                    else:
+                        v = self.early_value(nbytes)
+                        writes.append((v, ()))
                 else:
                     v = len(size)
                     size.append(nbytes)
@@ -576,6 +589,20 @@ class _Builder:
         v = self.p.value(nbytes, resident=True)
         self.constant.add(v)
         self.resident_bytes += nbytes
+        return v
+
+    def early_value(self, nbytes: int) -> int:
+        """A gradient computed from constants only, too large for Grappler to
+        fold (``MemoryModel.constant_folding_max_bytes``): nothing it waits
+        for runs in the step, so the executor runs it when the step starts,
+        and it lives until its last reader. Measured: a ``reduce_mean`` over
+        a [64, 1024, 128] sequence, its gradient's ``Tile`` (32 MiB) was
+        alive beside the forward pass's peak (two inter-op threads). Values
+        computed from it alone are too (:attr:`early`)."""
+        v = self.p.value(nbytes)
+        if not self.fp.fg.xla:  # (XLA runs one thunk at a time, in its order)
+            self.p.early_ids.append(v)
+            self.early.add(v)
         return v
 
     def accumulate(self, t: int, got: list[int]) -> int | None:
@@ -1499,6 +1526,15 @@ def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline:
         t = top[r]
         if t < n_instr:
             delta[t + 1] -= counted[r]
+    if p.early_ids:
+        # Made when the step starts (_Builder.early_value), whatever
+        # instruction the program writes them at.
+        early = set(p.early_ids)
+        for k in range(backward_start, n_instr):
+            for v, _ in writes[k]:
+                if v in early:
+                    delta[k] -= counted[v]
+                    delta[0] += counted[v]
     events = list(itertools.accumulate(delta, initial=alive))[1:]
     end = events.pop()  # after the last instruction
     peak = max(events, default=alive)

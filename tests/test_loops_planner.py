@@ -158,6 +158,29 @@ def test_the_step_time_forecast_counts_the_trips_run_again(graph):
     assert plan.step_time_ratio > 1
 
 
+def test_a_list_item_the_gradient_reads_counts_under_a_recomputing_gradient(graph):
+    """tf.map_fn writes each trip's tanh into its output list, and the tanh's
+    gradient reads it: while_v2's gradient keeps that buffer once, with its
+    accumulators; a per-step gradient recomputes the tanh while the list
+    still holds every trip's (measured: a map_fn of three Dense+tanh
+    layers, T=64, batch 1024: 112 MiB above resident, forecast 64 without
+    the list)."""
+    from memsave.extract import extract
+    from memsave.memory_model import BFC, MemoryModel
+
+    xv, Wv, _ = _values()
+    W = tf.Variable(Wv)
+    loss = tf.reduce_mean(tf.map_fn(lambda x_t: tf.tanh(x_t @ W), tf.constant(xv)) ** 2)
+    fg = extract([loss], [W.handle]).fg
+    (node,) = [n for n in fg.ops if n.body is not None and n.body.loop]
+    model = MemoryModel(allocator=BFC)
+    plain = loopmodel.figures(node.body, LoopChoice.plain(), model)
+    per_step = loopmodel.figures(node.body, LoopChoice.per_step(), model)
+    item = B * 4 * H * 4  # a [B, 4 H] float32 tanh per trip
+    assert plain.stored_bytes == 0 and plain.saved_bytes >= T * item
+    assert per_step.stored_bytes == T * item
+
+
 @pytest.mark.parametrize("chained", [False, True])
 def test_loops_that_do_not_read_each_other_are_forecast_side_by_side(graph, chained):
     """Two loops neither of which reads the other's results (the halves of a

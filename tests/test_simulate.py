@@ -315,3 +315,24 @@ def test_the_gate_of_a_step_whose_gradients_are_constants_is_folded(size_bytes, 
     trace = _peak(_skip(size_bytes), ["a:0", "b:0"], allocator=BFC)
     alive = next(b for b, e in trace.timeline if e == "proxy of a:0")
     assert alive == 4 * size_bytes + proxy_bytes
+
+
+@pytest.mark.parametrize("size_bytes", [MiB, 16 * MiB])
+def test_a_gradient_of_constants_too_large_to_fold_is_made_when_the_step_starts(size_bytes):
+    # The gradient of a mean reads no forward value: from the folded seed,
+    # it is computed from constants only. Up to CONSTANT_FOLDING_MAX_BYTES
+    # Grappler folds it (resident from before the step); a larger one is a
+    # Tile the executor runs as soon as the step starts, alive beside the
+    # forward pass (measured: a mean over a [64, 1024, 128] sequence).
+    b = Builder()
+    x = b.source("x", size_bytes=size_bytes)
+    a = b.op("a", "Tanh", [x], size_bytes=size_bytes)
+    t = b.op("t", "Tanh", [a], size_bytes=size_bytes)
+    y = b.op("y", "Mean", [t], size_bytes=4)
+    trace = _peak(b.build(["x"], [y]), allocator=BFC)
+    first_bytes, first_event = trace.timeline[0]
+    assert first_event == "run a"
+    seed = 256
+    # x, a, and the mean's gradient (resident when folded, made early when not).
+    assert first_bytes == 3 * size_bytes + seed
+    assert (trace.resident_bytes == 2 * size_bytes + seed) == (size_bytes == MiB)
