@@ -382,9 +382,10 @@ def recomputing_gradient(op: tf.Operation, grads, *, recompute: bool, steps: int
     # could allocate first (its input sequence's gradient, stacked: measured
     # on a GRU(128) reading an LSTM's outputs, T=128, batch 1024, three
     # sequences alive in four runs out of six). They wait for an op that
-    # reads each such list, whose inputs are released before its successors run.
-    released = [list_ops.tensor_list_length(t, name="release")
-                for t in outputs[len(args):] if t.dtype == tf.variant]
+    # reads each such list, whose inputs are released before its successors
+    # run. (Variants TensorFlow did not record as lists are left alone.)
+    released = [list_ops.tensor_list_length(t, name="release") for t in outputs[len(args):]
+                if t.dtype == tf.variant and _list_item(t) is not None]
     with tf.control_dependencies(released):
         outputs = [tf.identity(t) for t in outputs]
     return while_v2._get_structured_grad_output(outputs, grads, body_grad_graph)
