@@ -468,19 +468,13 @@ def _lazy_zeros(grad, while_op, i):
     if of is output:
         length = _output_length(while_op, i)
     elif (_tf_private.captured_outer(of) is while_op.inputs[i]
-          and _passes_through(while_op, i)):
+          and i in invariant_positions(while_op)):
         length = list_ops.tensor_list_length(of)  # (it reads what the zeros read)
     else:
         return grad
     return list_ops.tensor_list_reserve(
         element_shape=item[0].as_list(), num_elements=length,
         element_dtype=item[1], name="unset_gradient")
-
-
-def _passes_through(while_op, i) -> bool:
-    """Whether ``while_op``'s body returns its input ``i`` unchanged."""
-    body_graph = function_graphs(while_op)[1]
-    return i < len(body_graph.outputs) and body_graph.outputs[i] is body_graph.inputs[i]
 
 
 def _one_item(grad, while_op, i):

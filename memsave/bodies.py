@@ -72,11 +72,12 @@ def body_figures(body: Body, model: MemoryModel) -> BodyFigures:
             t = bc.alias_of[t]
         return t
 
-    saved = sum(counted(bc.tensor_bytes[t]) for t in body.saved)
+    saved_ids = set(body.saved)
+    saved = sum(counted(bc.tensor_bytes[t]) for t in saved_ids)
     # (An item the gradient reads is kept once, with what it keeps.)
-    stored = sum(counted(bc.tensor_bytes[t]) for t in body.stored if t not in set(body.saved))
+    stored = sum(counted(bc.tensor_bytes[t]) for t in body.stored if t not in saved_ids)
     outs = {root(t) for t in fg.ys if fg.tensors[root(t)].kind == "internal"}
-    out_bytes = sum(counted(bc.tensor_bytes[t]) for t in outs if t not in set(body.saved))
+    out_bytes = sum(counted(bc.tensor_bytes[t]) for t in outs if t not in saved_ids)
     trace = simulate(fg, None, bc, model=model)
     alive = [b for b, _ in trace.timeline]
     start = trace.backward_start
