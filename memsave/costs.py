@@ -27,7 +27,8 @@ What the numbers mean
   others (``h * mask`` keeps ``mask``, not ``h``). Calls and loops read
   what their bodies' gradients read (:class:`~memsave.graph.Body`).
 * Aliases and in-place: ops of :data:`ALIAS_OP_TYPES` return a view of their
-  first input (no allocation); ops of :data:`INPLACE_OP_TYPES` reuse an
+  first input (no allocation), and row slices (``OpNode.views_input``) a
+  view of part of theirs; ops of :data:`INPLACE_OP_TYPES` reuse an
   input buffer of the same size when that input dies at the op, as the
   TensorFlow kernels do with ``forward_input_or_allocate_output``.
 """
@@ -282,6 +283,9 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None,
             for j, t in enumerate(op.outputs):
                 src = op.inputs[j] if op.type == "IdentityN" and j < len(op.inputs) else op.inputs[0]
                 alias_of[t] = src
+        if op.views_input is not None:
+            for t in op.outputs:
+                alias_of[t] = op.inputs[op.views_input]
         if op.body is not None and op.body.loop:
             # A loop passes its invariants through: the output is the input.
             for j in op.body.invariant:

@@ -31,7 +31,7 @@ from memsave import _tf_private
 from memsave.costs import ALIAS_OP_TYPES, check_batch_size, estimate_costs
 from memsave.graph import Body, ForwardGraph, GradientUse, OpNode, TensorNode
 
-__all__ = ["Extraction", "extract"]
+__all__ = ["Extraction", "extract", "views_rows", "ROW_ALIGN_BYTES"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,65 @@ class Extraction:
 @functools.lru_cache(maxsize=None)
 def _itemsize(dtype: tf.DType) -> int:
     return dtype.size if dtype not in (tf.resource, tf.variant, tf.string) else 0
+
+
+#: Eigen's largest alignment in TensorFlow's x86 builds: a cut along
+#: dimension 0 is a view only when one row (one index of dimension 0) is a
+#: multiple of it (``IsInnerDimsSizeAligned``). Measured with TF 2.21: a
+#: ``[64, 1024, 128]`` float32 row (512 KiB) is viewed; rows of 516 KiB + 16
+#: and 1 MiB + 32 bytes are copied.
+ROW_ALIGN_BYTES = 64
+
+
+def views_rows(op: tf.Operation) -> int | None:
+    """The position of the input whose buffer ``op``'s outputs are parts of,
+    or None (each output a buffer of its own).
+
+    TensorFlow's CPU and GPU kernels of ``StridedSlice`` and ``Slice`` (a
+    range of dimension 0 with step 1, every other dimension whole),
+    ``Split`` and ``SplitV`` along dimension 0, and ``Unpack`` along axis 0
+    return slices of their input's buffer, not copies, when a row is
+    aligned (:data:`ROW_ALIGN_BYTES`; strided_slice_op.cc, slice_op.cc,
+    split_op.cc, unpack_op.cc): a view holds the whole input alive
+    (measured with TF 2.21: ``x[-1]``, ``x[2:5]``, ``tf.split(x, 4)[0]``
+    and ``tf.unstack(x)[3]`` of a ``[64, 1024, 128]`` float32 tensor each
+    hold its 32 MiB; ``x[::2]`` and ``x[:, 3]`` are copies).
+    """
+    kind = op.type
+    if kind not in _ROW_VIEW_TYPES:
+        return None
+    source = {"Split": 1}.get(kind, 0)
+    data = op.inputs[source]
+    dims = _dims(data)
+    if dims is None or len(dims) < 2 or any(d is None for d in dims[1:]):
+        return None
+    row = _itemsize(data.dtype)
+    for d in dims[1:]:
+        row *= d
+    if row <= 0 or row % ROW_ALIGN_BYTES:
+        return None
+    if kind in ("Split", "SplitV"):
+        axis = tf.get_static_value(op.inputs[0 if kind == "Split" else 2])
+        return source if axis is not None and int(axis) in (0, -len(dims)) else None
+    if kind == "Unpack":
+        return source if op.get_attr("axis") in (0, -len(dims)) else None
+    out = _dims(op.outputs[0])
+    if out is None or any(d is None for d in out[1:]):
+        return None
+    if kind == "StridedSlice":
+        if op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask") \
+                or op.get_attr("shrink_axis_mask") & ~1:
+            return None
+        strides = tf.get_static_value(op.inputs[3])
+        if strides is None or any(int(s) != 1 for s in strides):
+            return None
+        rest = out if op.get_attr("shrink_axis_mask") else out[1:]
+    else:  # Slice
+        rest = out[1:]
+    return source if list(rest) == dims[1:] else None
+
+
+_ROW_VIEW_TYPES = frozenset({"StridedSlice", "Slice", "Split", "SplitV", "Unpack"})
 
 
 def _dims(t: tf.Tensor) -> list | None:
@@ -220,6 +279,7 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies, batch_size) -> Extraction:
             flops_linear=None if flops is not None else _tf_private.op_flops_linear(op, node_def),
             reuses_statistics=not xla and _tf_private.reuses_batch_statistics(op) and not any(
                 c in index for t in op.outputs[1:] for c in t.consumers()),
+            views_input=None if xla else views_rows(op),
         ))
     x_ids = tuple(tensor_id(x) for x in xs)
     y_ids = tuple(tensor_id(y) for y in ys)

@@ -278,7 +278,10 @@ class OpNode:
     recompute step normalises with the statistics the forward pass computed
     (:func:`memsave._tf_private.reuses_batch_statistics`; no op of the
     graph reads its other outputs; not under XLA), one pass instead of a
-    reduction and a pass.
+    reduction and a pass. ``views_input``: the position of the input whose
+    buffer every output is a part of (TensorFlow's row slices:
+    :func:`memsave.extract.views_rows`), None when each output is a buffer
+    of its own.
     """
 
     index: int
@@ -292,6 +295,7 @@ class OpNode:
     body: Body | None = None
     flops_linear: tuple[int, int] | None = None
     reuses_statistics: bool = False
+    views_input: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

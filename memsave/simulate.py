@@ -15,8 +15,12 @@ The program
    tensors) are alive from the start to the end, and so are the gradients
    Grappler folds into constants (``MemoryModel.constant_folding_max_bytes``).
 2. Forward: every op in topological order allocates its outputs, except
-   views (:data:`memsave.costs.ALIAS_OP_TYPES`) and elementwise ops writing
-   into an input that dies there (:data:`memsave.costs.INPLACE_OP_TYPES`).
+   views (:data:`memsave.costs.ALIAS_OP_TYPES`, and row slices:
+   ``OpNode.views_input``) and elementwise ops writing into an input that
+   dies there (:data:`memsave.costs.INPLACE_OP_TYPES`), a row slice
+   included: that output then holds the slice's whole buffer, and where a
+   kernel could write into a row slice or a buffer of its own size, it is
+   counted in the slice (the larger hold; TensorFlow's choice varies).
    A tensor dies after its last reader; a tensor some gradient reads
    (``Costs.gradient``) is read by that gradient, so it lives until then.
 3. Backward, one stage per step of the schedule (plain backprop is one
@@ -166,7 +170,7 @@ class _Program:
     """Values (buffers or views of buffers) and instructions reading/writing them."""
 
     __slots__ = ("size", "alias", "resident_ids", "reads", "writes", "labels", "pinned",
-                 "xs_grads", "lingering", "early_ids")
+                 "xs_grads", "lingering", "early_ids", "lists")
 
     def __init__(self) -> None:
         self.size: list[int] = []
@@ -181,6 +185,9 @@ class _Program:
         # fold (too large): ready when the step starts, the executor runs them
         # then (alive from the step's start to their last reader).
         self.early_ids: list[int] = []
+        # The values standing for a loop's TensorLists: their items are views
+        # of them, but each item is a buffer of its own in TensorFlow.
+        self.lists: set[int] = set()
         # (allocating instructions left, values): values still read by a
         # kernel that runs beside the next instructions (weight_gradient_overlap).
         self.lingering: list[tuple[int, list[int]]] = []
@@ -292,6 +299,7 @@ class _Builder:
         self.constant = set(fp.constant)
         self.early = set()
         self.beside = {}
+        p.lists = set(fp.lists)
 
     # -- forward ----------------------------------------------------------
 
@@ -323,6 +331,7 @@ class _Builder:
                 saved = value(figures.saved_bytes)
                 saved_of[i] = saved
                 lists = value(figures.stored_bytes)
+                p.lists.add(lists)
                 transient = value(figures.forward_bytes)
                 writes += [(saved, ()), (lists, ()), (transient, ())]
                 if i in side_by_side:
@@ -681,6 +690,7 @@ class ForwardProgram:
         b.run_ops(range(len(fg.ops)), b.orig)
         # Instruction lists are never changed once made: shared, not copied.
         self.program = (p.size, p.alias, p.resident_ids, p.reads, p.writes, p.labels)
+        self.lists = frozenset(p.lists)
         self.orig = b.orig
         self.saved_of = b.saved_of
         self.early_of = b.early_of
@@ -1453,7 +1463,7 @@ def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline:
     the latest of the others (``second``). The candidate is the only holder
     left when it is ``top_value`` and ``second`` is before this instruction.
     """
-    reads, writes, size, alias = p.reads, p.writes, p.size, p.alias
+    reads, writes, size, alias, lists = p.reads, p.writes, p.size, p.alias, p.lists
     n_instr = len(reads)
     n_val = len(size)
     # Each value's last reader, or where it is made if nothing reads it: the
@@ -1506,11 +1516,14 @@ def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline:
             if a < 0:
                 for c in cands:
                     r = root[c]
-                    if (last[c] == k and top_value[r] == c and second[r] < k
-                            and size[r] == size[v]):
-                        a = c
-                        break
-                else:
+                    if last[c] == k and top_value[r] == c and second[r] < k:
+                        if size[r] == size[v]:
+                            if a < 0:
+                                a = c
+                        elif r not in lists:  # a row slice (module docstring, 2.)
+                            a = c
+                            break
+                if a < 0:
                     delta[k] += counted[v]
                     buffers.append(v)
                     continue
@@ -1616,10 +1629,16 @@ def _replay_xla(forward: ForwardProgram, p: _Program, backward_start: int, timel
                 continue
             for c in cands:
                 r = root[c]
-                if last[c] == k and refs[r] == 1 and size[r] == size[v]:
-                    root[v] = r
-                    refs[r] += 1
-                    break
+                if last[c] == k and refs[r] == 1:
+                    if size[r] == size[v]:
+                        if a < 0:
+                            a = c
+                    elif r not in p.lists:
+                        a = c
+                        break
+            if a >= 0:
+                r = root[v] = root[a]
+                refs[r] += 1
             else:
                 refs[v] = 1
                 alive += counted[v]

@@ -395,6 +395,33 @@ def build_seq_dense(batch_size=2, seq=6, width=8, depth=4, seed=19):
     return Model("seq_dense", _variables_from(values), forward)
 
 
+def build_sequence_slices(batch_size=4, steps=6, width=8, seed=20):
+    """A time-major sequence (``[steps, batch, width]``, a dense layer on
+    every step) read through views of its rows: its last step ``h[-1]``
+    and its first half (``tf.split`` along axis 0), each through an
+    elementwise op. TensorFlow's kernels return those slices as parts of
+    the sequence's buffer, and write the elementwise op's output in place
+    into them, so the whole sequence stays alive with them."""
+    rng = np.random.RandomState(seed)
+    x = _normal(rng, (steps, batch_size, width))
+    values = {"w_in": _glorot(rng, (width, width)), "w_mid": _glorot(rng, (width, width)),
+              "w_out": _glorot(rng, (width, 4))}
+
+    def dense(h, w):  # on every step, as matmuls (views around them)
+        return tf.reshape(tf.reshape(h, [steps * batch_size, width]) @ w, [steps, batch_size, width])
+
+    def forward(v):
+        h = tf.tanh(dense(tf.constant(x), v["w_in"]))
+        h = _tag(dense(h, v["w_mid"]))  # its gradient reads no output
+        last = tf.tanh(h[-1])
+        first, _ = tf.split(h, 2, axis=0)
+        pooled = tf.reduce_mean(tf.sigmoid(first), axis=0)
+        loss = tf.reduce_mean(tf.square(tf.matmul(last * pooled, v["w_out"])))
+        return Forward(ys=loss, xs=list(v.values()), checkpoints=[h])
+
+    return Model("sequence_slices", _variables_from(values), forward)
+
+
 # ----------------------------------------------------------------------------
 # sparse gradients
 
@@ -924,6 +951,7 @@ BUILDERS = (
     build_unet,
     build_transformer,
     build_seq_dense,
+    build_sequence_slices,
     build_embedding,
     build_dropout_stateful,
     build_dropout_stateless,
