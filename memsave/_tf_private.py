@@ -1093,7 +1093,28 @@ def _learn_gradient_use(op: tf.Operation, node_def):
         by_input.append((tuple(sorted(k for kind, k in mine if kind == "i")),
                          tuple(sorted(k for kind, k in mine if kind == "o")),
                          tuple(sorted(renumber[k] for kind, k in mine if kind == "e"))))
+    # Per input: when its gradient is a product of one of the op's own inputs
+    # or outputs and a value that depends on the incoming gradient (Softmax's
+    # ``(g - sum) * y``), that factor's (input, output) position and bytes,
+    # else None (see GradientUse.products). A factor computed from them (an
+    # early value) is left out: a constant pushed down onto it is multiplied
+    # in place, in the buffer the gradient keeps anyway.
+    own = {t.ref(): (("i", j),) for j, t in enumerate(new.inputs)}
+    own.update({t.ref(): (("o", k),) for k, t in enumerate(new.outputs)})
+    products = []
+    for j in range(len(inputs)):
+        r = result[j] if j < len(result) else None
+        found = None
+        if isinstance(r, tf.Tensor) and r.op.type == "Mul" and r.op in dependent:
+            factors = [t for t in r.op.inputs if t.op not in dependent]
+            if len(factors) == 1 and factors[0].ref() in own:
+                ((kind, k),) = own[factors[0].ref()]
+                size = _static_bytes(factors[0])
+                if size is not None:
+                    found = ((k,) if kind == "i" else (), (k,) if kind == "o" else (), size)
+        products.append(found)
     return {
+        "products": tuple(products),
         "early_bytes": tuple(early_sizes[k] for k in kept_early),
         "early_from": tuple(
             (tuple(sorted(j for kind, j in early_from[k] if kind == "i")),

@@ -42,7 +42,7 @@ import weakref
 from collections.abc import Sequence
 
 from memsave.errors import ArgumentError
-from memsave.graph import Body, ForwardGraph, GradientUse
+from memsave.graph import Body, ForwardGraph, GradientUse, OpNode
 
 __all__ = [
     "Costs",
@@ -112,6 +112,47 @@ def _without_early(use: GradientUse) -> GradientUse:
         outs.update(o)
     return dataclasses.replace(use, reads_inputs=tuple(sorted(ins)), reads_outputs=tuple(sorted(outs)),
                                early_bytes=(), early_from=())
+
+
+def _pushed_down(fg: ForwardGraph, op: OpNode, use: GradientUse) -> GradientUse:
+    """``use`` with the early values Grappler's constant push-down makes of
+    ``op``'s gradient.
+
+    Where an input's gradient is a product ``x * y`` whose ``y`` is computed
+    from ``op``'s values alone (:attr:`GradientUse.products`) and that input
+    is ``a * c``, ``c`` a scalar constant and ``op`` its only reader, the
+    gradient of ``a``, ``(x * y) * c``, is rewritten ``x * (y * c)``
+    (constant_folding.cc, ConstantPushDown): ``y * c`` runs in the forward
+    pass and waits for the gradient, an early value of ``y``'s bytes.
+    Measured: the scale before Keras ``MultiHeadAttention``'s softmax made
+    one ``[16, 4, 128, 128]`` buffer a layer beside the softmax, alive until
+    its gradient (the peak of a two-layer encoder's step was 18% over the
+    forecast without it).
+    """
+    if not use.products:
+        return use
+    sizes, origins = [], []
+    consumers = fg.consumers()
+    for j, found in enumerate(use.products):
+        if found is None or j >= len(op.inputs):
+            continue
+        t = op.inputs[j]
+        producer = fg.tensors[t].producer
+        if producer is None or consumers[t] != (op.index,) or not fg.receives_gradient(t):
+            continue
+        scale = fg.ops[producer]
+        if scale.type == "Mul" and len(scale.inputs) == 2 and any(
+                _scalar_constant(fg.tensors[u]) for u in scale.inputs):
+            sizes.append(found[2])
+            origins.append((found[0], found[1]))
+    if not sizes:
+        return use
+    return dataclasses.replace(use, early_bytes=use.early_bytes + tuple(sizes),
+                               early_from=use.early_from + tuple(origins))
+
+
+def _scalar_constant(node) -> bool:
+    return node.constant and node.shape is not None and all(d == 1 for d in node.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +345,9 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None,
             use = op.gradient.needed([fg.receives_gradient(t) for t in op.inputs])
             if not early_gradient_values and use.early_bytes:
                 use = _without_early(use)
-            gradient.append(use)
+            # (counted either way: what the pushed-down product is computed
+            # from is kept for the gradient too)
+            gradient.append(_pushed_down(fg, op, use))
         if op.body is not None:
             op_flops.append(op.body.trips * body_costs(op.body).forward_flops)
         elif op.flops is not None:

@@ -161,7 +161,7 @@ def _gradient_use(op: tf.Operation, node_def) -> GradientUse | None:
         reads_inputs=learned["reads_inputs"], reads_outputs=learned["reads_outputs"],
         aliases=learned["aliases"], has_gradient=learned["has_gradient"],
         by_input=learned.get("by_input"), early_bytes=learned.get("early_bytes", ()),
-        early_from=learned.get("early_from", ()),
+        early_from=learned.get("early_from", ()), products=learned.get("products"),
     )
 
 

@@ -71,6 +71,14 @@ class GradientUse:
         input. A ``tf.custom_gradient`` gives one to its arguments only, not
         to the results it passes through, so the ops computing those results
         are never differentiated.
+    products : tuple of (tuple of int, tuple of int, int) or None, or None
+        Per input: when its gradient is the product of a value computed
+        from the op's values alone and one that depends on the incoming
+        gradient (Softmax's ``(g - sum(g * y)) * y``), the (input, output)
+        positions that value comes from and its bytes; else None. Grappler's
+        constant push-down moves a constant factor applied to that gradient
+        next (the gradient of ``x * c``) onto the first value: ``y * c``,
+        computed in the forward pass (:func:`memsave.costs.estimate_costs`).
     captured : bool
         The gradient reads the forward pass's own tensors (the inputs at
         ``reads_inputs``), whichever copy of the op it differentiates: a
@@ -87,6 +95,7 @@ class GradientUse:
     early_from: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
     gives: tuple[int, ...] | None = None
     captured: bool = False
+    products: tuple[tuple[tuple[int, ...], tuple[int, ...], int] | None, ...] | None = None
 
     def needed(self, inputs: Sequence[bool]) -> "GradientUse":
         """What the gradient reads when only the inputs flagged in ``inputs``
