@@ -84,16 +84,82 @@ INPLACE_OP_TYPES = frozenset(
 )
 
 
-#: Op types whose kernels allocate temporaries beside their outputs, about
-#: the size of their operands: TensorFlow's Einsum kernel (and oneDNN's
-#: ``_MklEinsum``) transposes/reshapes each operand into a temporary before
-#: its batched matrix product. Measured (allocator records of one Session
-#: step, [8, 128, 128] x [128, 128] float32): forward 0.5 MiB out + 0.5 MiB
-#: temporary; the weight gradient's Einsum 0.06 MiB out + 1.07 MiB temporary
-#: (both its 0.5 MiB operands). The simulator holds, while such an op runs,
-#: a temporary the size of each input, and while its gradient runs, one the
-#: size of the incoming gradient and of its largest input.
+#: Op types whose kernels may allocate temporaries beside their outputs,
+#: about the size of their operands: TensorFlow's Einsum kernel (and
+#: oneDNN's ``_MklEinsum``) transposes an operand whose labels are not in
+#: the order its batched matrix product reads, and the product when it is
+#: not in the output's order (:func:`einsum_temporaries`, from the
+#: equation; where the equation is not read, a temporary the size of each
+#: input). While its gradient runs, the simulator holds one the size of the
+#: incoming gradient and one of its largest input
+#: (:func:`gradient_scratch_bytes`).
 SCRATCH_OP_TYPES = frozenset({"Einsum"})
+
+
+def einsum_temporaries(equation: str) -> tuple[tuple[str, int], ...] | None:
+    """What TensorFlow's Einsum kernel allocates besides its output, for a
+    two-operand ``equation`` (``"abcd,aecd->acbe"``): a tuple of ``("i", j)``
+    / ``("o", 0)``, a temporary the size of that input or output; None for
+    an equation this does not read (an ellipsis, one or three operands, a
+    label repeated in a subscript).
+
+    The kernel (einsum_op_impl.h) gives each label an id in order of first
+    appearance and a type: batch (in both operands and the output), free
+    (one operand and the output), contract (both operands only), reduce
+    (one operand only). It transposes an operand unless its labels are
+    sorted by (type, id), batch < free < contract, or the same with free
+    and contract swapped (it then flips the product's adjoint flag); the
+    product comes out as batch, the first operand's free labels, the
+    second's, and is transposed into a new output when the equation asks
+    another order. Measured (allocator records, TF 2.21,
+    oneDNN, ``tf.function`` and Session): ``tbd,de->tbe`` and
+    ``abc,cde->abde`` allocate their output only; ``aecd,abcd->acbe`` both
+    operands and the product (1 + 1 + 4 MiB, then the 4 MiB output);
+    ``acbe,aecd->abcd`` its second operand and the product; ``ijb,bjk->bik``
+    its first operand.
+    """
+    if "." in equation or "->" not in equation:
+        return None
+    lhs, out = equation.replace(" ", "").split("->")
+    subs = lhs.split(",")
+    if len(subs) != 2 or any(len(set(s)) != len(s) for s in (*subs, out)):
+        return None
+    names = {0: ("i", 0), 1: ("i", 1), "out": ("o", 0)}
+    return tuple(names[k] for k in _einsum_copies(*subs, out))
+
+
+def _einsum_copies(x: str, y: str, out: str) -> list:
+    """Which of ``x,y->out``'s operands (0, 1) and whether its product
+    ("out") TensorFlow's Einsum kernel copies (see :func:`einsum_temporaries`)."""
+    ids: dict[str, int] = {}
+    for s in x + y + out:
+        ids.setdefault(s, len(ids))
+    batch, free, contract, reduce = 1, 2, 3, 4
+
+    def kind(s: str) -> int:
+        both = s in x and s in y
+        if s in out:
+            return batch if both else free
+        return contract if both else reduce
+
+    def in_order(sub: str, swapped: bool) -> bool:
+        keys = []
+        for s in sub:
+            k = kind(s)
+            if swapped and k in (free, contract):
+                k = free + contract - k
+            keys.append((k, ids[s]))
+        return keys == sorted(keys)
+
+    copies: list = [j for j, sub in enumerate((x, y))
+                    if not (in_order(sub, False) or in_order(sub, True))]
+    by_id = ids.__getitem__
+    product = (sorted((s for s in x if kind(s) == batch), key=by_id)
+               + sorted((s for s in x if kind(s) == free), key=by_id)
+               + sorted((s for s in y if kind(s) == free), key=by_id))
+    if "".join(product) != out:
+        copies.append("out")
+    return copies
 
 #: Batched matrix products whose gradient, where one operand is broadcast
 #: over the other's batch dimensions (``x @ w``, x ``[B, T, D]`` and w
@@ -180,8 +246,8 @@ class Costs:
         Every guess the model made (unknown dimensions, unlearned gradients).
     batch_size : int or None
         The hint used for unknown first dimensions.
-    scratch : tuple of bool
-        Per op: its kernel allocates temporaries of its operands' size
+    scratch : tuple of tuple of int
+        Per op: bytes of the temporaries its kernel allocates while it runs
         (:data:`SCRATCH_OP_TYPES`).
     gradient_scratch : tuple of tuple of int
         Per op: bytes of the temporaries its gradient allocates while it
@@ -204,7 +270,7 @@ class Costs:
     resident_bytes: int
     assumptions: tuple[str, ...]
     batch_size: int | None = None
-    scratch: tuple[bool, ...] = ()
+    scratch: tuple[tuple[int, ...], ...] = ()
     gradient_scratch: tuple[tuple[int, ...], ...] = ()
     gradient_reads: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
     gradient_targets: tuple[tuple[tuple[int, int], ...], ...] = ()
@@ -398,7 +464,7 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None,
         resident_bytes=resident,
         assumptions=tuple(assumptions),
         batch_size=batch_size,
-        scratch=tuple(op.type in SCRATCH_OP_TYPES for op in fg.ops),
+        scratch=tuple(_kernel_scratch(op, tensor_bytes) for op in fg.ops),
         gradient_scratch=tuple(gradient_scratch_bytes(fg, op, tensor_bytes, gradient_targets[i])
                                for i, op in enumerate(fg.ops)),
         gradient_reads=gradient_reads,
@@ -406,12 +472,26 @@ def estimate_costs(fg: ForwardGraph, *, batch_size: int | None = None,
     )
 
 
+def _kernel_scratch(op: OpNode, tensor_bytes: Sequence[int]) -> tuple[int, ...]:
+    """Bytes of the temporaries ``op``'s kernel allocates while it runs."""
+    if op.type not in SCRATCH_OP_TYPES:
+        return ()
+    if op.temporaries is None:
+        return tuple([tensor_bytes[t] for t in op.inputs])
+    return tuple(tensor_bytes[(op.inputs if kind == "i" else op.outputs)[k]]
+                 for kind, k in op.temporaries)
+
+
 def gradient_scratch_bytes(fg: ForwardGraph, op, tensor_bytes: Sequence[int],
                            targets: Sequence[tuple[int, int]]) -> tuple[int, ...]:
     """Bytes of the temporaries ``op``'s gradient allocates while it runs.
 
     :data:`SCRATCH_OP_TYPES`: one the size of its largest output (the
-    incoming gradient's) and one of its largest input. A batched matrix
+    incoming gradient's) and one of its largest input, whatever the
+    equation: on a chain of ``tbd,de->tbe`` layers, whose gradient products
+    need no transpose, the allocator's peak moved between 40, 48 and 56 MiB
+    from one step to the next (TF 2.21, oneDNN), the largest with two such
+    buffers in flight beside the buffers the allocator's records list. A batched matrix
     product (:data:`BATCH_MATMUL_OP_TYPES`): per operand that receives a
     gradient (``targets``: its position and tensor) and is broadcast over
     the other's batch dimensions, its gradient for every batch element of

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from memsave import _tf_private
-from memsave.costs import ALIAS_OP_TYPES, check_batch_size, estimate_costs
+from memsave.costs import ALIAS_OP_TYPES, check_batch_size, einsum_temporaries, estimate_costs
 from memsave.graph import Body, ForwardGraph, GradientUse, OpNode, TensorNode
 
 __all__ = ["Extraction", "extract", "views_rows", "ROW_ALIGN_BYTES"]
@@ -280,6 +280,9 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies, batch_size) -> Extraction:
             reuses_statistics=not xla and _tf_private.reuses_batch_statistics(op) and not any(
                 c in index for t in op.outputs[1:] for c in t.consumers()),
             views_input=None if xla else views_rows(op),
+            temporaries=None if xla or op.type != "Einsum" else einsum_temporaries(
+                op.get_attr("equation").decode()
+                if isinstance(op.get_attr("equation"), bytes) else op.get_attr("equation")),
         ))
     x_ids = tuple(tensor_id(x) for x in xs)
     y_ids = tuple(tensor_id(y) for y in ys)

@@ -290,7 +290,9 @@ class OpNode:
     reduction and a pass. ``views_input``: the position of the input whose
     buffer every output is a part of (TensorFlow's row slices:
     :func:`memsave.extract.views_rows`), None when each output is a buffer
-    of its own.
+    of its own. ``temporaries``: for an Einsum, what its kernel allocates
+    besides its output (:func:`memsave.costs.einsum_temporaries`), None
+    when not read from its equation.
     """
 
     index: int
@@ -305,6 +307,7 @@ class OpNode:
     flops_linear: tuple[int, int] | None = None
     reuses_statistics: bool = False
     views_input: int | None = None
+    temporaries: tuple[tuple[str, int], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -779,7 +779,7 @@ class ForwardProgram:
         """
         fg, costs, model, is_x = self.fg, self.costs, self.model, self.is_x
         tensors, tensor_bytes, alias_of = fg.tensors, costs.tensor_bytes, costs.alias_of
-        scratch_ops = costs.scratch or (False,) * len(fg.ops)
+        scratch_ops = costs.scratch or ((),) * len(fg.ops)
         # An x, or the read of one (an op whose inputs are all xs, e.g.
         # ReadVariableOp): its gradient is the x's, passed through.
         feeds_x = list(is_x)
@@ -815,7 +815,7 @@ class ForwardProgram:
                 inputs,
                 figures,
                 use.early_bytes if use.has_gradient else (),
-                tuple([tensor_bytes[t] for t in inputs]) if scratch_ops[i] else (),
+                scratch_ops[i],
                 tuple(copied_outputs),
             ))
 
