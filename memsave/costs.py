@@ -195,7 +195,7 @@ def _pushed_down(fg: ForwardGraph, op: OpNode, use: GradientUse) -> GradientUse:
     its gradient (the peak of a two-layer encoder's step was 18% over the
     forecast without it).
     """
-    if not use.products:
+    if not use.products or fg.xla:  # (XLA compiles the gradient whole)
         return use
     sizes, origins = [], []
     consumers = fg.consumers()
