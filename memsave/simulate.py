@@ -1520,7 +1520,7 @@ def _replay(forward: ForwardProgram, p: _Program, backward_start: int, timeline:
                         if size[r] == size[v]:
                             if a < 0:
                                 a = c
-                        elif r not in lists:  # a row slice (module docstring, 2.)
+                        elif size[v] < size[r] and r not in lists:  # a row slice (module docstring, 2.)
                             a = c
                             break
                 if a < 0:
@@ -1633,7 +1633,7 @@ def _replay_xla(forward: ForwardProgram, p: _Program, backward_start: int, timel
                     if size[r] == size[v]:
                         if a < 0:
                             a = c
-                    elif r not in p.lists:
+                    elif size[v] < size[r] and r not in p.lists:
                         a = c
                         break
             if a >= 0:
