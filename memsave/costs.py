@@ -96,7 +96,7 @@ INPLACE_OP_TYPES = frozenset(
 SCRATCH_OP_TYPES = frozenset({"Einsum"})
 
 
-def einsum_temporaries(equation: str) -> tuple[tuple[str, int], ...] | None:
+def einsum_temporaries(equation: str | bytes) -> tuple[tuple[str, int], ...] | None:
     """What TensorFlow's Einsum kernel allocates besides its output, for a
     two-operand ``equation`` (``"abcd,aecd->acbe"``): a tuple of ``("i", j)``
     / ``("o", 0)``, a temporary the size of that input or output; None for
@@ -118,6 +118,8 @@ def einsum_temporaries(equation: str) -> tuple[tuple[str, int], ...] | None:
     ``acbe,aecd->abcd`` its second operand and the product; ``ijb,bjk->bik``
     its first operand.
     """
+    if isinstance(equation, bytes):  # (as Operation.get_attr gives it)
+        equation = equation.decode()
     if "." in equation or "->" not in equation:
         return None
     lhs, out = equation.replace(" ", "").split("->")
@@ -161,6 +163,7 @@ def _einsum_copies(x: str, y: str, out: str) -> list:
         copies.append("out")
     return copies
 
+
 #: Batched matrix products whose gradient, where one operand is broadcast
 #: over the other's batch dimensions (``x @ w``, x ``[B, T, D]`` and w
 #: ``[D, U]``: a dense layer on a sequence written with ``@``), computes that operand's
@@ -184,8 +187,8 @@ def _pushed_down(fg: ForwardGraph, op: OpNode, use: GradientUse) -> GradientUse:
     """``use`` with the early values Grappler's constant push-down makes of
     ``op``'s gradient.
 
-    Where an input's gradient is a product ``x * y`` whose ``y`` is computed
-    from ``op``'s values alone (:attr:`GradientUse.products`) and that input
+    Where an input's gradient is a product ``x * y`` whose ``y`` is one of
+    ``op``'s own inputs or outputs (:attr:`GradientUse.products`) and that input
     is ``a * c``, ``c`` a scalar constant and ``op`` its only reader, the
     gradient of ``a``, ``(x * y) * c``, is rewritten ``x * (y * c)``
     (constant_folding.cc, ConstantPushDown): ``y * c`` runs in the forward
@@ -491,8 +494,8 @@ def gradient_scratch_bytes(fg: ForwardGraph, op, tensor_bytes: Sequence[int],
     equation: on a chain of ``tbd,de->tbe`` layers, whose gradient products
     need no transpose, the allocator's peak moved between 40, 48 and 56 MiB
     from one step to the next (TF 2.21, oneDNN), the largest with two such
-    buffers in flight beside the buffers the allocator's records list. A batched matrix
-    product (:data:`BATCH_MATMUL_OP_TYPES`): per operand that receives a
+    buffers in flight beside the buffers the allocator's records list. A
+    batched matrix product (:data:`BATCH_MATMUL_OP_TYPES`): per operand that receives a
     gradient (``targets``: its position and tensor) and is broadcast over
     the other's batch dimensions, its gradient for every batch element of
     the output before the sum (not under XLA, which may contract the batch

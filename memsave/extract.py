@@ -281,8 +281,7 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies, batch_size) -> Extraction:
                 c in index for t in op.outputs[1:] for c in t.consumers()),
             views_input=None if xla else views_rows(op),
             temporaries=None if xla or op.type != "Einsum" else einsum_temporaries(
-                op.get_attr("equation").decode()
-                if isinstance(op.get_attr("equation"), bytes) else op.get_attr("equation")),
+                op.get_attr("equation")),
         ))
     x_ids = tuple(tensor_id(x) for x in xs)
     y_ids = tuple(tensor_id(y) for y in ys)

@@ -72,10 +72,10 @@ class GradientUse:
         to the results it passes through, so the ops computing those results
         are never differentiated.
     products : tuple of (tuple of int, tuple of int, int) or None, or None
-        Per input: when its gradient is the product of a value computed
-        from the op's values alone and one that depends on the incoming
-        gradient (Softmax's ``(g - sum(g * y)) * y``), the (input, output)
-        positions that value comes from and its bytes; else None. Grappler's
+        Per input: when its gradient is the product of one of the op's own
+        inputs or outputs and a value that depends on the incoming gradient
+        (Softmax's ``(g - sum(g * y)) * y``), that factor's (input, output)
+        position and its bytes; else None. Grappler's
         constant push-down moves a constant factor applied to that gradient
         next (the gradient of ``x * c``) onto the first value: ``y * c``,
         computed in the forward pass (:func:`memsave.costs.estimate_costs`).

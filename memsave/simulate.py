@@ -552,10 +552,10 @@ class _Builder:
                 # it reads (the layer's input, the incoming gradient). (Not a
                 # loop's gradient: it sums the weights' gradients trip by
                 # trip, and its outputs come when the whole loop has ended.)
-                # A row slice it reads is left out: it would hold its whole
-                # buffer, and the kernel had finished first where measured
-                # (a tf.scan's hs[-1] @ V: 73 MiB measured, 96.5 forecast
-                # with the 24 MiB sequence held).
+                # A view of part of a larger buffer it reads (a row slice)
+                # is left out: it would hold the whole buffer, and the kernel
+                # had finished first where measured (a tf.scan's hs[-1] @ V:
+                # 73 MiB measured, 96.5 forecast with the 24 MiB sequence held).
                 lingering.append((overlap, [r for r in reads
                                             if alias[r] < 0 or size[r] >= size[alias[r]]]))
                 if scratch and i in fp.summed_scratch:
@@ -1634,16 +1634,11 @@ def _replay_xla(forward: ForwardProgram, p: _Program, backward_start: int, timel
                 continue
             for c in cands:
                 r = root[c]
-                if last[c] == k and refs[r] == 1:
-                    if size[r] == size[v]:
-                        if a < 0:
-                            a = c
-                    elif size[v] < size[r] and r not in p.lists:
-                        a = c
-                        break
-            if a >= 0:
-                r = root[v] = root[a]
-                refs[r] += 1
+                # (No row slices under XLA: OpNode.views_input is None there.)
+                if last[c] == k and refs[r] == 1 and size[r] == size[v]:
+                    root[v] = r
+                    refs[r] += 1
+                    break
             else:
                 refs[v] = 1
                 alive += counted[v]
