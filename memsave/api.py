@@ -47,7 +47,7 @@ from memsave.memory_model import BFC, CPU_ONEDNN, Allocator, MemoryModel
 from memsave.planners.strategies import budget_refused, given
 from memsave.problem import Problem
 from memsave.record import Plan
-from memsave.rewrite import aggregate, rewrite
+from memsave.rewrite import aggregate, differentiate, rewrite
 from memsave.simulate import paused_gc
 
 __all__ = [
@@ -542,10 +542,11 @@ def _build_prepared(p: Plan, ex: Extraction, args, prepared: dict, *, name, stoc
     ys, xs, grad_ys, stop_gradients, graph = args
     colocate = stock["colocate_gradients_with_ops"]
     if p.schedule is None and any(r.applied.kind != "plain" for r in prepared.values()):
+        # Only the loops' gradients change: one stock call, ordered as the
+        # forecast assumes.
         with graph.as_default():
-            return _tf_private.original_gradients(
-                ys, xs, grad_ys, name=name, stop_gradients=stop_gradients,
-                unconnected_gradients=unconnected, **stock)
+            return differentiate(ys, xs, grad_ys, stock, xla=ex.fg.xla, name=name,
+                                 stop_gradients=stop_gradients, unconnected_gradients=unconnected)
     if p.schedule is None:
         refused = [f"loop {n} keeps while_v2's gradient ({r.reason})"
                    for n, r in prepared.items() if r.reason]

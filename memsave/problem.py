@@ -190,7 +190,8 @@ class Problem:
         if found is None:
             with paused_gc():
                 found = self._forward[model] = ForwardProgram(
-                    self.fg, self.costs, model, loop_figures=self._loop_figures(model))
+                    self.fg, self.costs, model, loop_figures=self._loop_figures(model),
+                    loops_prepared=any(c.kind != "plain" for c in self.loop_choices.values()))
         return found
 
     def forecast(self, schedule: Schedule | None, *, model: MemoryModel | None = None,

@@ -91,7 +91,7 @@ from memsave.extract import Extraction
 from memsave.schedule import Schedule, Step
 from memsave.xla_gradients import xla_gradient_for
 
-__all__ = ["rewrite", "aggregate"]
+__all__ = ["rewrite", "aggregate", "differentiate"]
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ def rewrite(
             if step.kind == "recompute":
                 grads = _recompute(ex, step, heads, head_grads, stock, previous, deep, xla=xla)
             else:
-                grads = _differentiate(
+                grads = differentiate(
                     [ex.tensors[h] for h in heads], [ex.tensors[b] for b in step.boundary],
                     head_grads, stock, deep, xla=xla,
                     stop_gradients=[ex.tensors[b] for b in step.boundary] + list(stop_gradients))
@@ -204,16 +204,23 @@ def _passes_through(ex: Extraction, step: Step) -> bool:
         _tf_private.passes_gradient_through(ex.ops[o]) for o in step.ops)
 
 
-def _differentiate(ys, xs, grad_ys, stock, deep: Sequence[bool], *, xla: bool,
-                   stop_gradients=None) -> list:
-    """One step's stock tf.gradients call; outside XLA its gradient chain then
-    waits for the leaf gradients beside it (:func:`_no_run_ahead`). ``deep``
-    (aligned with ``xs``): whether later steps take that gradient further."""
+def differentiate(ys, xs, grad_ys, stock, deep: Sequence[bool] | None = None, *, xla: bool,
+                  **options) -> list:
+    """One stock tf.gradients call of memsave's (a step's, or a whole plan's
+    whose only change is its loops' gradients); outside XLA its gradient
+    chain then waits for the leaf gradients beside it (:func:`_no_run_ahead`).
+    The forecast of a loops-only plan counts that order (``ordered`` in
+    :meth:`memsave.simulate._Builder.backward`); a schedule's steps are
+    forecast with a weight kernel beside the next gradient still.
+    ``stock`` and ``options`` (``stop_gradients``, ``name``,
+    ``unconnected_gradients``) are tf.gradients' arguments; ``deep``
+    (aligned with ``xs``, default none): whether later steps take that
+    gradient further."""
     start = _tf_private.next_op_creation_index(ys[0].graph)
     with _tf_private.unread_zero_gradients_elided():
-        grads = _tf_private.original_gradients(ys, xs, grad_ys=grad_ys,
-                                               stop_gradients=stop_gradients, **stock)
+        grads = _tf_private.original_gradients(ys, xs, grad_ys=grad_ys, **options, **stock)
     if not xla:
+        deep = [False] * len(grads) if deep is None else deep
         _no_run_ahead(start, [(g, d) for g, d in zip(grads, deep) if g is not None])
     return grads
 
@@ -483,8 +490,8 @@ def _copy_and_differentiate(ex: Extraction, step: Step, heads, head_grads, stock
         for t, out in zip(node.outputs, new.outputs):
             copies[t] = out
     logger.debug("memsave: recomputing %d ops for heads %s", len(step.ops), fg.describe(heads))
-    return _differentiate([copies[h] for h in heads], [proxies[b] for b in step.boundary],
-                          head_grads, stock, deep, xla=fg.xla)
+    return differentiate([copies[h] for h in heads], [proxies[b] for b in step.boundary],
+                         head_grads, stock, deep, xla=fg.xla)
 
 
 def _copy_loop(op: tf.Operation, inputs: list, waits: Sequence[tf.Operation]) -> tf.Operation:

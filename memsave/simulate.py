@@ -422,12 +422,18 @@ class _Builder:
     # -- backward ---------------------------------------------------------
 
     def backward(self, ops: Sequence[int], cur: list[int], heads, boundary, *,
-                 recomputed: bool = False) -> None:
+                 recomputed: bool = False, ordered: bool = False) -> None:
         """Differentiate ``ops`` (reverse order), reading forward values
         through ``cur``. Gradients of ``heads`` come from (and of
         ``boundary`` go to) ``self.grads``; others stay local. ``recomputed``:
         ``ops`` are a recompute step's copies (under XLA their gradients
-        differ, :mod:`memsave.xla`)."""
+        differ, :mod:`memsave.xla`). ``ordered``: ``ops`` are a plan's one
+        gradient call whose chain memsave makes wait for the weights'
+        kernels (:func:`memsave.rewrite.differentiate`): a weight's kernel
+        runs beside no later gradient of the call. (A schedule's steps are
+        ordered so too, but simulated with the overlap: measured peaks of
+        rewritten plans were calibrated with it, and a plan that takes its
+        input gradient on to another step's proxies does overlap.)"""
         fp, p = self.fp, self.p
         # Hot loop (every op of every simulated plan): names bound once.
         plans = fp.copy_gradient_plans if recomputed else fp.gradient_plans
@@ -437,6 +443,7 @@ class _Builder:
         all_reads, all_writes, all_labels, lingering = p.reads, p.writes, p.labels, p.lingering
         overlap = fp.overlap
         local: dict[int, list[int]] = {}
+        held = None  # ordered: the last weight kernel's reads, if it is the call's last
         for i in reversed(ops):
             (label, outputs, has_gradient, read_tensors, has_early, scratch, loop_constants,
              body_bytes, targets, static_fold, kernels, loop) = plans[i]
@@ -536,6 +543,7 @@ class _Builder:
                     to_weight = True
                 else:
                     flows_on = True
+            held = None  # (the call's next gradient waits for that kernel)
             if lingering:
                 # A call's or loop's gradient, or a kernel's temporaries, are
                 # not one kernel per buffer.
@@ -556,14 +564,19 @@ class _Builder:
                 # is left out: it would hold the whole buffer, and the kernel
                 # had finished first where measured (a tf.scan's hs[-1] @ V:
                 # 73 MiB measured, 96.5 forecast with the 24 MiB sequence held).
-                lingering.append((overlap, [r for r in reads
-                                            if alias[r] < 0 or size[r] >= size[alias[r]]]))
+                entry = (overlap, [r for r in reads if alias[r] < 0 or size[r] >= size[alias[r]]])
+                if ordered:
+                    held = entry
+                else:
+                    lingering.append(entry)
                 if scratch and i in fp.summed_scratch:
                     # Its per-example products, summed by the next kernel on
                     # that side: alive while one more gradient runs. Measured:
                     # 4 layers x @ w, [512, 64, 256] @ [256, 256]: two
                     # layers' products at once (417 MiB, a pre-split pool).
                     lingering.append((overlap + 1, temporaries))
+        if held is not None:
+            lingering.append(held)
 
     def xla_proxies(self, step, cur: list[int], touched: list[int]) -> None:
         """:meth:`proxies` under XLA, then the step's transformed kernels.
@@ -663,11 +676,15 @@ class ForwardProgram:
     """
 
     def __init__(self, fg: ForwardGraph, costs: Costs, model: MemoryModel, *,
-                 loop_figures: Mapping[int, BodyFigures] | None = None) -> None:
+                 loop_figures: Mapping[int, BodyFigures] | None = None,
+                 loops_prepared: bool = False) -> None:
         self.fg, self.costs, self.model = fg, costs, model
         # Op index -> the figures of a loop whose gradient is not while_v2's
         # (memsave.loopmodel.figures of its LoopChoice; Problem.with_loops).
         self.loop_figures = dict(loop_figures or {})
+        # Whether a loop's gradient is memsave's: then memsave builds even a
+        # plan without a schedule, as one ordered call (Builder.backward).
+        self.loops_prepared = loops_prepared
         tensors, tensor_bytes = fg.tensors, costs.tensor_bytes
         xs = set(fg.xs)
         self.is_x = [node.id in xs for node in tensors]
@@ -1301,7 +1318,8 @@ def _build_program(forward: ForwardProgram, schedule: Schedule | None) -> tuple[
         b.grads.setdefault(y, []).append(v)
 
     if schedule is None:
-        b.backward(range(len(fg.ops)), cur, set(fg.ys), set(fg.xs))
+        b.backward(range(len(fg.ops)), cur, set(fg.ys), set(fg.xs),
+                   ordered=forward.loops_prepared)
     else:
         grads, constant = b.grads, b.constant
         for step in schedule.steps:

@@ -29,6 +29,7 @@ from memsave.errors import LoopChoiceError
 from memsave.extract import extract
 from memsave.loops import LoopChoice
 from memsave.memory_model import MemoryModel
+from memsave.rewrite import differentiate
 
 T, B, F, H = 7, 3, 4, 5
 PER_STEP = LoopChoice.per_step()
@@ -1216,6 +1217,24 @@ def test_keras_lstm_peak_goes_down(fresh, method, max_ratio):
 #: 88.0 when a loop's gradient lingered like a weight's kernel).
 TWO_LOOPS_FORECAST_ERROR = 0.2
 TWO_LOOPS_T = 64
+#: Steps measured, each against the forecast: the executor's order can vary
+#: from step to step. With ``return_sequences`` on both loops and a Dense on
+#: every step ("sequences"), the Dense's weight kernel read the GRU's output
+#: sequence while the next gradient allocated in some steps of stock
+#: tf.gradients (T=128: chunk(11) 209-217 MiB in most steps, 280.5 in about
+#: one in five, against a forecast of 279); memsave's call makes that
+#: gradient wait for the kernel, and the forecast counts it so (215).
+TWO_LOOPS_STEPS = 4
+
+
+def _as_memsave_builds(loss, weights, choice: LoopChoice):
+    """The gradients of ``loss`` once its loops are prepared under ``choice``,
+    built as memsave.gradients builds a plan that changes only loops (one
+    stock call, its chain waiting for the weights' kernels, as the forecast
+    of such a plan assumes); plain tf.gradients under a plain choice."""
+    if choice.kind == "plain":
+        return tf.gradients(loss, weights)
+    return differentiate([loss], weights, None, {}, xla=False)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -1238,24 +1257,28 @@ def _forecast_gradients(loss, weights, choice: LoopChoice | None, report: dict):
     report["forecast_above_bytes"] = trace.peak_bytes - trace.resident_bytes
     report["applied"] = [str(loops.prepare(op, choice, xs=weights).applied)
                          for op in loops.find_loops([loss])]
-    return tf.gradients(loss, weights)
+    return _as_memsave_builds(loss, weights, choice)
 
 
 def measure_two_loops(case: str, method: str) -> dict:
-    """In a fresh process: the peak above resident of one Keras step with two
-    RNN loops (``case``: "bidirectional" or "stacked") whose gradients
-    ``method`` chooses ('memory': memsave.gradients; 'chunk': both loops
-    chunk(8)), the forecast of it and the choices applied."""
+    """In a fresh process: the peaks above resident of a few Keras steps with
+    two RNN loops (``case``: "bidirectional", "stacked", or "sequences":
+    stacked with every step's output to a Dense) whose gradients ``method``
+    chooses ('memory': memsave.gradients; 'chunk': both loops chunk(8)), the
+    forecast of them and the choices applied."""
     tf.raw_ops.Empty(shape=[(2 << 30) // 4], dtype=tf.float32, init=False)  # one pool region
 
     keras.utils.set_random_seed(0)
     rng = np.random.RandomState(0)
     L = keras.layers
     layers = {"bidirectional": [L.Bidirectional(L.LSTM(128))],
-              "stacked": [L.LSTM(128, return_sequences=True), L.GRU(128)]}[case]
+              "stacked": [L.LSTM(128, return_sequences=True), L.GRU(128)],
+              "sequences": [L.LSTM(128, return_sequences=True),
+                            L.GRU(128, return_sequences=True)]}[case]
     model = keras.Sequential([keras.Input((TWO_LOOPS_T, 64)), *layers, L.Dense(10)])
     x = tf.constant(rng.randn(1024, TWO_LOOPS_T, 64).astype(np.float32))
-    y = tf.constant(rng.randn(1024, 10).astype(np.float32))
+    y = tf.constant(rng.randn(*([1024, TWO_LOOPS_T, 10] if case == "sequences" else [1024, 10]))
+                    .astype(np.float32))
     report = {}
     choice = None if method == "memory" else LoopChoice.chunk(8)
 
@@ -1266,20 +1289,25 @@ def measure_two_loops(case: str, method: str) -> dict:
 
     step(x, y)
     resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    step(x, y)
-    report["peak_above_bytes"] = tf.config.experimental.get_memory_info("CPU:0")["peak"] - resident
+    report["step_peaks_above_bytes"] = []
+    for _ in range(TWO_LOOPS_STEPS):
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        step(x, y)
+        report["step_peaks_above_bytes"].append(
+            tf.config.experimental.get_memory_info("CPU:0")["peak"] - resident)
     return report
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case,method", [("bidirectional", "memory"), ("stacked", "memory"),
-                                         ("stacked", "chunk")])
+                                         ("stacked", "chunk"), ("sequences", "memory"),
+                                         ("sequences", "chunk")])
 def test_two_loops_in_one_step_are_forecast(fresh, case, method):
     got = fresh.call(measure_two_loops, case, method, timeout_s=900)
     assert len(got["applied"]) == 2 and "plain" not in got["applied"], got
-    error = got["forecast_above_bytes"] / got["peak_above_bytes"] - 1
-    assert abs(error) <= TWO_LOOPS_FORECAST_ERROR, got
+    for peak in got["step_peaks_above_bytes"]:
+        error = got["forecast_above_bytes"] / peak - 1
+        assert abs(error) <= TWO_LOOPS_FORECAST_ERROR, got
 
 
 #: A loss on the last item of a stacked TensorArray (T=64, batch 1024, 128
@@ -1410,7 +1438,7 @@ def _scan_step(mode: str, method: str, report: dict, shared: dict):
         report["forecast_above_bytes"] = trace.peak_bytes - trace.resident_bytes
         (op,) = loops.find_loops([loss])
         report["applied"] = str(loops.prepare(op, choice, xs=weights).applied)
-        return tf.gradients(loss, weights)
+        return _as_memsave_builds(loss, weights, choice)
 
     if mode == "function":
         x, weights = shared["x"], shared["weights"]
