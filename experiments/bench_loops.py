@@ -17,9 +17,7 @@ Cases (batch 1024, 64 features, 128 units, so that one step's tensors are
 
 Methods: ``plain`` (``tf.gradients``, while_v2's own gradient);
 ``per_step`` (``memsave.loops.prepare(op, LoopChoice.per_step())``: the
-loop stores its state each trip, the backward loop recomputes the trip;
-then one stock gradient call ordered as memsave.gradients orders it,
-:func:`memsave.rewrite.differentiate`);
+loop stores its state each trip, the backward loop recomputes the trip);
 ``chunk`` (``LoopChoice.chunk(k)``, state every k trips, each chunk's trips
 recomputed, then each trip again; k from :func:`memsave.loopmodel.chunk_size`,
 about sqrt(T)); ``chunk_store`` (``LoopChoice.chunk(k, inner="store")``:
@@ -29,8 +27,11 @@ from :func:`memsave.loopmodel.slot_count`, about sqrt(2T): the same
 recomputation as ``chunk``, fewer states stored at once); ``memory`` (``memsave.gradients(checkpoints="memory")``: the planner picks
 each loop's gradient, the lowest forecast peak at the least recompute) and
 ``budget_0.5``, ``budget_0.25`` (``memory_budget=``: the least recompute
-whose forecast fits that fraction of the plain forecast peak). Each step
-returns the gradients with respect to the weights; ``prepare`` is given
+whose forecast fits that fraction of the plain forecast peak). The
+methods that fix a loop choice then differentiate as memsave.gradients
+does a plan that changes only loops: one stock gradient call, its chain
+waiting for the weights' kernels (:func:`memsave.rewrite.differentiate`).
+Each step returns the gradients with respect to the weights; ``prepare`` is given
 those xs, so the input sequence gets no gradient.
 
 Memory: one fresh process per (case, mode, method, T): the CPU pool is
@@ -58,8 +59,9 @@ atol of 1e-6 of the largest gradient: chunks sum the trips in another
 order).
 
 Prints a Markdown table (method, T, peak ratio, step ratios, forecast
-error against the largest peak), the exponent of a least-squares fit of log(peak above resident)
-against log(T) per method over the Keras T values, and which of the
+error against the largest peak), the exponent of a least-squares fit of
+log(peak above resident) against log(T) per method over the Keras T
+values, and which of the
 issue's targets are met; writes a plot of peak vs T
 (``--plot``, default experiments/figures/loops_peak_vs_T.png) and the
 measurements (``--out``, JSON).
