@@ -31,6 +31,7 @@ import handgraphs as H
 from memsave import planners
 from memsave.memory_model import BFC, MemoryModel
 from memsave.planners import budget as B
+from memsave.planners import greedy as G
 from memsave.planners import milp as milp_module
 from memsave.planners.dp import _Terms
 from memsave.planners.greedy import family, greedy
@@ -410,6 +411,33 @@ def test_stored_segments_trade_memory_for_recompute():
              for b in (p.plain.peak_bytes - 3 * H.MiB, p.plain.peak_bytes - H.MiB, p.plain.peak_bytes)]
     assert costs == sorted(costs, reverse=True)
     assert costs[-1] == 0
+
+
+def test_greedy_walks_the_store_or_recompute_line_finely(monkeypatch):
+    # Plans recomputing the first segments and storing the rest, from each
+    # boundary of STORE_FRACTIONS on: with them greedy's answer is never
+    # slower at any budget (a larger family, costed exactly), and faster
+    # where a budget falls between the coarser grid's plans.
+    fg = H.conv_chain(random.Random(5), 40, skips=True)
+    plain = Problem(fg).peak(None)
+    budgets = [int(f / 50 * plain) for f in range(10, 50)]
+
+    def answers():
+        space = Segments(Problem(fg))
+        assert len(space.candidates) > G.EXHAUSTIVE_CUTS  # the large-graph family
+        out = []
+        for budget in budgets:
+            ev = greedy(space, budget).evaluation
+            out.append(ev.recompute_ns if ev.peak_bytes <= budget else None)
+        return out
+
+    finer = answers()
+    monkeypatch.setattr(G, "STORE_FRACTIONS", ())
+    coarser = answers()
+    assert [f is None for f in finer] == [c is None for c in coarser]
+    pairs = [(f, c) for f, c in zip(finer, coarser) if f is not None]
+    assert all(f <= c for f, c in pairs), pairs
+    assert any(f < c for f, c in pairs), pairs
 
 
 def test_dp_stops_at_its_time_limit_with_greedys_plan(caplog):
