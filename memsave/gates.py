@@ -1,9 +1,11 @@
-"""Gates: zeros that order the rewrite's ops by data, and the proxies that read through them.
+"""Gates: values that order the rewrite's ops by data, and the reads through them.
 
-:func:`gate` makes a float32 zero that cannot be computed before some
-gradients are (what a recompute step waits for); :func:`proxy` reads a
-tensor through it (``t + gate``) or through an Identity. A data
-dependency, which neither Grappler nor XLA removes (XLA ignores control
+:func:`ready` makes a boolean that cannot be computed before some gradients
+are (what a recompute step waits for); :func:`select` reads a tensor
+through it (``Select(ready, t, t)``), which costs nothing on a CPU. Under
+XLA, :func:`gate` makes a float32 zero from it and :func:`proxy` reads a
+tensor through that (``t + gate``) or through an Identity. Data
+dependencies, which neither Grappler nor XLA removes (XLA ignores control
 dependencies); :mod:`memsave.rewrite` says where each is used and why.
 """
 
@@ -16,7 +18,7 @@ import tensorflow as tf
 
 from memsave import _tf_private
 
-__all__ = ["gate", "gateable", "proxy"]
+__all__ = ["gate", "gateable", "proxy", "ready", "select"]
 
 
 def gateable(dtype: tf.DType) -> bool:
@@ -25,30 +27,15 @@ def gateable(dtype: tf.DType) -> bool:
     return dtype.is_floating or dtype.is_complex
 
 
-def gate(grads: Sequence, *, once: bool = False) -> tf.Tensor | None:
-    """A float32 zero that cannot be computed before ``grads`` are.
+def ready(grads: Sequence) -> tf.Tensor | None:
+    """A boolean scalar that cannot be computed before ``grads`` are (None
+    when none of them is floating).
 
-    ``where(b == b, -0.0, nan)`` with ``b`` the sum of each gradient's first
-    element in float32, each replaced by 0 where it is not finite (a NaN in
-    a gradient, or infinities of both signs summed, must not spread to every
-    tensor the gate touches): always -0.0 (``_tf_private.GATE_ZERO`` says
-    why negative), but no compiler can prove it without the gradients'
-    values. Built from raw ops (``_tf_private.raw_op``).
-
-    ``once`` (a recompute step's gate under XLA): the zero goes through
-    ``sqrt`` (``sqrt(0) = 0``, ``sqrt(nan) = nan``), an op XLA counts as
-    expensive and so computes once. Otherwise XLA duplicates the whole
-    elementwise chain into every reader of the gate (each gated proxy of the
-    step), and each of those fusions reads the heads' gradients, and what
-    they are fused from, until it runs. Measured on keras.applications
-    MobileNetV2 (64x64, batch 32, 'memory', SGD in the step): a 12 MiB
-    gradient of the first block and the forward tensor it is computed from
-    were held through the recomputation of the segment before it, with
-    every earlier step's gate chained into the same fusions; with ``sqrt``,
-    the step's peak was 69.8 MB instead of 79.7 MB. (XLA's optimization
-    barrier does not do it: XLA:CPU removes it before fusion.) The weights'
-    ordered gates are computed once only in float16 steps
-    (:func:`memsave.rewrite._ordered_after_step` says why).
+    ``b == b`` with ``b`` the sum of each gradient's first element in
+    float32, each replaced by 0 where it is not finite (a NaN in a gradient,
+    or infinities of both signs summed, must not spread to every tensor the
+    gate touches): always true, but no compiler can prove it without the
+    gradients' values. Built from raw ops (``_tf_private.raw_op``).
     """
     op = _tf_private.raw_op
     bits = []
@@ -85,11 +72,40 @@ def gate(grads: Sequence, *, once: bool = False) -> tf.Tensor | None:
     if not bits:
         return None
     with bits[0].graph.colocate_with(bits[0].op, ignore_existing=True):
-        c = _constants(bits[0].graph, bits[0].op.device)
         b = bits[0] if len(bits) == 1 else op(
             "AddN", bits, [tf.float32], {"N": len(bits), "T": tf.float32}, "bits").outputs[0]
-        same = op("Equal", [b, b], [tf.bool], {"T": tf.float32,
-                                                "incompatible_shape_error": True}, "same").outputs[0]
+        return op("Equal", [b, b], [tf.bool], {"T": tf.float32,
+                                               "incompatible_shape_error": True}, "same").outputs[0]
+
+
+def gate(grads: Sequence, *, once: bool = False) -> tf.Tensor | None:
+    """A float32 zero that cannot be computed before ``grads`` are, for XLA.
+
+    ``where(ready(grads), -0.0, nan)`` (:func:`ready`): always -0.0
+    (``_tf_private.GATE_ZERO`` says why negative), but no compiler can
+    prove it without the gradients' values.
+
+    ``once`` (a recompute step's gate under XLA): the zero goes through
+    ``sqrt`` (``sqrt(0) = 0``, ``sqrt(nan) = nan``), an op XLA counts as
+    expensive and so computes once. Otherwise XLA duplicates the whole
+    elementwise chain into every reader of the gate (each gated proxy of the
+    step), and each of those fusions reads the heads' gradients, and what
+    they are fused from, until it runs. Measured on keras.applications
+    MobileNetV2 (64x64, batch 32, 'memory', SGD in the step): a 12 MiB
+    gradient of the first block and the forward tensor it is computed from
+    were held through the recomputation of the segment before it, with
+    every earlier step's gate chained into the same fusions; with ``sqrt``,
+    the step's peak was 69.8 MB instead of 79.7 MB. (XLA's optimization
+    barrier does not do it: XLA:CPU removes it before fusion.) The weights'
+    ordered gates are computed once only in float16 steps
+    (:func:`memsave.rewrite._ordered_after_step` says why).
+    """
+    same = ready(grads)
+    if same is None:
+        return None
+    op = _tf_private.raw_op
+    with same.graph.colocate_with(same.op, ignore_existing=True):
+        c = _constants(same.graph, same.op.device)
         gate = op("SelectV2", [same, c(tf.float32, _tf_private.GATE_ZERO),
                                c(tf.float32, float("nan"))],
                   [tf.float32], {"T": tf.float32}, "gate").outputs[0]
@@ -119,8 +135,28 @@ def _constants(graph: tf.Graph, device: str):
 _CONSTANTS: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDictionary()
 
 
+def select(t: tf.Tensor, ready: tf.Tensor) -> tf.Tensor:
+    """``t`` read through :func:`ready`'s boolean: ``Select(ready, t, t)``.
+
+    ``t`` whatever the boolean, but computed only once it is. With a scalar
+    condition the CPU kernel passes ``t``'s buffer on: no pass over ``t`` and
+    no new buffer (TensorFlow's ``SelectScalarHandler<CPUDevice>``). On a GPU
+    it copies ``t``; :mod:`memsave.simulate` counts that copy on every
+    device.
+    Measured on the study's U-Net-64 (batch 32, ``memory_budget=0.5``, 66
+    recompute steps, kernels one at a time): the 131 gated reads took 0.33 ms
+    of kernel time as selects and 10.1 ms as ``t + gate``, 6% of the plain
+    step. Not under XLA, whose simplifier may fold a select of two equal
+    operands to the operand: there the read is ``t + gate`` (:func:`proxy`).
+    """
+    with t.graph.colocate_with(t.op, ignore_existing=True):
+        return _tf_private.raw_op("Select", [ready, t, t], [t.dtype], {"T": t.dtype},
+                                  "gated").outputs[0]
+
+
 def proxy(t: tf.Tensor, gate: tf.Tensor | None, gates: dict | None = None) -> tf.Tensor:
-    """``t`` read through the gate (``t + gate``), or through an identity without one.
+    """``t`` read through the gate (``t + gate``, XLA's gated read), or
+    through an identity without one.
 
     ``gates`` caches the gate cast to each dtype, for one step. A complex
     gate is ``complex(gate, gate)``: -0.0 in both parts, so that ``t + gate``

@@ -4,15 +4,18 @@ Data flow, for each step of the schedule in order:
 
 1. Sum what the earlier steps sent to each of the step's heads (the seeds
    are grad_ys on the ys).
-2. ``recompute`` steps: make a *gate*, a float32 zero that is computed from
-   the heads' incoming gradients (``where(b == b, 0, nan)`` with ``b`` the
-   gradient's first element, NaN replaced by 0, so the gate is never NaN).
+2. ``recompute`` steps: make a *gate*, a boolean computed from the heads'
+   incoming gradients (``b == b`` with ``b`` the gradient's first element,
+   NaN replaced by 0: :func:`memsave.gates.ready`); under XLA a float32
+   zero made from it (``where(ready, 0, nan)``, :func:`memsave.gates.gate`).
    Give each boundary tensor a fresh proxy: those the schedule gates
    (``Step.gated``, :func:`memsave.schedule.gated_boundary`: the
    checkpoints; under XLA, which ignores control dependencies, every
-   floating boundary tensor, variable reads too) get ``t + gate`` (a data
-   dependency, which neither Grappler nor XLA removes), the others
-   ``identity(t)``. Copy the step's ops in
+   floating boundary tensor, variable reads too) are read through the gate,
+   ``Select(ready, t, t)`` (a data dependency, which Grappler does not
+   remove, and on a CPU no pass over ``t``: :func:`memsave.gates.select`),
+   under XLA ``t + gate``; the others through ``identity(t)``. Copy the
+   step's ops in
    topological order, reading proxies instead of kept tensors, on the
    devices of the originals and under a control dependency on the gate, so
    the segment is recomputed only once backprop reaches it (a training
@@ -20,7 +23,7 @@ Data flow, for each step of the schedule in order:
    statistics: :func:`memsave._tf_private.copy_batch_norm_with_statistics`).
    Call the stock
    tf.gradients on the copies of the heads with respect to the proxies,
-   with the heads' gradients read through proxies ``g + gate`` too (see
+   with the heads' gradients read through the gate too (see
    "No shared inputs across steps" below).
    Fresh proxies per step keep each call's forward walk inside its own
    segment, so building the whole graph stays linear in its size.
@@ -46,7 +49,7 @@ op. Without it they take the caller's device scope, as tf.gradients' do.
 No shared inputs across steps
 -----------------------------
 A recompute step reads the gradients it receives through proxies of its own
-(``g + gate``, like the gated checkpoints), never the tensors themselves.
+(gated reads, like the checkpoints'), never the tensors themselves.
 Reason: TensorFlow's graph passes may merge two ops that read one tensor.
 oneDNN's ``MklLayoutRewritePass`` (on by default on CPU, run after Grappler,
 so no Grappler option turns it off) merges a ``BiasAddGrad`` and a
@@ -74,7 +77,8 @@ well, so a pass that merged those would break tf.gradients too. Merges of a
 producer with its consumer (Conv2D + BiasAdd + Add) need the producer's
 output to have no other reader; a kept tensor and a received gradient always
 have one (the forward pass, the gate). Under XLA the proxy is ``g + 0`` on a
-value XLA cannot predict: it stays, one elementwise add per step.
+value XLA cannot predict: it stays, one elementwise add per step. Outside
+XLA it is a select, which passes the buffer on (on a CPU).
 """
 
 from __future__ import annotations
@@ -405,8 +409,10 @@ def _after_forward(gy, y_ops: Sequence, y_gate: tf.Tensor | None = None):
 def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, deep, *,
                xla: bool) -> list:
     fg = ex.fg
-    gate = gates.gate(head_grads, once=xla)
-    # Which boundary tensors are read through ``t + gate`` is the schedule's
+    # What the step's gated reads wait for: a boolean computed from the
+    # heads' gradients (reads: Select(ready, t, t)), under XLA a zero (t + gate).
+    gate = gates.gate(head_grads, once=True) if xla else gates.ready(head_grads)
+    # Which boundary tensors are read through the gate is the schedule's
     # decision (memsave.schedule.gated_boundary), which the simulator counts.
     gated = set(step.gated) if gate is not None else set()
     if gate is None and xla:
@@ -418,6 +424,10 @@ def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, d
             ", ".join(fg.describe(heads)),
         )
     casts: dict = {}  # the gate cast to each dtype, for this step
+
+    def through_gate(t: tf.Tensor) -> tf.Tensor:
+        return gates.proxy(t, gate, casts) if xla else gates.select(t, gate)
+
     # Recompute only once the heads' gradients (through the gate) and the
     # previous step's gradients exist.
     if gate is not None:
@@ -427,14 +437,13 @@ def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, d
     # The proxies wait, so the copies reading them need no control input of
     # their own (see _copy_and_differentiate).
     with ex.ops[0].graph.control_dependencies(waits):
-        proxies = {b: gates.proxy(ex.tensors[b], gate if b in gated else None, casts)
-                   for b in step.boundary}
+        proxies = {b: through_gate(ex.tensors[b]) if b in gated
+                   else gates.proxy(ex.tensors[b], None) for b in step.boundary}
     if gate is not None:
         # The step reads what it receives through proxies of its own, never a
         # tensor an earlier step's ops also read (see "No shared inputs
         # across steps" in the module docstring).
-        head_grads = [gates.proxy(g, gate, casts) if gates.gateable(g.dtype) else g
-                      for g in head_grads]
+        head_grads = [through_gate(g) if gates.gateable(g.dtype) else g for g in head_grads]
     return _copy_and_differentiate(ex, step, heads, head_grads, stock, proxies, waits, deep)
 
 

@@ -27,8 +27,9 @@ place (a *backprop* step on the original op) rather than copied.
 Gating
 ------
 A recompute step must not run before backprop reaches it: the rewrite reads
-some boundary tensors through ``t + gate``, a zero computed from the heads'
-incoming gradients (a data dependency no graph pass removes), and the rest
+some boundary tensors through the gate, a value computed from the heads'
+incoming gradients (a data dependency no graph pass removes:
+:mod:`memsave.gates`), and the rest
 through identities. Which ones is decided here, once, as ``Step.gated``
 (:func:`gated_boundary`); the rewrite builds it and the simulator counts its
 copies.
@@ -401,7 +402,9 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int], recomputable: list[b
             and any(reach[c] >= _YS for c in consumers[t])
         }
         if not frontier:
-            frontier = {t for i in shared for t in outputs[i]}
+            # The latest shared op has no output read on toward one head: its
+            # heads are its own outputs, a kept one and a y (it has several).
+            frontier = {t for t in outputs[shared[0]] if t not in kept}
         kept.update(frontier)
         # Ops after the last shared one keep their heads (shared[0]: the
         # sweep runs backward): the next sweep starts there.
@@ -447,14 +450,15 @@ def _recompute_step(fg: ForwardGraph, heads, parts) -> Step:
 
 
 def is_floating(dtype: str) -> bool:
-    """Whether a tensor of this dtype (its TensorFlow name) can carry the gate
-    (``t + gate``): floating and complex dtypes. Graphs built by hand, with
+    """Whether a tensor of this dtype (its TensorFlow name) can make and carry
+    the gate (:mod:`memsave.gates`): floating and complex dtypes. Graphs built by hand, with
     no dtype recorded (``""``), count as floating."""
     return dtype == "" or dtype.startswith(("float", "bfloat", "half", "complex"))
 
 
 def gated_boundary(fg: ForwardGraph, boundary: tuple[int, ...]) -> tuple[int, ...]:
-    """The boundary tensors a recompute step reads through ``t + gate``.
+    """The boundary tensors a recompute step reads through the gate
+    (``Select(ready, t, t)``, under XLA ``t + gate``: :mod:`memsave.gates`).
 
     The activations among them (floating outputs of recomputable ops): a
     copy read through a gated proxy cannot be merged back into the original

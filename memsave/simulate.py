@@ -25,8 +25,11 @@ The program
    (``Costs.gradient``) is read by that gradient, so it lives until then.
 3. Backward, one stage per step of the schedule (plain backprop is one
    ``backprop`` stage over every op): a ``recompute`` step makes fresh
-   proxies of its boundary (``t + gate`` for the tensors the schedule
-   gates, ``Step.gated``: a new buffer unless the original dies there;
+   proxies of its boundary (a gated read, ``Select(ready, t, t)`` or under
+   XLA ``t + gate``, of the tensors the schedule gates, ``Step.gated``: a
+   new buffer unless the original dies there, as a GPU's select makes; a
+   CPU's passes the buffer on, which is not modelled:
+   :func:`memsave.gates.select`;
    identities otherwise, and for every tensor when the heads' gradients are
    constants: Grappler folds the gate), re-runs those of its ops whose
    values a gradient reads (TensorFlow prunes the rest), then
@@ -393,7 +396,7 @@ class _Builder:
                 found.append(transient)
 
     def proxies(self, boundary: Sequence[int], gated, cur: list[int], touched: list[int]) -> None:
-        """A recompute step's proxies of its ``boundary`` (``t + gate`` for the
+        """A recompute step's proxies of its ``boundary`` (gated reads of the
         ``gated``: a new buffer unless the original dies there; identities
         otherwise), mapped in ``cur`` and noted in ``touched``."""
         p, orig, tensor_bytes = self.p, self.fp.orig, self.fp.costs.tensor_bytes

@@ -195,6 +195,11 @@ class DeviceProfile:
     efficiency : mapping of str to Efficiency
         Per op class (:data:`OP_CLASSES`); a class not listed gets
         ``Efficiency()``.
+    step_s : float
+        Seconds each recompute step adds beyond its kernels: its copies
+        wait for the previous step's gradients (:mod:`memsave.rewrite`), so
+        the executor cannot run the next step's work beside that step's
+        last gradient kernels. Not calibrated (see :data:`CPU_DEFAULT`).
     """
 
     name: str
@@ -203,6 +208,7 @@ class DeviceProfile:
     overhead_s: float
     gemm_half_k: float
     efficiency: Mapping[str, Efficiency] = dataclasses.field(default_factory=dict, hash=False)
+    step_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("peak_flops_per_s", "bytes_per_s"):
@@ -211,7 +217,7 @@ class DeviceProfile:
                 raise DeviceProfileError(
                     f"memsave.timemodel.DeviceProfile: {f}={v!r}; it must be a positive finite "
                     "number (measure it with memsave.calibrate.calibrate())")
-        for f in ("overhead_s", "gemm_half_k"):
+        for f in ("overhead_s", "gemm_half_k", "step_s"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise DeviceProfileError(
@@ -333,8 +339,8 @@ STATISTICS_REUSED = 0.6
 
 #: Ops the rewrite adds per recomputed step to make its gate (a reshape,
 #: slice, sum, cast, is_finite and where of the first element of each head's
-#: gradient, then equal and where): tiny kernels, counted at one launch
-#: each (memsave.gates.gate).
+#: gradient, then equal, and under XLA a where): tiny kernels, counted at
+#: one launch each (memsave.gates.ready and gate).
 GATE_OPS = 8
 
 #: Dtypes whose tensors a kernel does not stream: a resource handle's bytes
@@ -610,9 +616,9 @@ class StepTime:
     recompute_s : float
         The recomputed ops' forward seconds (0 for plain backprop).
     rewrite_s : float
-        What the rewrite adds per recomputed step: its gate, and one
-        elementwise ``+ gate`` pass over each gated boundary tensor and
-        each head's incoming gradient (:mod:`memsave.rewrite`).
+        What the rewrite adds per recomputed step: its gate, and a gated
+        read of each gated boundary tensor and each head's incoming
+        gradient (:func:`head_gate_seconds`, :mod:`memsave.rewrite`).
     recomputed_ops : int
         Op copies that run (of those the schedule makes).
     loop_recompute_s : float
@@ -730,27 +736,32 @@ def step_seconds(fg: ForwardGraph, costs: Costs, step, seconds: OpSeconds, *,
     heads = [h for h in step.heads if _floating(fg.tensors[h])]
     if heads:
         profile = seconds.profile
-        rewrite = GATE_OPS * profile.overhead_s
-        for t in list(step.gated) + heads:  # read t, write t + gate
-            rewrite += _elementwise_s(profile, 2 * costs.tensor_bytes[t])
+        rewrite = step_gate_seconds(profile)
+        for t in list(step.gated) + heads:
+            rewrite += head_gate_seconds(fg, costs, t, profile)
     return StepSeconds(recompute, rewrite, len(run))
 
 
 def step_gate_seconds(profile: DeviceProfile) -> float:
-    """The fixed part of a recompute step's gates (:data:`GATE_OPS` kernel
-    launches), paid once per step with a floating head: a part of
-    :func:`step_seconds`' ``rewrite_s``, for planners bounding it without a
-    schedule."""
-    return GATE_OPS * profile.overhead_s
+    """The fixed part of a recompute step's cost (:data:`GATE_OPS` kernel
+    launches and :attr:`DeviceProfile.step_s`), paid once per step with a
+    floating head: a part of :func:`step_seconds`' ``rewrite_s``, for
+    planners bounding it without a schedule."""
+    return GATE_OPS * profile.overhead_s + profile.step_s
 
 
 def head_gate_seconds(fg: ForwardGraph, costs: Costs, t: int, profile: DeviceProfile) -> float:
-    """Seconds the rewrite's gate costs per head ``t`` of a recompute step
-    (read ``t``, write ``t + gate``; 0 for a head that is not floating): a
-    part of :func:`step_seconds`' ``rewrite_s``, for planners bounding it
-    without a schedule."""
+    """Seconds the rewrite's gated read of ``t`` costs, a head or a gated
+    boundary tensor of a recompute step (0 for a tensor that is not
+    floating): a part of :func:`step_seconds`' ``rewrite_s``, for planners
+    bounding it without a schedule. Outside XLA one kernel launch (a CPU's
+    ``Select`` passes ``t``'s buffer on, :func:`memsave.gates.select`; the
+    profiles are CPUs'); under XLA a pass that reads ``t`` and writes
+    ``t + gate``."""
     if not _floating(fg.tensors[t]):
         return 0.0
+    if not fg.xla:
+        return profile.overhead_s
     return _elementwise_s(profile, 2 * costs.tensor_bytes[t])
 
 
@@ -770,13 +781,23 @@ def _floating(node) -> bool:
 #: fitted by hand to the convolutions measured in the study's models (3
 #: input channels, k = 27: about 100 GFLOP/s; 16 channels, k = 144: 140-230;
 #: 64 channels, k = 576: about 240): a fit of two benchmark convolutions
-#: per calibration ranged from 0 to 370 on this shared machine.
+#: per calibration ranged from 0 to 370 on this shared machine. ``step_s``
+#: is set by hand from steps measured beyond their forecast without it, over
+#: the number of recompute steps (the study's models, batch 32, budget plans
+#: timed interleaved, /plain tf.gradients): ResNet-110, 46-60 steps, about
+#: 0.25 ms a step (budget 0.75: 60 steps forecast 1.065, measured 1.121,
+#: while 3 steps forecast 1.067 measured 1.074); U-Net-64, 53-66 steps,
+#: 0.02-0.1 ms. With 0.15 ms the budgets of both choose the plans that
+#: measured faster or as fast (ResNet-110 0.5: 9 steps 1.162 instead of 46
+#: at 1.181; U-Net-64 0.75: 22 steps 1.060 instead of 53 at 1.079; its 0.5
+#: keeps 66 steps, 1.095).
 CPU_DEFAULT = DeviceProfile(
     name="CPU default (2-core AMD EPYC, TF 2.21 oneDNN)",
     peak_flops_per_s=250e9,
     bytes_per_s=50e9,
     overhead_s=0.7e-6,
     gemm_half_k=48.0,
+    step_s=0.15e-3,
     efficiency={
         "matmul": Efficiency(gradient=1.15),
         "conv": Efficiency(compute=0.93, gradient=1.06),

@@ -97,10 +97,11 @@ def _label(x):
 # ----------------------------------------------------------------------------
 # what was built: recomputed copies of forward ops, found by graph structure
 
-# The two kinds of op the rewrite puts in front of a recomputed segment
-# (memsave/rewrite.py ``_proxy``): ``identity(t)``, and ``t + gate`` with a
-# scalar gate computed from the incoming gradient.
-PROXY_TYPES = ("Identity", "AddV2")
+# The kinds of op the rewrite puts in front of a recomputed segment
+# (memsave.gates): ``identity(t)``, ``select(ready, t, t)`` with a boolean
+# scalar computed from the incoming gradient, and under XLA ``t + gate`` with
+# a scalar gate.
+PROXY_TYPES = ("Identity", "Select", "AddV2")
 
 
 def count_recomputed_copies(forward_ops, new_ops) -> int:
@@ -166,12 +167,17 @@ def _normalised_with_statistics(op, sources, forward_tensors):
 
 def _proxied_tensor(op, forward_tensors):
     """The forward tensor ``op`` stands for, if it is a proxy: identity(t),
-    or t + (a scalar that is not a forward tensor)."""
+    select(a scalar that is not a forward tensor, t, t), or t + (such a
+    scalar)."""
     if op.type not in PROXY_TYPES or len(op.outputs) != 1:
         return None
     if op.type == "Identity":
         t = op.inputs[0]
         return t.ref() if t.ref() in forward_tensors else None
+    if op.type == "Select":
+        c, t, e = op.inputs
+        return t.ref() if (t.ref() == e.ref() and t.ref() in forward_tensors
+                           and c.ref() not in forward_tensors and c.shape.rank == 0) else None
     a, b = op.inputs
     for t, other in ((a, b), (b, a)):
         if (t.ref() in forward_tensors and other.ref() not in forward_tensors

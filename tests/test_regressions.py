@@ -363,11 +363,12 @@ def test_stop_gradients_hold_in_a_segment_differentiated_in_place(graph, session
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "complex64"])
 def test_a_kept_negative_zero_is_recomputed_from_as_negative_zero(graph, session, rng, dtype):
-    """A recompute step reads a kept tensor through ``t + gate``. The gate
-    was +0.0, and ``-0.0 + 0.0`` is ``+0.0``: a kept -0.0 came back as +0.0
-    and ``atan2(0, c)`` gave 0 instead of pi (the gradients below the
-    copies off by twice their size, sign flipped). The gate is now -0.0, in
-    both parts of a complex gate."""
+    """A recompute step read a kept tensor through ``t + gate`` (XLA still
+    does). The gate was +0.0, and ``-0.0 + 0.0`` is ``+0.0``: a kept -0.0
+    came back as +0.0 and ``atan2(0, c)`` gave 0 instead of pi (the
+    gradients below the copies off by twice their size, sign flipped). The
+    gate is now -0.0, in both parts of a complex gate; outside XLA the read
+    is a select, which passes the value on."""
     complex_ = dtype.startswith("complex")
     real = tf.float32 if complex_ else tf.as_dtype(dtype)
     ws = [tf.Variable(tf.constant(rng.randn(8, 8) / 3, dtype=real)) for _ in range(3)]

@@ -23,6 +23,7 @@ from memsave.timemodel import (
     Efficiency,
     GATE_OPS,
     fused_into_producer,
+    head_gate_seconds,
     op_class,
     op_seconds,
     step_time,
@@ -222,16 +223,29 @@ def test_step_time_plain_and_checkpointed():
     ops = [i for st in schedule.steps if st.kind == "recompute" for i in st.ops]
     assert t.recomputed_ops == len(ops)
     assert t.recompute_s == pytest.approx(s.recompute_s(ops))
-    # Two recompute steps with a floating head each: a gate, and "+ gate" over the
-    # head's gradient and each boundary tensor the schedule gates (the
-    # checkpoint in the y-step; x, the smallest floating one, in op1's step).
+    # Two recompute steps with a floating head each: a gate, and a gated read
+    # (a select, one launch: memsave.gates.select) of the head's gradient and
+    # of each boundary tensor the schedule gates (the checkpoint in the
+    # y-step; x, the smallest floating one, in op1's step).
     recompute = [st for st in schedule.steps if st.kind == "recompute"]
     heads = len(recompute)
     assert [len(st.gated) for st in recompute] == [1, 1]
-    passes = heads + sum(len(st.gated) for st in recompute)
-    assert t.rewrite_s == pytest.approx(heads * GATE_OPS * US + passes * (US + 2 * MiB / 5e7))
+    reads = heads + sum(len(st.gated) for st in recompute)
+    assert t.rewrite_s == pytest.approx(heads * GATE_OPS * US + reads * US)
     assert t.total_s == pytest.approx(plain.total_s + t.recompute_s + t.rewrite_s)
     assert t.ratio == pytest.approx(t.total_s / plain.total_s)
+
+
+def test_a_gated_read_is_a_launch_outside_xla_and_a_pass_under_it():
+    """Outside XLA a recompute step reads a gated tensor through a select
+    that passes its buffer on; under XLA through ``t + gate``, a pass that
+    reads and writes it (elementwise: 100 MB/s at efficiency 0.5)."""
+    fg = chain(2, type="Relu", size_bytes=MiB)
+    costs = estimate_costs(fg)
+    t = fg.ops[0].outputs[0]
+    assert head_gate_seconds(fg, costs, t, P) == pytest.approx(US)
+    xla = dataclasses.replace(fg, xla=True)
+    assert head_gate_seconds(xla, costs, t, P) == pytest.approx(US + 2 * MiB / 5e7)
 
 
 def test_copies_whose_values_no_gradient_reads_are_not_counted():

@@ -219,6 +219,14 @@ class Segments:
         # tensors kept whatever the decision, and the ops never copied.
         self._group_cache: dict[tuple[int, int, bool], int] = {}
         self._candidate_set = frozenset(self.candidates)
+        # What a schedule may keep beyond a decision's checkpoints where two
+        # heads' walks meet (memsave.schedule's shared frontier): a y, an
+        # output of an op with several, or a tensor several ops read. The
+        # bounds count them kept: a kept tensor's copies are saved, and its
+        # gated read costs a kernel launch (memsave.gates.select).
+        self._may_share = frozenset(fg.ys) | {
+            t for t, node in enumerate(fg.tensors) if len(consumers[t]) > 1
+            or (node.producer is not None and len(fg.ops[node.producer].outputs) > 1)}
         self._stuck = xla.in_place_ops(fg)
         outside = len(self.segments)
         self._last_reader = {}
@@ -364,8 +372,9 @@ class Segments:
     def lower_bound(self, d: Decision) -> int:
         """A lower bound on :meth:`cost` without a schedule: per segment not
         stored, the copies that run with every candidate kept (and, for an
-        expensive-kept segment, its expensive outputs), the most a decision
-        keeps inside one segment; each op is copied at most once, and gates
+        expensive-kept segment, its expensive outputs, and what a schedule
+        may keep where two heads' walks meet), the most a decision keeps
+        inside one segment; each op is copied at most once, and gates
         cost more, never less. Less a nanosecond per op, for the rounding of
         each step's time. tests/test_solvers.py checks it on every decision
         of its cases; ``greedy`` builds schedules only for the plans whose
@@ -387,7 +396,8 @@ class Segments:
         found = self._lower_cache.get(key)
         if found is None:
             found = self._lower_cache[key] = max(0, math.floor(
-                1e9 * self._segment_seconds(k, expensive)) - len(self.segments[k]))
+                1e9 * self._segment_seconds(k, expensive, self._may_share))
+                - len(self.segments[k]))
         return found
 
     def groups(self, d: Decision) -> list[tuple[int, int, str]]:
@@ -433,8 +443,9 @@ class Segments:
         outputs kept), without a schedule (cached).
 
         The copies that run with every tensor kept that such a decision may
-        keep: the other candidates, the expensive outputs, and what ops
-        outside the group read or a custom gradient captured (a stored or
+        keep: the other candidates, the expensive outputs, what a schedule
+        may keep where two heads' walks meet, and what ops outside the group
+        read or a custom gradient captured (a stored or
         non-recomputable reader keeps it); each op is copied at most once, so
         the bounds of a decision's groups add up (:meth:`groups`). Less a
         nanosecond per op for the rounding of each step's time. ``milp``'s
@@ -449,9 +460,10 @@ class Segments:
         interior = {self.candidates[k] for k in range(a, b - 1)}
         extra = {t for k in range(a, b) for t in self.expensive_outputs[k]} if expensive else set()
         last_reader, forced, cands = self._last_reader, self._forced_kept, self._candidate_set
+        shared = self._may_share
 
         def kept(t: int) -> bool:
-            return (t in extra or t in forced or last_reader.get(t, b) >= b
+            return (t in extra or t in forced or t in shared or last_reader.get(t, b) >= b
                     or (t in cands and t not in interior))
 
         run = self._running_copies(ops, kept)
@@ -464,8 +476,8 @@ class Segments:
         """Lower bounds on the gates' nanoseconds (:class:`StepBounds`)."""
         return StepBounds(self)
 
-    def _segment_seconds(self, k: int, expensive: bool) -> float:
-        keep = set(self.candidates)
+    def _segment_seconds(self, k: int, expensive: bool, also: frozenset[int] = frozenset()) -> float:
+        keep = set(self.candidates) | also
         if expensive:
             keep.update(self.expensive_outputs[k])
         return self.problem.seconds.recompute_s(
@@ -503,8 +515,8 @@ class StepBounds:
     ``head[k]``: candidate ``k`` is kept (a recomputed or expensive-kept
     group starts after it, or a stored segment of ``keepers[k]`` reads it;
     -1: an op that is never copied does) and segment ``k`` is not stored:
-    ``k`` heads a recompute step,
-    which reads and writes it (``t + gate``) and, when every other
+    ``k`` heads a recompute step, which reads it through the gate
+    (:func:`memsave.timemodel.head_gate_seconds`) and, when every other
     candidate is its ancestor or descendant (so no other candidate's step
     is the same step: a step is one layer of the heads' dependencies),
     launches the gates' kernels. ``start[k]``: such a group's first segment
