@@ -302,12 +302,15 @@ def test_custom_gradient_silu_forecast_and_its_captured_inputs(fresh):
         assert abs(r["predicted"] - r["measured"]) <= 0.2 * r["measured"], (
             c, r["predicted"] / MiB, r["measured"] / MiB)
     # Every layer's MatMul output stays alive: captured by silu's gradient
-    # where the layer is recomputed, else a checkpoint or in a stored segment
-    # ('memory' may store the last layers, within its peak tolerance).
+    # where the layer is recomputed, else a checkpoint, an output kept so that
+    # the silu is recomputed from it, or in a stored segment ('memory' may
+    # store the last layers, within its peak tolerance). The plan decides
+    # which: the layers it recomputes whole (at least one here) show the
+    # capture, and only MatMul outputs are captured.
     kept = res["memory"]["kept"]
     assert sum(op_type == "MatMul" for op_type, _ in kept) == 12
     captured = [k for k in kept if "tf.custom_gradient" in k[1]]
-    assert len(captured) >= 10 and all(op_type == "MatMul" for op_type, _ in captured)
+    assert captured and all(op_type == "MatMul" for op_type, _ in captured)
 
 
 if __name__ == "__main__":
