@@ -451,8 +451,8 @@ def _recompute_step(fg: ForwardGraph, heads, parts) -> Step:
 
 def is_floating(dtype: str) -> bool:
     """Whether a tensor of this dtype (its TensorFlow name) can make and carry
-    the gate (:mod:`memsave.gates`): floating and complex dtypes. Graphs built by hand, with
-    no dtype recorded (``""``), count as floating."""
+    the gate (:mod:`memsave.gates`): floating and complex dtypes. Graphs
+    built by hand, with no dtype recorded (``""``), count as floating."""
     return dtype == "" or dtype.startswith(("float", "bfloat", "half", "complex"))
 
 

@@ -196,10 +196,10 @@ class DeviceProfile:
         Per op class (:data:`OP_CLASSES`); a class not listed gets
         ``Efficiency()``.
     step_s : float
-        Seconds each recompute step adds beyond its kernels: its copies
-        wait for the previous step's gradients (:mod:`memsave.rewrite`), so
-        the executor cannot run the next step's work beside that step's
-        last gradient kernels. Not calibrated (see :data:`CPU_DEFAULT`).
+        Seconds each recompute step adds beyond its kernels, as measured;
+        the cause is not known (making a step's copies wait only for the
+        gradients later steps take further, not the weights', did not
+        remove it). Not calibrated (see :data:`CPU_DEFAULT`).
     """
 
     name: str

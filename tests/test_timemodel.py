@@ -236,6 +236,18 @@ def test_step_time_plain_and_checkpointed():
     assert t.ratio == pytest.approx(t.total_s / plain.total_s)
 
 
+def test_each_recompute_step_adds_the_profiles_step_seconds():
+    fg = chain(4, type="Relu", size_bytes=MiB)
+    costs = estimate_costs(fg)
+    schedule = build_schedule(fg, (fg.ops[1].outputs[0],))
+    steps = sum(st.kind == "recompute" for st in schedule.steps)
+    assert steps == 2
+    base = step_time(fg, costs, schedule, profile=P)
+    more = step_time(fg, costs, schedule, profile=P.replace(step_s=1e-3))
+    assert more.rewrite_s - base.rewrite_s == pytest.approx(steps * 1e-3)
+    assert more.recompute_s == base.recompute_s
+
+
 def test_a_gated_read_is_a_launch_outside_xla_and_a_pass_under_it():
     """Outside XLA a recompute step reads a gated tensor through a select
     that passes its buffer on; under XLA through ``t + gate``, a pass that
@@ -308,6 +320,8 @@ def test_bad_profiles_are_refused_with_the_value():
         P.replace(bytes_per_s=0)
     with pytest.raises(DeviceProfileError, match="overhead_s=-1"):
         P.replace(overhead_s=-1)
+    with pytest.raises(DeviceProfileError, match="step_s=nan"):
+        P.replace(step_s=float("nan"))
     with pytest.raises(DeviceProfileError, match="'convolution'"):
         P.replace(efficiency={"convolution": Efficiency()})
     with pytest.raises(DeviceProfileError, match="compute=0"):
