@@ -21,6 +21,10 @@ Data flow, for each step of the schedule in order:
    the segment is recomputed only once backprop reaches it (a training
    batch norm on the CPU is copied in inference mode on the forward pass's
    statistics: :func:`memsave._tf_private.copy_batch_norm_with_statistics`).
+   The proxies, and the gated reads of the heads' gradients, also wait for
+   the gradients the previous step made (across backprop steps, whose ops
+   wait for nothing, for those of the steps before them too), so that no
+   earlier weight gradient runs beside the step.
    Call the stock
    tf.gradients on the copies of the heads with respect to the proxies,
    with the heads' gradients read through the gate too (see
@@ -179,7 +183,7 @@ def rewrite(
         if _passes_through(ex, step):
             # Variable reads: each handle receives its read's gradients as they
             # are (what tf.gradients would build, without a call per step).
-            previous = _pass_through(fg, step, received)
+            previous = previous + _pass_through(fg, step, received)
             continue
         head_grads = [aggregate(received[h], dense=True, near=ex.tensors[h].op
                                 if colocate_gradients_with_ops else None) for h in heads]
@@ -194,7 +198,11 @@ def rewrite(
                     stop_gradients=[ex.tensors[b] for b in step.boundary] + list(stop_gradients))
         if step.ordered:
             grads = _ordered_after_step(step, grads, once=half)
-        previous = []
+        # What the next recompute step waits for: this step's gradients, and
+        # after a backprop step (whose ops wait for none of them) the ones
+        # before it too, so that no earlier step's weight gradient still
+        # runs beside the recomputation.
+        previous = list(previous) if step.kind == "backprop" else []
         for b, g in zip(step.boundary, grads):
             if g is not None:
                 received[b].append(g)
@@ -442,8 +450,13 @@ def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, d
     if gate is not None:
         # The step reads what it receives through proxies of its own, never a
         # tensor an earlier step's ops also read (see "No shared inputs
-        # across steps" in the module docstring).
-        head_grads = [through_gate(g) if gates.gateable(g.dtype) else g for g in head_grads]
+        # across steps" in the module docstring). They wait for the previous
+        # step's gradients too: a gradient op reading only them and forward
+        # tensors outside the segment (a first layer's weight gradient, ``x^T
+        # g`` on the input batch) would otherwise run beside the previous
+        # step's weight gradients, both holding their products.
+        with ex.ops[0].graph.control_dependencies(previous):
+            head_grads = [through_gate(g) if gates.gateable(g.dtype) else g for g in head_grads]
     return _copy_and_differentiate(ex, step, heads, head_grads, stock, proxies, waits, deep)
 
 

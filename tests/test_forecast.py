@@ -53,6 +53,9 @@ CASES = [
     ("zoo_rnn_while", forecast.FUNCTION),
     # a tf.function called 4 times: what its gradient keeps of its insides (was -26%)
     ("zoo_nested_function", forecast.FUNCTION),
+    # dense layers on a sequence (broadcast BatchMatMulV2): the first layer's
+    # weight product ran beside the next one's (memory: was -20%)
+    ("zoo_seq_dense", forecast.FUNCTION),
 ]
 METHODS = (forecast.PLAIN, "memory")
 
