@@ -447,15 +447,14 @@ def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, d
     with ex.ops[0].graph.control_dependencies(waits):
         proxies = {b: through_gate(ex.tensors[b]) if b in gated
                    else gates.proxy(ex.tensors[b], None) for b in step.boundary}
-    if gate is not None:
-        # The step reads what it receives through proxies of its own, never a
-        # tensor an earlier step's ops also read (see "No shared inputs
-        # across steps" in the module docstring). They wait for the previous
-        # step's gradients too: a gradient op reading only them and forward
-        # tensors outside the segment (a first layer's weight gradient, ``x^T
-        # g`` on the input batch) would otherwise run beside the previous
-        # step's weight gradients, both holding their products.
-        with ex.ops[0].graph.control_dependencies(previous):
+        if gate is not None:
+            # The step reads what it receives through proxies of its own, never
+            # a tensor an earlier step's ops also read (see "No shared inputs
+            # across steps" in the module docstring). They wait too: a
+            # gradient op reading only them and forward tensors outside the
+            # segment (a first layer's weight gradient, ``x^T g`` on the input
+            # batch) would otherwise run beside the previous step's weight
+            # gradients, both holding their products.
             head_grads = [through_gate(g) if gates.gateable(g.dtype) else g for g in head_grads]
     return _copy_and_differentiate(ex, step, heads, head_grads, stock, proxies, waits, deep)
 
