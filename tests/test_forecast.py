@@ -53,9 +53,6 @@ CASES = [
     ("zoo_rnn_while", forecast.FUNCTION),
     # a tf.function called 4 times: what its gradient keeps of its insides (was -26%)
     ("zoo_nested_function", forecast.FUNCTION),
-    # dense layers on a sequence (broadcast BatchMatMulV2): the first layer's
-    # weight product ran beside the next one's (memory: was -20%)
-    ("zoo_seq_dense", forecast.FUNCTION),
 ]
 METHODS = (forecast.PLAIN, "memory")
 
@@ -63,6 +60,11 @@ METHODS = (forecast.PLAIN, "memory")
 def measure(model: str, mode: str) -> dict:
     """{method: result} for METHODS, measured one after the other (in a fresh process)."""
     return forecast.measure(model, mode, list(METHODS), repeats=REPEATS)
+
+
+def measure_one(model: str, mode: str, method: str) -> dict:
+    """The result of one method, measured alone (in a fresh process)."""
+    return forecast.measure(model, mode, [method], repeats=REPEATS)[method]
 
 
 def _measured(fresh, model: str, mode: str, method: str) -> int:
@@ -111,3 +113,22 @@ def test_the_models_are_big_enough_for_the_allocator_to_count(fresh):
     # (the smallest, zoo_cnn, measures 8-9 MiB).
     for model, mode in CASES:
         assert _measured(fresh, model, mode, forecast.PLAIN) > 4 * MiB, (model, mode)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["memory", "speed"])
+def test_checkpointed_dense_layers_on_a_sequence_are_forecast(fresh, method):
+    # Dense layers on a sequence written ``h @ w`` (a broadcast BatchMatMulV2,
+    # whose weight gradient is a 32 MiB product here): a recompute step's
+    # first weight product ran beside the previous step's, both alive
+    # (measured -20% under 'memory', -27% under 'speed'; now within 1.2%).
+    # Checkpointed plans only: plain tf.gradients' own executor sometimes
+    # runs two of its products at once too (97-125 MiB against a forecast
+    # of 93.5), an order memsave does not set.
+    model, mode = "zoo_seq_dense", forecast.FUNCTION
+    predicted = forecast.predict(model, mode, [method])[method]
+    assert not isinstance(predicted, dict), predicted
+    result = fresh.call(measure_one, model, mode, method, timeout_s=900)
+    assert "error" not in result, result
+    error = (predicted - result["peak_bytes"]) / result["peak_bytes"]
+    assert abs(error) <= MAX_ERROR, (method, predicted / MiB, result["peak_bytes"] / MiB)
