@@ -218,12 +218,14 @@ class Problem:
         """Forecast peak bytes of ``schedule`` (:meth:`forecast`)."""
         return self.forecast(schedule, model=model, gradients_kept=gradients_kept).peak_bytes
 
-    def peak_floor(self, schedule: Schedule | None, *, model: MemoryModel | None = None) -> int:
+    def peak_floor(self, schedule: Schedule | None, *, model: MemoryModel | None = None,
+                   gradients_kept: bool = True) -> int:
         """A lower bound on :meth:`peak` of ``schedule`` without simulating it
         (:meth:`memsave.simulate.ForwardProgram.peak_floor`): the most bytes
         certainly alive when backprop starts or as one of its steps'
         gradients start, the extra resident bytes included."""
-        return self.extra_resident_bytes + self.forward(model).peak_floor(schedule)
+        return self.extra_resident_bytes + self.forward(model).peak_floor(
+            schedule, gradients_kept=gradients_kept)
 
     def timeline(self, schedule: Schedule | None, *, model: MemoryModel | None = None) -> MemoryTrace:
         """The forecast with its timeline of bytes alive per event (for the Plan), cached."""

@@ -657,6 +657,8 @@ class _FloorTables(NamedTuple):
     grad_reads: list[tuple[int, ...]]  # per op: the tensors its gradient reads (if it runs)
     fresh: list[tuple[tuple[int, int], ...]]  # per op: (tensor, counted bytes) of the
     # gradients it writes to new buffers, if it runs (see peak_floor)
+    fresh_xs: list[tuple[tuple[int, bool, int, int], ...]]  # per op: (tensor, internal,
+    # x, counted bytes) of the gradients it writes to new buffers that become an x's
     producer: list[int]  # per tensor: its op, or -1
     copy_bytes: list[int]  # per tensor: counted bytes of a copy's new buffer (0: not one)
     proxy_bytes: list[int]  # per tensor: counted bytes of a buffer of its size
@@ -984,7 +986,7 @@ class ForwardProgram:
                     reads = tuple(dict.fromkeys(reads + xm.copy_gradient_reads(i)))
                 plans[i] = g[:3] + (reads, early, g[5] + ((scratch,) if scratch else ())) + g[6:]
 
-    def peak_floor(self, schedule: Schedule | None) -> int:
+    def peak_floor(self, schedule: Schedule | None, *, gradients_kept: bool = True) -> int:
         """A lower bound on the forecast peak of ``schedule`` (None: plain
         tf.gradients) without building its program, extra resident bytes
         not included: the most bytes certainly alive at one of these moments.
@@ -1010,8 +1012,13 @@ class ForwardProgram:
           gradient this step or a later one takes in (one per part: the
           parts are summed where they are taken), and the seeds not folded,
           leaving out pass-throughs (which may share a buffer with another
-          gradient), gradients Grappler may fold, and the xs' (which an
-          update may consume as they are written, ``gradients_kept=False``).
+          gradient) and gradients Grappler may fold; and with
+          ``gradients_kept`` (the peak every planner compares), one buffer
+          per x whose gradient an earlier step wrote (the xs' gradients are
+          the step's outputs, alive to its end; an x's parts are summed into
+          one buffer at most, and the first part's bytes are no more than
+          the sum's). Without it, the xs' are left out (an update may
+          consume them as they are written).
           No two of these share a buffer: a buffer written in place takes
           over a value that dies there, and each of them is read later.
 
@@ -1060,6 +1067,11 @@ class ForwardProgram:
             if c >= 0:
                 flight[0] += nbytes
                 flight[c + 1] -= nbytes
+        # The xs' gradients, kept: the step's outputs, alive to its end (an
+        # x's parts are summed into one buffer at most), so one buffer per x
+        # is alive at every moment after the step that first writes one.
+        x_first: set[int] = set()
+        fresh_xs = f.fresh_xs if gradients_kept else [()] * len(f.fresh_xs)
         reads: list = [()] * n  # the forward buffers each step reads as it starts
         moments: list = [None] * n  # of a recompute step: (its gradients' buffers, copies' bytes)
         grad_reads, fresh = f.grad_reads, f.fresh
@@ -1091,6 +1103,10 @@ class ForwardProgram:
                         if c >= 0:
                             flight[s + 1] += nbytes
                             flight[c + 1] -= nbytes
+                for t, internal, x, nbytes in fresh_xs[i]:
+                    if (internal or t in boundary) and x not in x_first:
+                        x_first.add(x)
+                        flight[s + 1] += nbytes
         floor = 0
         base = self.resident_counted + f.folded_seeds
         later: set[int] = set()  # forward buffers read after the moment
@@ -1134,6 +1150,20 @@ class ForwardProgram:
         fresh = [tuple((t, counted_of[nbytes]) for t, _, k, nbytes, feeds_x, foldable, _ in plan[8]
                        if k is None and not feeds_x and not (plan[9] and foldable))
                  if run else () for plan, run in zip(plans, runs)]
+        # The x a tensor's gradient is, as it is written: an x's own, or a
+        # read's whose gradient passes the x its incoming one (ReadVariableOp).
+        is_x = self.is_x
+        x_of = [t if is_x[t] else -1 for t in range(len(tensors))]
+        for plan, run in zip(plans, runs):
+            if run:
+                for x, _, k, *_ in plan[8]:
+                    if k is not None and is_x[x]:
+                        x_of[plan[1][k]] = x
+        fresh_xs = [tuple((t, internal, x_of[t], counted_of[nbytes])
+                          for t, internal, k, nbytes, feeds_x, foldable, _ in plan[8]
+                          if k is None and feeds_x and x_of[t] >= 0
+                          and not (plan[9] and foldable))
+                    if run else () for plan, run in zip(plans, runs)]
         producer = [-1 if node.producer is None else node.producer for node in tensors]
         proxy_bytes = [counted_of[nbytes] for nbytes in tensor_bytes]
         copy_bytes = [
@@ -1144,8 +1174,8 @@ class ForwardProgram:
         seeds = sum(proxy_bytes[y] for y in ys)
         folded_seeds = sum(proxy_bytes[y] for y in ys if self.foldable[y])
         open_seeds = tuple((y, proxy_bytes[y]) for y in ys if not self.foldable[y])
-        return _FloorTables(flows, runs, buffer_of, reads_of, grad_reads, fresh, producer,
-                            copy_bytes, proxy_bytes, seeds, folded_seeds, open_seeds)
+        return _FloorTables(flows, runs, buffer_of, reads_of, grad_reads, fresh, fresh_xs,
+                            producer, copy_bytes, proxy_bytes, seeds, folded_seeds, open_seeds)
 
     def label(self, label: tuple[Event, int]) -> str:
         """An event's name (``"run dense/MatMul"``)."""

@@ -499,7 +499,7 @@ def greedy(space: Segments, budget_bytes: int, *, time_limit_s: float | None = N
     # may get a plan forecast slower (a ResNet-like CNN, 16 cuts and 1477
     # plans: 1.154x the plain step at 0.75 of the plain peak, 1.148x at 0.7).
     exact = len(space.fg.ops) * len(plans) <= EXACT_COST_WORK
-    heap = [(space.lower_bound(d), not exact, _order(d), d) for d in plans
+    heap = [(space.lower_bound(d, steps=exact), not exact, _order(d), d) for d in plans
             if bound[d] <= budget_bytes]
     heapq.heapify(heap)
     evs: list[Evaluation] = []

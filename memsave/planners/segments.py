@@ -219,6 +219,8 @@ class Segments:
         # tensors kept whatever the decision, and the ops never copied.
         self._group_cache: dict[tuple[int, int, bool], int] = {}
         self._candidate_set = frozenset(self.candidates)
+        self._candidate_index = {t: k for k, t in enumerate(self.candidates)}
+        self._ys = frozenset(fg.ys)
         # What a schedule may keep beyond a decision's checkpoints where two
         # heads' walks meet (memsave.schedule's shared frontier): a y, an
         # output of an op with several, or a tensor several ops read. The
@@ -369,7 +371,7 @@ class Segments:
         (:meth:`cost`)."""
         return round(1e9 * self._segment_seconds(k, expensive))
 
-    def lower_bound(self, d: Decision) -> int:
+    def lower_bound(self, d: Decision, *, steps: bool = True) -> int:
         """A lower bound on :meth:`cost` without a schedule: per segment not
         stored, the copies that run with every candidate kept (and, for an
         expensive-kept segment, its expensive outputs, and what a schedule
@@ -378,18 +380,32 @@ class Segments:
         cost more, never less. Less a nanosecond per op, for the rounding of
         each step's time. tests/test_solvers.py checks it on every decision
         of its cases; ``greedy`` builds schedules only for the plans whose
-        bound is below the answer's cost."""
+        bound is below the answer's cost. ``steps=False`` leaves out the
+        steps' fixed part (a looser bound: the order ``greedy`` takes on
+        graphs too large to cost every plan, whose answers it sets)."""
         d = self.canonical(d)
         if len(d.stored) == len(self.segments):
             return 0
         ns = sum(self._lower(k, k in d.expensive) for k in range(len(self.segments))
                  if k not in d.stored)
         # Every kept tensor that a recomputed op produces and that receives a
-        # gradient heads a recompute step: its gate is read and written.
-        heads = [self._head_ns[t] for t in self.checkpoints(d)
-                 if self._seg_of_op.get(self.fg.tensors[t].producer, -1) not in d.stored
-                 and t in self._head_ns]
-        return ns + sum(heads)
+        # gradient heads a recompute step: its gate is read and written. A
+        # candidate that every other one precedes or follows heads a step of
+        # its own, which pays the step's fixed part (StepBounds.head); so
+        # does the step of the ys when the last segment is recomputed.
+        fixed = self.step_bounds if steps else None
+        index = self._candidate_index
+        checkpoints = self.checkpoints(d)
+        for t in checkpoints:
+            if self._seg_of_op.get(self.fg.tensors[t].producer, -1) not in d.stored \
+                    and t in self._head_ns:
+                k = index.get(t)
+                ns += self._head_ns[t] if k is None or fixed is None else max(
+                    self._head_ns[t], fixed.head[k])
+        if fixed is not None and len(self.segments) - 1 not in d.stored \
+                and not self._ys.intersection(checkpoints):
+            ns += fixed.ys
+        return ns
 
     def _lower(self, k: int, expensive: bool) -> int:
         key = (k, expensive)
