@@ -22,6 +22,11 @@ tf.gradients answers.
 Under a ``tf.GradientTape`` that watches the ys, all of it is built
 unrecorded and the tape records the result as one op (:mod:`memsave.tapes`),
 so that the tape can differentiate the gradients further.
+
+Some 600 lines, one call's path top down: the public functions and the
+checks of their arguments (graph, eager, a Plan of another graph) sit with
+the build they guard; planning, recording and rewriting are modules of
+their own.
 """
 
 from __future__ import annotations

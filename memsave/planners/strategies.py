@@ -19,6 +19,11 @@ through the budget solvers (:func:`memsave.planners.budget.solve`):
     :data:`MEMORY_PEAK_TOLERANCE`, as fast as possible;
 ``'speed'``
     the fastest plan under :data:`SPEED_BUDGET_FRACTION` of the plain peak.
+
+Some 600 lines: the three strategies, the user's list (:func:`given`) and
+the checks they share (options, :func:`worth_it`, the refusal messages)
+are read together; the graph analysis they stand on is
+:mod:`memsave.candidates`', the search :mod:`memsave.planners.budget`'s.
 """
 
 from __future__ import annotations
