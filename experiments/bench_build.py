@@ -20,7 +20,9 @@ Graphs, each built fresh in a tf.compat.v1 Graph for every call:
 
 Times are CPU seconds of the gradients call alone (``time.process_time``:
 the machine is shared, and CPU time moves far less than wall time under
-load), median of ``--repeats`` calls, the two methods interleaved. The
+load), median of ``--repeats`` calls, the two methods interleaved, each
+after a garbage collection (memsave's call pauses the collector, and the
+collection it defers fell inside the next timed call). The
 ``ops`` columns count the ops each call added, and ``copies`` the ops
 memsave recomputed (0: it fell back to tf.gradients).
 
