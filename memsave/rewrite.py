@@ -169,18 +169,19 @@ def rewrite(
     previous: list = []
     # Per step, the boundary tensors whose gradients later steps take
     # further (their heads); the others' gradients are leaves (weights, inputs).
+    through = [_passes_through(ex, step) for step in schedule.steps]
     deeper: list[set] = []
     later: set = set()
-    for step in reversed(schedule.steps):
+    for step, passes in zip(reversed(schedule.steps), reversed(through)):
         deeper.append(later)
-        if not _passes_through(ex, step):
+        if not passes:
             later = later | set(step.heads)
     deeper.reverse()
     for k, step in enumerate(schedule.steps):
         heads = [h for h in step.heads if received.get(h)]
         if not heads or not step.boundary:
             continue
-        if _passes_through(ex, step):
+        if through[k]:
             # Variable reads: each handle receives its read's gradients as they
             # are (what tf.gradients would build, without a call per step).
             previous = previous + _pass_through(fg, step, received)
