@@ -1071,7 +1071,7 @@ class ForwardProgram:
         # x's parts are summed into one buffer at most), so one buffer per x
         # is alive at every moment after the step that first writes one.
         x_first: set[int] = set()
-        fresh_xs = f.fresh_xs if gradients_kept else [()] * len(f.fresh_xs)
+        fresh_xs = f.fresh_xs
         reads: list = [()] * n  # the forward buffers each step reads as it starts
         moments: list = [None] * n  # of a recompute step: (its gradients' buffers, copies' bytes)
         grad_reads, fresh = f.grad_reads, f.fresh
@@ -1103,7 +1103,7 @@ class ForwardProgram:
                         if c >= 0:
                             flight[s + 1] += nbytes
                             flight[c + 1] -= nbytes
-                for t, internal, x, nbytes in fresh_xs[i]:
+                for t, internal, x, nbytes in fresh_xs[i] if gradients_kept else ():
                     if (internal or t in boundary) and x not in x_first:
                         x_first.add(x)
                         flight[s + 1] += nbytes

@@ -270,7 +270,7 @@ def family(space: Segments, *, max_plans: int | None = None) -> list[Decision]:
     # 32: 248 vs 237 MiB forecast), so a budget 'memory' meets was called
     # infeasible. With their last segments stored or expensive-kept: what
     # 'memory' weighs within its peak tolerance.
-    at = {t: k for k, t in enumerate(space.candidates)}
+    at = space.candidate_index
     n = m + 1
     for chosen in space.problem.memory_plans():
         if all(t in at for t in chosen):

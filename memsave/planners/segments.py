@@ -193,6 +193,8 @@ class Segments:
                 )
         self.candidates: tuple[int, ...] = tuple(
             sorted(dict.fromkeys(candidates), key=lambda t: (fg.tensors[t].producer, t)))
+        #: Each candidate's index in :attr:`candidates`.
+        self.candidate_index: dict[int, int] = {t: k for k, t in enumerate(self.candidates)}
         bounds = [fg.tensors[t].producer for t in self.candidates]
         segs: list[list[int]] = [[] for _ in range(len(bounds) + 1)]
         k = 0
@@ -218,15 +220,13 @@ class Segments:
         # the last segment when an op outside every segment reads it), the
         # tensors kept whatever the decision, and the ops never copied.
         self._group_cache: dict[tuple[int, int, bool], int] = {}
-        self._candidate_set = frozenset(self.candidates)
-        self._candidate_index = {t: k for k, t in enumerate(self.candidates)}
         self._ys = frozenset(fg.ys)
         # What a schedule may keep beyond a decision's checkpoints where two
         # heads' walks meet (memsave.schedule's shared frontier): a y, an
         # output of an op with several, or a tensor several ops read. The
         # bounds count them kept: a kept tensor's copies are saved, and its
         # gated read costs a kernel launch (memsave.gates.select).
-        self._may_share = frozenset(fg.ys) | {
+        self._may_share = self._ys | {
             t for t, node in enumerate(fg.tensors) if len(consumers[t]) > 1
             or (node.producer is not None and len(fg.ops[node.producer].outputs) > 1)}
         self._stuck = xla.in_place_ops(fg)
@@ -394,14 +394,15 @@ class Segments:
         # its own, which pays the step's fixed part (StepBounds.head); so
         # does the step of the ys when the last segment is recomputed.
         fixed = self.step_bounds if steps else None
-        index = self._candidate_index
         checkpoints = self.checkpoints(d)
         for t in checkpoints:
             if self._seg_of_op.get(self.fg.tensors[t].producer, -1) not in d.stored \
                     and t in self._head_ns:
-                k = index.get(t)
-                ns += self._head_ns[t] if k is None or fixed is None else max(
-                    self._head_ns[t], fixed.head[k])
+                head = self._head_ns[t]
+                k = self.candidate_index.get(t)
+                if fixed is not None and k is not None:
+                    head = max(head, fixed.head[k])
+                ns += head
         if fixed is not None and len(self.segments) - 1 not in d.stored \
                 and not self._ys.intersection(checkpoints):
             ns += fixed.ys
@@ -475,7 +476,7 @@ class Segments:
         ops = [o for k in range(a, b) for o in self.segments[k] if o not in self._stuck]
         interior = {self.candidates[k] for k in range(a, b - 1)}
         extra = {t for k in range(a, b) for t in self.expensive_outputs[k]} if expensive else set()
-        last_reader, forced, cands = self._last_reader, self._forced_kept, self._candidate_set
+        last_reader, forced, cands = self._last_reader, self._forced_kept, self.candidate_index
         shared = self._may_share
 
         def kept(t: int) -> bool:
