@@ -42,7 +42,6 @@ overlap (ops shared by heads of different layers are copied once per layer).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Collection
 from typing import Literal
 
@@ -254,6 +253,8 @@ class _Tables:
     outputs: tuple[tuple[int, ...], ...]  # by op index: its outputs
     floating: tuple[bool, ...]  # by tensor id: is_floating(its dtype)
     x_inputs: tuple[tuple[int, ...], ...]  # by op index: its inputs that are xs
+    # By tensor id: a floating output of a recomputable op (gated_boundary).
+    activation: tuple[bool, ...]
 
 
 def _tables(fg: ForwardGraph) -> _Tables:
@@ -268,6 +269,7 @@ def _tables(fg: ForwardGraph) -> _Tables:
                 kept.update(held[op.index])
         kept.update(fg.captured())
         receives = tuple(fg.receives_gradient(t.id) for t in tensors)
+        floating = tuple(is_floating(t.dtype) for t in tensors)
         found = _Tables(
             producer=tuple(-1 if t.producer is None else t.producer for t in tensors),
             internal=tuple(t.kind == "internal" for t in tensors),
@@ -279,8 +281,11 @@ def _tables(fg: ForwardGraph) -> _Tables:
             held=held,
             inputs=tuple(op.inputs for op in fg.ops),
             outputs=tuple(op.outputs for op in fg.ops),
-            floating=tuple(is_floating(t.dtype) for t in tensors),
+            floating=floating,
             x_inputs=tuple(tuple(t for t in op.inputs if t in xs) for op in fg.ops),
+            activation=tuple(floating[t.id] and t.producer is not None
+                             and t.kind == "internal" and fg.ops[t.producer].recomputable
+                             for t in tensors),
         )
         object.__setattr__(fg, "_schedule_tables", found)  # a cache, not a field
     return found
@@ -345,70 +350,55 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int], recomputable: list[b
     When the kept tensors do not cut the graph (checkpoints off the residual
     stream, say), the walk back from two heads reaches the same ops and
     each step would recompute them again: quadratic time on a deep
-    network. A reverse sweep finds, for each recomputable op (``recomputable``
-    by op index), the head it feeds through unkept tensors: none, one, or
-    several (:data:`_SHARED`); where an op feeds several, its outputs read by
-    an op that feeds one are kept (the frontier), and the sweep repeats
-    until nothing is shared. Linear per sweep; a repeated sweep starts at
-    the last shared op, since an op's head depends only on its outputs and
-    their consumers, and the frontier is made of shared ops' outputs.
+    network. One reverse sweep, consumers first, finds for each
+    recomputable op (``recomputable`` by op index) the head it feeds
+    through unkept tensors: none, one, or several (*shared*). A shared op
+    is mended on the spot: its outputs read on toward a head (the
+    frontier) are kept, or, if none is, all its unkept outputs (a kept
+    output and an unkept y, say); the op then heads its own step, and the
+    sweep goes on to its producers, which see that head. Its consumers
+    were all decided before it and none is shared, so keeping its outputs
+    changes no decision already made: linear in the graph.
     """
     consumers = fg.consumers()
     y_set = set(fg.ys)
     outputs = _tables(fg).outputs
-    # Only recomputable ops take part (the others reach _NO_HEAD), consumers first.
-    order = [i for i in range(len(outputs) - 1, -1, -1) if recomputable[i]]
     # reach[i]: _NO_HEAD, the head's id (the op whose kept outputs share
     # one step, or _YS for the step of the unkept ys), or _SHARED.
     reach = [_NO_HEAD] * len(outputs)
-    start = 0  # where in ``order`` the sweep starts
-    while True:
-        shared: list[int] = []
-        for i in itertools.islice(order, start, None):
-            # The heads of the op's outputs merged: the one head they share,
-            # else _SHARED (an output kept is its own op's head; an unkept y
-            # feeds _YS; any other reaches its consumers' heads).
-            head = _NO_HEAD
-            for t in outputs[i]:
-                own = i if t in kept else _YS if t in y_set else _NO_HEAD
-                if own != _NO_HEAD and own != head:
-                    if head != _NO_HEAD:
-                        head = _SHARED
-                        break
-                    head = own
-                if own == i:
-                    continue  # a kept output: its consumers recompute from it
-                for c in consumers[t]:
-                    h = reach[c]
-                    if h == _NO_HEAD or h == head:
-                        continue
-                    if head == _NO_HEAD and h != _SHARED:
-                        head = h
-                    else:
-                        head = _SHARED
-                        break
-                if head == _SHARED:
-                    break
-            reach[i] = head
-            if head == _SHARED:
-                shared.append(i)
-        if not shared:
-            return
-        frontier = {
-            t
-            for i in shared
-            for t in outputs[i]
-            if t not in kept
-            and any(reach[c] >= _YS for c in consumers[t])
-        }
-        if not frontier:
-            # The latest shared op has no output read on toward one head: its
-            # heads are its own outputs, a kept one and a y (it has several).
-            frontier = {t for t in outputs[shared[0]] if t not in kept}
-        kept.update(frontier)
-        # Ops after the last shared one keep their heads (shared[0]: the
-        # sweep runs backward): the next sweep starts there.
-        start = order.index(shared[0])
+
+    def head_of(i: int) -> int:
+        # The heads of the op's outputs merged: the one head they share,
+        # else _SHARED (an output kept is its own op's head; an unkept y
+        # feeds _YS; any other reaches its consumers' heads).
+        head = _NO_HEAD
+        for t in outputs[i]:
+            own = i if t in kept else _YS if t in y_set else _NO_HEAD
+            if own != _NO_HEAD and own != head:
+                if head != _NO_HEAD:
+                    return _SHARED
+                head = own
+            if own == i:
+                continue  # a kept output: its consumers recompute from it
+            for c in consumers[t]:
+                h = reach[c]
+                if h == _NO_HEAD or h == head:
+                    continue
+                if head != _NO_HEAD:
+                    return _SHARED
+                head = h
+        return head
+
+    for i in range(len(outputs) - 1, -1, -1):
+        if not recomputable[i]:
+            continue  # only recomputable ops take part (the others reach _NO_HEAD)
+        head = head_of(i)
+        while head == _SHARED:  # at most twice: the second keeps every output
+            unkept = [t for t in outputs[i] if t not in kept]
+            frontier = [t for t in unkept if any(reach[c] != _NO_HEAD for c in consumers[t])]
+            kept.update(frontier or unkept)
+            head = head_of(i)
+        reach[i] = head
 
 
 # What _keep_shared_frontier's sweep records per op (head ids are op indices >= 0).
@@ -471,12 +461,12 @@ def gated_boundary(fg: ForwardGraph, boundary: tuple[int, ...]) -> tuple[int, ..
     alone (a convolution's reversed filters) in the forward pass and keeps it.
     """
     tables = _tables(fg)
-    floats = [t for t in boundary if tables.floating[t]]
     if fg.xla:
-        return tuple(floats)
-    internal, producer, recomputable = tables.internal, tables.producer, tables.recomputable
-    activations = tuple(t for t in floats if internal[t] and recomputable[producer[t]])
+        return tuple(t for t in boundary if tables.floating[t])
+    activation = tables.activation
+    activations = tuple(t for t in boundary if activation[t])
     if activations:
         return activations
+    floats = [t for t in boundary if tables.floating[t]]
     tensors = fg.tensors
     return tuple(sorted(floats, key=lambda t: tensors[t].size_bytes)[:1])
