@@ -25,8 +25,10 @@ Differential, two drivers:
 
 Tolerance: see GRADIENT_RTOL.
 
-Matrix (each axis covered, not the product; 13 cases): every model under
-every strategy; every model with the custom loop, every CNN with ``fit``;
+Matrix (each axis covered, not the product; 11 cases): every model under
+'memory' and 'speed', whose plans depend on the graph; 'collection' (the
+tensors the user tagged, whatever the graph) on a CNN with ``fit`` and on
+the Transformer; every model with the custom loop, every CNN with ``fit``;
 ``jit_compile`` with every strategy and both drivers, on the two cheaper
 models (XLA compiles of the ResNet50/EfficientNetB0 training step take
 minutes on a 2-core CPU; experiments/applications.py covers them):
@@ -34,11 +36,15 @@ minutes on a 2-core CPU; experiments/applications.py covers them):
 ======================  ===================  ===========  ===========
 model                   memory               speed        collection
 ======================  ===================  ===========  ===========
-ResNet50                loop                 fit          loop
+ResNet50                loop                 fit
 MobileNetV2             loop, xla            loop         fit
-EfficientNetB0          loop                 fit          loop
+EfficientNetB0          loop                 fit
 Transformer             fit; loop, xla       loop, xla    fit, xla
 ======================  ===================  ===========  ===========
+
+(ResNet50 and EfficientNetB0 under 'collection' in the custom loop, 13
+and 14 s of the full suite's 10 minutes, were dropped: the rewrite of a
+tagged plan is the rewrite 'memory''s plans exercise on the same models.)
 
 ResNet50 and EfficientNetB0 under 'speed' are the graphs issue 10 found
 cyclic ("N nodes in a cycle"); XFAIL lists cases that fail today, as
@@ -127,9 +133,7 @@ MODELS = {
 #: Layers whose outputs are the 'collection' checkpoints: block ends, about
 #: sqrt(number of blocks) of them, spread over the depth.
 CHECKPOINT_LAYERS = {
-    "ResNet50": ["conv2_block3_out", "conv3_block4_out", "conv4_block6_out"],
     "MobileNetV2": ["block_2_add", "block_5_add", "block_9_add", "block_12_add"],
-    "EfficientNetB0": ["block2b_add", "block4c_add", "block6d_add"],
     "Transformer": ["ln_out_0"],
 }
 
@@ -177,13 +181,11 @@ CASES = [
     # model, strategy, driver, jit_compile
     ("ResNet50", "memory", LOOP, False),
     ("ResNet50", "speed", FIT, False),
-    ("ResNet50", "collection", LOOP, False),
     ("MobileNetV2", "memory", LOOP, True),
     ("MobileNetV2", "speed", LOOP, False),
     ("MobileNetV2", "collection", FIT, False),
     ("EfficientNetB0", "memory", LOOP, False),
     ("EfficientNetB0", "speed", FIT, False),
-    ("EfficientNetB0", "collection", LOOP, False),
     ("Transformer", "memory", FIT, False),
     ("Transformer", "memory", LOOP, True),
     ("Transformer", "speed", LOOP, True),
