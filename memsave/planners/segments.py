@@ -295,9 +295,10 @@ class Segments:
         stored = d.stored | self._empty
         expensive = d.expensive - stored
         kept = set(d.kept)
-        if expensive:
-            for k in range(len(self.candidates)):  # candidate k ends segment k
-                if k not in stored and k + 1 not in stored \
+        m = len(self.candidates)
+        for e in expensive:  # candidate k ends segment k: k = e - 1 and k = e
+            for k in (e - 1, e):
+                if 0 <= k < m and k not in stored and k + 1 not in stored \
                         and (k in expensive) != (k + 1 in expensive):
                     kept.add(k)
         kept = frozenset(k for k in kept if k not in stored)
