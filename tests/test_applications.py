@@ -28,7 +28,8 @@ Tolerance: see GRADIENT_RTOL.
 Matrix (each axis covered, not the product; 11 cases): every model under
 'memory' and 'speed', whose plans depend on the graph; 'collection' (the
 tensors the user tagged, whatever the graph) on a CNN with ``fit`` and on
-the Transformer; every model with the custom loop, every CNN with ``fit``;
+the Transformer; every model with the custom loop, two CNNs and the
+Transformer with ``fit``;
 ``jit_compile`` with every strategy and both drivers, on the two cheaper
 models (XLA compiles of the ResNet50/EfficientNetB0 training step take
 minutes on a 2-core CPU; experiments/applications.py covers them):
@@ -38,13 +39,15 @@ model                   memory               speed        collection
 ======================  ===================  ===========  ===========
 ResNet50                loop                 fit
 MobileNetV2             loop, xla            loop         fit
-EfficientNetB0          loop                 fit
+EfficientNetB0          loop                 loop
 Transformer             fit; loop, xla       loop, xla    fit, xla
 ======================  ===================  ===========  ===========
 
 (ResNet50 and EfficientNetB0 under 'collection' in the custom loop, 13
 and 14 s of the full suite's 10 minutes, were dropped: the rewrite of a
-tagged plan is the rewrite 'memory''s plans exercise on the same models.)
+tagged plan is the rewrite 'memory''s plans exercise on the same models.
+EfficientNetB0 'speed' runs in the custom loop, not ``fit``: 13 s instead
+of 25, and ``fit``'s own path is the same for every model.)
 
 ResNet50 and EfficientNetB0 under 'speed' are the graphs issue 10 found
 cyclic ("N nodes in a cycle"); XFAIL lists cases that fail today, as
@@ -185,7 +188,7 @@ CASES = [
     ("MobileNetV2", "speed", LOOP, False),
     ("MobileNetV2", "collection", FIT, False),
     ("EfficientNetB0", "memory", LOOP, False),
-    ("EfficientNetB0", "speed", FIT, False),
+    ("EfficientNetB0", "speed", LOOP, False),
     ("Transformer", "memory", FIT, False),
     ("Transformer", "memory", LOOP, True),
     ("Transformer", "speed", LOOP, True),
