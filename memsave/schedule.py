@@ -363,8 +363,9 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int], recomputable: list[b
     consumers = fg.consumers()
     y_set = set(fg.ys)
     outputs = _tables(fg).outputs
-    # reach[i]: _NO_HEAD, the head's id (the op whose kept outputs share
-    # one step, or _YS for the step of the unkept ys), or _SHARED.
+    # reach[i]: _NO_HEAD, or the head's id (the op whose kept outputs share
+    # one step, or _YS for the step of the unkept ys); never _SHARED once
+    # the op is mended.
     reach = [_NO_HEAD] * len(outputs)
 
     def head_of(i: int) -> int:
@@ -401,7 +402,7 @@ def _keep_shared_frontier(fg: ForwardGraph, kept: set[int], recomputable: list[b
         reach[i] = head
 
 
-# What _keep_shared_frontier's sweep records per op (head ids are op indices >= 0).
+# What _keep_shared_frontier's sweep finds per op (head ids are op indices >= 0).
 _YS = -1
 _NO_HEAD = -2
 _SHARED = -3
