@@ -35,7 +35,7 @@ from memsave.planners import greedy as G
 from memsave.planners import milp as milp_module
 from memsave.planners.dp import _Terms
 from memsave.planners.greedy import family, greedy
-from memsave.planners.segments import Decision, Segments
+from memsave.planners.segments import Decision, Segments, StepBounds
 from memsave.problem import Problem
 
 is_chain = B.is_chain
@@ -369,29 +369,64 @@ def test_greedy_costs_fewer_plans_with_the_steps_fixed_cost_in_its_bound(monkeyp
     # many cuts are then bounded above the answer and never get a schedule.
     # The answers are the ones the looser bound gave.
     fg = H.random_chain(random.Random(4), 150)
-    plain = Problem(fg).peak(None)
-    budgets = [int(f * plain) for f in (0.5, 0.7, 0.9)]
-
-    def answers():
-        out, costed = [], 0
-        for budget in budgets:
-            for cap in (None, 6):
-                space = Segments(Problem(fg))
-                counted = []
-                cost = space.cost
-                space.cost = lambda d: counted.append(d) or cost(d)
-                ev = greedy(space, budget, max_simulations=cap).evaluation
-                out.append((budget, cap, ev.decision, ev.peak_bytes, ev.recompute_ns))
-                costed += len(counted)
-        return out, costed
-
-    tight, fewer = answers()
+    tight, fewer = _costed_answers(fg, (0.5, 0.7, 0.9))
     loose = Segments.lower_bound
     monkeypatch.setattr(Segments, "lower_bound",
                         lambda self, d, steps=True: loose(self, d, steps=False))
-    same, every = answers()
+    same, every = _costed_answers(fg, (0.5, 0.7, 0.9))
     assert tight == same
     assert fewer < every, (fewer, every)
+
+
+def _costed_answers(fg, fractions) -> tuple[list, int]:
+    """greedy's answers at these fractions of the plain peak, with and without
+    'memory''s cap on simulations, and how many plans it costed (a schedule each)."""
+    plain = Problem(fg).peak(None)
+    out, costed = [], 0
+    for budget in [int(f * plain) for f in fractions]:
+        for cap in (None, 6):
+            space = Segments(Problem(fg))
+            counted = []
+            cost = space.cost
+            space.cost = lambda d: counted.append(d) or cost(d)
+            ev = greedy(space, budget, max_simulations=cap).evaluation
+            out.append((budget, cap, ev.decision, ev.peak_bytes, ev.recompute_ns))
+            costed += len(counted)
+    return out, costed
+
+
+def test_greedy_costs_fewer_plans_on_a_dag_with_the_longest_chain_of_heads_in_its_bound(
+        monkeypatch):
+    # On a DAG with skips few candidates precede or follow every other, so
+    # the bound above counts few steps' fixed parts; the longest chain of a
+    # plan's heads (each reached from the one before through tensors that
+    # receive gradients) makes a step each. Below every plan's cost on
+    # greedy's whole family, above the bound without it on some plan, and
+    # greedy costs fewer plans for the same answers.
+    fg = H.random_dag(random.Random(3), 150)
+    space = Segments(Problem(fg))
+    raised = 0
+    for d in family(space):
+        bound = space.lower_bound(d)
+        assert bound <= space.cost(d), d
+        heads = space.checkpoints(space.canonical(d))
+        raised += space.step_bounds.chain_ns(heads) > 0 and bound > _without_chain(space, d)
+    assert raised
+    tight, fewer = _costed_answers(fg, (0.8, 0.9, 0.97))
+    monkeypatch.setattr(StepBounds, "chain_ns", lambda self, heads: 0)
+    same, every = _costed_answers(fg, (0.8, 0.9, 0.97))
+    assert tight == same
+    assert fewer < every, (fewer, every)
+
+
+def _without_chain(space: Segments, d: Decision) -> int:
+    """``space.lower_bound(d)`` without the longest chain of heads."""
+    chain_ns = space.step_bounds.chain_ns
+    space.step_bounds.chain_ns = lambda heads: 0
+    try:
+        return space.lower_bound(d)
+    finally:
+        space.step_bounds.chain_ns = chain_ns
 
 
 #: Graphs where some of 'memory''s candidate plans have floors above the
