@@ -14,8 +14,11 @@ seconds (the shared machine's load inflates wall time; CPU time holds):
 * ``min``: an infeasible budget (1 byte): every plan of greedy's family
   simulated, the error path that reports the smallest peak.
 
-Then ``dp`` and ``milp`` on a few cuts (``--exact-cuts``) of the 1000-op
-graphs, for reference.
+Then how many schedules each planning built and how many plans it
+simulated (:attr:`Problem.schedules`, :attr:`Problem.simulations`): what
+the time goes to, counted without this machine's noise. Then ``dp`` and
+``milp`` on a few cuts (``--exact-cuts``) of the 1000-op graphs, for
+reference.
 
 Usage: .venv/bin/python experiments/bench_planner.py [--sizes 1000 10000]
 """
@@ -64,24 +67,36 @@ def main() -> None:
     print(f"{'':<14}{'s  cpu  ckpts':>24}"
           + "".join(f"{'s  cpu  solver  peak  cost':>34}" for _ in args.fractions)
           + f"{'s  cpu  peak':>24}")
+    counts = []  # (graph, ops, [(schedules, simulations) per planning])
     for n in args.sizes:
         for kind, build in (("chain", H.random_chain), ("dag", H.random_dag)):
             fg = build(random.Random(0), n)
-            plan, dt, dc = timed(lambda: planners.run("memory", Problem(fg)))
+            made = []
+
+            def problem() -> Problem:
+                made.append(Problem(fg))
+                return made[-1]
+
+            plan, dt, dc = timed(lambda: planners.run("memory", problem()))
             cells = [f"{dt:6.2f} {dc:5.2f} {len(plan.checkpoint_ids):5d}"]
             for frac in args.fractions:
-                plan, dt, dc = timed(lambda: planners.run("auto", Problem(fg), budget=frac))
+                plan, dt, dc = timed(lambda: planners.run("auto", problem(), budget=frac))
                 if isinstance(plan, MemoryBudgetError):
                     cells.append(f"{dt:6.2f} {dc:5.2f} infeasible")
                 else:
                     cells.append(f"{dt:6.2f} {dc:5.2f} {plan.solver:>6} "
                                  f"{plan.predicted_peak_bytes / plan.baseline_peak_bytes:5.2f} "
                                  f"{plan.recompute_cost:>8}")
-            problem = Problem(fg)
-            err, dt, dc = timed(lambda: planners.run("auto", problem, budget=1))
-            cells.append(f"{dt:6.2f} {dc:5.2f} {err.min_peak_bytes / problem.peak(None):5.2f}")
+            err, dt, dc = timed(lambda: planners.run("auto", problem(), budget=1))
+            counts.append((kind, n, [(p.schedules, p.simulations) for p in made]))
+            cells.append(f"{dt:6.2f} {dc:5.2f} {err.min_peak_bytes / made[-1].peak(None):5.2f}")
             print(f"{kind:<7}{n:>7}{cells[0]:>24}" + "".join(f"{c:>34}" for c in cells[1:-1])
                   + f"{cells[-1]:>24}", flush=True)
+    print("\nschedules built / plans simulated (plain included) by each planning:")
+    print(f"{'graph':<7}{'ops':>7}" + "".join(
+        f"{c:>12}" for c in ["memory", *(f"@{f:g}" for f in args.fractions), "min"]))
+    for kind, n, row in counts:
+        print(f"{kind:<7}{n:>7}" + "".join(f"{f'{s} / {m}':>12}" for s, m in row))
     print("\nexact solvers on a few cuts of the 1000-op graphs (s, recompute cost):")
     for kind, build in (("chain", H.random_chain), ("dag", H.random_dag)):
         fg = build(random.Random(0), 1000)

@@ -373,6 +373,12 @@ class Problem:
         """Distinct forecasts simulated so far (without timelines)."""
         return len(self._forecasts)
 
+    @property
+    def schedules(self) -> int:
+        """Distinct schedules built so far (what planning spends most of its time
+        on where plans are many: experiments/bench_planner.py counts them)."""
+        return len(self._schedules)
+
     # -- results ------------------------------------------------------------------
 
     def checkpoint_ids(self, checkpoints: Iterable[int], *, who: str,

@@ -113,7 +113,10 @@ def test_a_planner_returns_the_plan_it_chose_and_passes_it_on(name, graph):
     # The schedule the planner built is the one handed on: the problem's
     # cached object, not a rebuilt one (with the segments it stores, if any:
     # 'memory' and 'speed' may store some).
+    built = problem.schedules
+    assert built >= 1
     assert plan.schedule is problem.schedule(ids, plan.schedule.in_place)
+    assert problem.schedules == built
     # Its figures are the simulator's, read from the problem's caches.
     fresh = simulate(problem.fg, plan.schedule, problem.costs, model=problem.model, timeline=False)
     assert plan.predicted_peak_bytes == fresh.peak_bytes and plan.baseline_peak_bytes > 0
