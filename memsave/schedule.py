@@ -314,23 +314,27 @@ def _stored_runs(fg: ForwardGraph, stored: frozenset[int]) -> dict[int, int]:
     gradient as a head.
     """
     run_of: dict[int, int] = {}
-    if not stored:
-        return run_of
-    x_inputs = _tables(fg).x_inputs
-    first = -1
-    produced: set[int] = set()
-    for op in fg.ops:
-        i = op.index
-        if i in stored:
-            if first >= 0 and any(t in produced for t in x_inputs[i]):
-                first, produced = -1, set()
-            if first < 0:
-                first = i
-            run_of[i] = first
-            produced.update(op.outputs)
-        elif first >= 0 and (op.recomputable or any(t in produced for t in op.inputs)):
+    tables = _tables(fg)
+    x_inputs, recomputable, inputs = tables.x_inputs, tables.recomputable, tables.inputs
+    producer = tables.producer
+    first = -1  # the open run's first op, or -1
+    previous = -1
+    for i in sorted(stored):
+        # The ops since the previous stored one: the first that is
+        # recomputable or reads what the run produced ends the run (the rest
+        # of them cannot start one).
+        if first >= 0:
+            for o in range(previous + 1, i):
+                if recomputable[o] or any(run_of.get(producer[t]) == first for t in inputs[o]):
+                    first = -1
+                    break
+        if first >= 0 and x_inputs[i] and any(run_of.get(producer[t]) == first
+                                              for t in x_inputs[i]):
             first = -1
-            produced = set()
+        if first < 0:
+            first = i
+        run_of[i] = first
+        previous = i
     return run_of
 
 
