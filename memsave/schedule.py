@@ -41,6 +41,7 @@ overlap (ops shared by heads of different layers are copied once per layer).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Collection
 from typing import Literal
@@ -214,11 +215,13 @@ def build_schedule(
         return unit_ops(u)[-1] if u < 0 else producer[u]
 
     for layer in reversed(_layers(deps, position)):
-        heads = sorted(u for u in layer if u >= 0)
+        units = sorted(layer)  # in-place units (< 0) first
+        split = bisect.bisect_left(units, 0)
+        heads = tuple(units[split:])
         if heads:
-            steps.append(_recompute_step(fg, tuple(heads), [segments[h] for h in heads]))
-        forced = sorted(o for u in layer if u < 0 for o in unit_ops(u))
-        if forced:
+            steps.append(_recompute_step(fg, heads, [segments[h] for h in heads]))
+        if split:
+            forced = sorted(o for u in units[:split] for o in unit_ops(u))
             outs = tuple(t for o in forced for t in ops[o].outputs if fg.tensors[t].trainable)
             bnd = _outer_inputs(fg, forced, differentiable)
             steps.append(Step("backprop", outs, tuple(forced), bnd,
