@@ -12,6 +12,7 @@ complete only if it is in one place.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -299,9 +300,30 @@ def zeros_like_gradient(x: tf.Tensor) -> tf.Tensor:
 #: nothing reads that pruning drops before they run.
 _FIRST_GRADIENT_ONLY_TYPES = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
 
-_elision_lock = threading.Lock()
-_elision_depth = 0
-_zeros_like_before = None
+class _ModulePatch:
+    """A module attribute replaced while any thread is inside :meth:`active`
+    (reentrant), then restored to whatever it was before."""
+
+    def __init__(self, module, name: str, replacement) -> None:
+        self._module, self._name, self._replacement = module, name, replacement
+        self._lock = threading.Lock()
+        self._depth = 0
+        self.before = None  # the attribute's value when the patch went in
+
+    @contextlib.contextmanager
+    def active(self):
+        with self._lock:
+            if self._depth == 0:
+                self.before = getattr(self._module, self._name)
+                setattr(self._module, self._name, self._replacement)
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    setattr(self._module, self._name, self.before)
 
 
 def _zeros_like_unless_unread(op: tf.Operation, index: int):
@@ -311,7 +333,10 @@ def _zeros_like_unless_unread(op: tf.Operation, index: int):
         if _has_stock_gradient(op) or getattr(ops_lib.get_gradient_function(op),
                                               "memsave_reads_first_gradient_only", False):
             return None
-    return _zeros_like_before(op, index)
+    return _ZEROS_LIKE.before(op, index)
+
+
+_ZEROS_LIKE = _ModulePatch(control_flow_state, "ZerosLike", _zeros_like_unless_unread)
 
 
 def reuses_batch_statistics(op: tf.Operation) -> bool:
@@ -408,19 +433,59 @@ def unread_zero_gradients_elided():
     of the rewrite's graph-building time (profiled). Another thread's
     tf.gradients call meanwhile gets the same elision, which is exact.
     """
-    global _elision_depth, _zeros_like_before
-    with _elision_lock:
-        if _elision_depth == 0:
-            _zeros_like_before = control_flow_state.ZerosLike
-            control_flow_state.ZerosLike = _zeros_like_unless_unread
-        _elision_depth += 1
-    try:
+    with _ZEROS_LIKE.active():
         yield
+
+
+#: This thread's next stock call's walk bound (see forward_walk_after).
+_walk = threading.local()
+
+
+def _mark_reached_ops_after(from_ops, reached_ops, func_graphs) -> None:
+    """``gradients_util._MarkReachedOps``; for the call
+    :func:`forward_walk_after` bounds, skipping the ops of its graph created
+    before its creation index (but ``from_ops``)."""
+    bound = _walk.__dict__.pop("bound", None)
+    if bound is None or {op for op in from_ops} != bound[2]:
+        return _MARK_REACHED.before(from_ops, reached_ops, func_graphs)
+    graph, start, _ = bound
+    queue = collections.deque(from_ops)
+    while queue:
+        op = queue.popleft()
+        if op not in reached_ops:
+            reached_ops.add(op)
+            for output in op.outputs:
+                if backprop_util.IsTrainable(output):
+                    queue.extend(c for c in gradients_util._Consumers(output, func_graphs)  # pylint: disable=protected-access
+                                 if c.graph is not graph or c._id >= start)  # pylint: disable=protected-access
+
+
+_MARK_REACHED = _ModulePatch(gradients_util, "_MarkReachedOps", _mark_reached_ops_after)
+
+
+@contextlib.contextmanager
+def forward_walk_after(graph: tf.Graph, start: int, xs: Sequence[tf.Tensor]):
+    """Within it, this thread's next tf.gradients call with these ``xs`` walks
+    forward from them only through ops of ``graph`` created at or after
+    creation index ``start`` (:func:`next_op_creation_index`).
+
+    tf.gradients first marks every op reachable from its xs
+    (``gradients_util._MarkReachedOps``, replaced for the duration: only
+    the first call in this thread, and only if its xs are these, gets the
+    bound; nested calls that gradient functions make walk as usual). A
+    recompute step differentiates its copies with respect to tensors of the
+    forward pass (a weight, say), whose other readers lead on through the
+    whole graph built so far: each step's walk would be linear in the graph
+    and the build quadratic. The copies are newer than ``start`` and the
+    forward pass and earlier steps older, so the walk reaches what a fresh
+    proxy of each x would (an Identity per x, which it saves).
+    """
+    _walk.bound = (graph, start, {x.op for x in xs})
+    try:
+        with _MARK_REACHED.active():
+            yield
     finally:
-        with _elision_lock:
-            _elision_depth -= 1
-            if _elision_depth == 0:
-                control_flow_state.ZerosLike = _zeros_like_before
+        _walk.__dict__.pop("bound", None)
 
 
 def is_resource_variable(x) -> bool:

@@ -8,29 +8,32 @@ Data flow, for each step of the schedule in order:
    incoming gradients (``b == b`` with ``b`` the gradient's first element,
    NaN replaced by 0: :func:`memsave.gates.ready`); under XLA a float32
    zero made from it (``where(ready, 0, nan)``, :func:`memsave.gates.gate`).
-   Give each boundary tensor a fresh proxy: those the schedule gates
-   (``Step.gated``, :func:`memsave.schedule.gated_boundary`: the
-   checkpoints; under XLA, which ignores control dependencies, every
-   floating boundary tensor, variable reads too) are read through the gate,
+   Give the boundary tensors the schedule gates (``Step.gated``,
+   :func:`memsave.schedule.gated_boundary`: the checkpoints; under XLA,
+   which ignores control dependencies, every floating boundary tensor,
+   variable reads too) a fresh proxy read through the gate,
    ``Select(ready, t, t)`` (a data dependency, which Grappler does not
    remove, and on a CPU no pass over ``t``: :func:`memsave.gates.select`),
-   under XLA ``t + gate``; the others through ``identity(t)``. Copy the
-   step's ops in
-   topological order, reading proxies instead of kept tensors, on the
-   devices of the originals and under a control dependency on the gate, so
+   under XLA ``t + gate``; the others (weights) are read as they are. Copy
+   the step's ops in
+   topological order, reading proxies instead of gated tensors, on the
+   devices of the originals and after the gate (through a proxy or a copy
+   they read, else by a control dependency), so
    the segment is recomputed only once backprop reaches it (a training
    batch norm on the CPU is copied in inference mode on the forward pass's
    statistics: :func:`memsave._tf_private.copy_batch_norm_with_statistics`).
-   The proxies, and the gated reads of the heads' gradients, also wait for
-   the gradients the previous step made (across backprop steps, whose ops
-   wait for nothing, for those of the steps before them too), so that no
-   earlier weight gradient runs beside the step.
+   What the copies wait for, like the gated reads of the heads' gradients,
+   includes the gradients the previous step made (across backprop steps,
+   whose ops wait for nothing, those of the steps before them too), so
+   that no earlier weight gradient runs beside the step.
    Call the stock
-   tf.gradients on the copies of the heads with respect to the proxies,
-   with the heads' gradients read through the gate too (see
-   "No shared inputs across steps" below).
-   Fresh proxies per step keep each call's forward walk inside its own
-   segment, so building the whole graph stays linear in its size.
+   tf.gradients on the copies of the heads with respect to the boundary
+   (the proxies where gated), with the heads' gradients read through the
+   gate too (see "No shared inputs across steps" below). Its walk forward
+   from the boundary stops at ops made before the step
+   (:func:`memsave._tf_private.forward_walk_after`), so each call stays
+   inside its own segment and building the whole graph stays linear in
+   its size.
 3. ``backprop`` steps (ops that must not be copied, such as variable reads):
    call the stock tf.gradients on the original ops, stopping at their inputs.
 4. Outside XLA, make the step's gradient chain (the ops leading to
@@ -443,11 +446,12 @@ def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, d
         waits = [gate.op] + previous
     else:
         waits = [g.op for g in head_grads if not isinstance(g, tf.IndexedSlices)] + previous
-    # The proxies wait, so the copies reading them need no control input of
-    # their own (see _copy_and_differentiate).
+    # The gated proxies wait, so the copies reading them need no control
+    # input of their own (see _copy_and_differentiate). The other boundary
+    # tensors (weights, say) are read as they are.
+    start = _tf_private.next_op_creation_index(ex.ops[0].graph)
     with ex.ops[0].graph.control_dependencies(waits):
-        proxies = {b: through_gate(ex.tensors[b]) if b in gated
-                   else gates.proxy(ex.tensors[b], None) for b in step.boundary}
+        proxies = {b: through_gate(ex.tensors[b]) for b in step.boundary if b in gated}
         if gate is not None:
             # The step reads what it receives through proxies of its own, never
             # a tensor an earlier step's ops also read (see "No shared inputs
@@ -457,12 +461,15 @@ def _recompute(ex: Extraction, step: Step, heads, head_grads, stock, previous, d
             # batch) would otherwise run beside the previous step's weight
             # gradients, both holding their products.
             head_grads = [through_gate(g) if gates.gateable(g.dtype) else g for g in head_grads]
-    return _copy_and_differentiate(ex, step, heads, head_grads, stock, proxies, waits, deep)
+    return _copy_and_differentiate(ex, step, heads, head_grads, stock, proxies, waits, deep,
+                                   start)
 
 
 def _copy_and_differentiate(ex: Extraction, step: Step, heads, head_grads, stock, proxies: dict,
-                            waits: list, deep: Sequence[bool]) -> list:
-    """Copy the step's ops reading ``proxies``, after ``waits``; differentiate the copies.
+                            waits: list, deep: Sequence[bool], start: int) -> list:
+    """Copy the step's ops reading ``proxies`` (of the gated boundary
+    tensors; the others are read as they are), after ``waits``;
+    differentiate the copies with respect to the boundary.
 
     A copy that reads a proxy (which waits) or another copy runs after
     ``waits`` through its inputs; only a copy reading neither (forward
@@ -470,26 +477,48 @@ def _copy_and_differentiate(ex: Extraction, step: Step, heads, head_grads, stock
     is one TensorFlow's remapper does not fuse: with them on every first op
     of a segment, a recomputed batch norm and the ReLU after it ran as two
     passes over the activation (``_FusedBatchNormEx`` in the forward pass).
+
+    The stock call walks forward from the boundary tensors only through the
+    ops made since ``start`` (the step's own, :func:`memsave._tf_private.forward_walk_after`):
+    what it would reach from a fresh Identity of each, made for the step,
+    which that saves (one op per weight read per step, a fifth of the ops
+    memsave adds on a 1000-layer chain).
     """
     fg = ex.fg
     copies: dict[int, tf.Tensor] = {}
     copied_ops: dict[int, tf.Operation] = {}
+    boundary = set(step.boundary)
+    waiting: dict[int, tf.Tensor] = {}  # boundary tensors read through an Identity that waits
     for o in step.ops:
         op = ex.ops[o]
         node = fg.ops[o]
         inputs = []
         entered = False  # reads a proxy or a copy: waits through it
         for t in node.inputs:
-            # A kept tensor is read through its proxy even when its
-            # producer is copied in this step (a sibling output).
+            # A kept tensor is read through its proxy, or as it is, even when
+            # its producer is copied in this step (a sibling output).
             if t in proxies:
                 inputs.append(proxies[t])
                 entered = True
+            elif t in boundary:
+                inputs.append(ex.tensors[t])
             elif t in copies:
                 inputs.append(copies[t])
                 entered = True
             else:
                 inputs.append(ex.tensors[t])
+        if not entered and op.type not in _tf_private.WHILE_OP_TYPES \
+                and boundary.intersection(node.inputs):
+            # Reads nothing memsave made (a first layer's x @ w): its boundary
+            # inputs through an Identity that waits, so the copy needs no
+            # control input (the stock call's walk goes through it).
+            for k, t in enumerate(node.inputs):
+                if t in boundary:
+                    if t not in waiting:
+                        with ex.ops[0].graph.control_dependencies(waits):
+                            waiting[t] = gates.proxy(ex.tensors[t], None)
+                    inputs[k] = waiting[t]
+            entered = True
         # Wait for what the original waited for: copies of ops copied
         # in this step, the originals otherwise (already run).
         controls = [
@@ -512,8 +541,9 @@ def _copy_and_differentiate(ex: Extraction, step: Step, heads, head_grads, stock
         for t, out in zip(node.outputs, new.outputs):
             copies[t] = out
     logger.debug("memsave: recomputing %d ops for heads %s", len(step.ops), fg.describe(heads))
-    return differentiate([copies[h] for h in heads], [proxies[b] for b in step.boundary],
-                         head_grads, stock, deep, xla=fg.xla)
+    xs = [proxies[b] if b in proxies else ex.tensors[b] for b in step.boundary]
+    with _tf_private.forward_walk_after(xs[0].graph, start, xs):
+        return differentiate([copies[h] for h in heads], xs, head_grads, stock, deep, xla=fg.xla)
 
 
 def _copy_loop(op: tf.Operation, inputs: list, waits: Sequence[tf.Operation]) -> tf.Operation:

@@ -314,6 +314,75 @@ def test_rewrite_size_is_linear_in_depth(strategy):
     assert 1.8 < large / small < 2.2
 
 
+def test_each_steps_gradient_call_walks_its_own_ops_only(monkeypatch):
+    # A recompute step differentiates its copies with respect to forward
+    # tensors (the weights) read as they are, whose other readers lead on
+    # through the whole graph: tf.gradients' walk forward from its xs is
+    # bounded to the step's own ops (_tf_private.forward_walk_after), or
+    # the build would be quadratic in depth. Recorded per stock call: the
+    # ops its walk reached.
+    reached_sizes = []
+    real = _tf_private._MARK_REACHED._replacement
+
+    def recording(from_ops, reached_ops, func_graphs):
+        bounded = "bound" in _tf_private._walk.__dict__
+        real(from_ops, reached_ops, func_graphs)
+        reached_sizes.append((bounded, len(reached_ops)))
+
+    monkeypatch.setattr(_tf_private._MARK_REACHED, "_replacement", recording)
+    g = tf.Graph()
+    with g.as_default():
+        ws = [tf.compat.v1.Variable(tf.zeros([8, 8])) for _ in range(200)]
+        h, kept = tf.zeros([4, 8]), []
+        for i, w in enumerate(ws):
+            h = tf.tanh(tf.matmul(h, w))
+            if i % 14 == 13:
+                kept.append(h)
+        loss = tf.reduce_sum(h * h)
+        forward = len(g.get_operations())
+        p = memsave.plan(loss, ws, checkpoints=kept)
+        memsave.gradients(loss, ws, checkpoints=p)
+    steps = [s for s in p.schedule.steps if s.kind == "recompute"]
+    bounded = [n for b, n in reached_sizes if b]
+    assert len(bounded) == len(steps) > 5
+    # Each walk: the step's boundary, copies and their readers in the step.
+    for n, step in zip(bounded, steps):
+        assert n <= 2 * (len(step.ops) + len(step.boundary)), (n, step)
+    assert sum(bounded) < forward
+
+
+def test_a_gradient_that_calls_tf_gradients_inside_a_recomputed_segment():
+    # The bound applies to the step's own call only: a gradient function
+    # that calls tf.gradients on forward tensors (in the same graph) walks
+    # the whole graph, as it must to find its ops.
+    @tf.custom_gradient
+    def odd_tanh(x):
+        y = tf.tanh(x)
+
+        def grad(dy):
+            return tf.gradients(y, x, grad_ys=3.0 * dy)[0]
+
+        return tf.identity(y), grad
+
+    rs = np.random.RandomState(0)
+    g = tf.Graph()
+    with g.as_default():
+        ws = [tf.compat.v1.Variable(rs.randn(8, 8).astype(np.float32) * 0.4) for _ in range(12)]
+        h = tf.constant(rs.randn(4, 8).astype(np.float32))
+        for i, w in enumerate(ws):
+            h = tf.matmul(h, w)
+            h = odd_tanh(h) if i % 3 == 1 else tf.tanh(h)
+        loss = tf.reduce_sum(h * h)
+        ckpt = memsave.plan(loss, ws, checkpoints="memory")
+        got = memsave.gradients(loss, ws, checkpoints=ckpt)
+        want = tf.gradients(loss, ws)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            got, want = sess.run([got, want])
+    assert ckpt.recomputed_ops > 0
+    assert_close(got, want)
+
+
 def _batch_norm_net(override=None):
     """Conv -> FusedBatchNormV3 -> ReLU, four times; ``override``: the batch
     norms' gradient replaced (gradient_override_map) by that registered name."""
