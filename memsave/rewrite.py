@@ -18,7 +18,8 @@ Data flow, for each step of the schedule in order:
    the step's ops in
    topological order, reading proxies instead of gated tensors, on the
    devices of the originals and after the gate (through a proxy or a copy
-   they read, else by a control dependency), so
+   they read; a copy reading neither reads its weights through an Identity
+   that waits, else gets a control dependency), so
    the segment is recomputed only once backprop reaches it (a training
    batch norm on the CPU is copied in inference mode on the forward pass's
    statistics: :func:`memsave._tf_private.copy_batch_norm_with_statistics`).
