@@ -479,6 +479,11 @@ def forward_walk_after(graph: tf.Graph, start: int, xs: Sequence[tf.Tensor]):
     and the build quadratic. The copies are newer than ``start`` and the
     forward pass and earlier steps older, so the walk reaches what a fresh
     proxy of each x would (an Identity per x, which it saves).
+
+    Relies on ``gradients_util._PendingCount`` calling ``_MarkReachedOps``
+    through its module, before anything else in the call walks the graph,
+    and on ``gradients_util._Consumers``; tests/test_integration.py checks
+    both the bound and a nested call.
     """
     _walk.bound = (graph, start, {x.op for x in xs})
     try:

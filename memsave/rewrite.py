@@ -482,8 +482,8 @@ def _copy_and_differentiate(ex: Extraction, step: Step, heads, head_grads, stock
     The stock call walks forward from the boundary tensors only through the
     ops made since ``start`` (the step's own, :func:`memsave._tf_private.forward_walk_after`):
     what it would reach from a fresh Identity of each, made for the step,
-    which that saves (one op per weight read per step, a fifth of the ops
-    memsave adds on a 1000-layer chain).
+    which that saves (one op per weight a step reads: 800 of the 5589 ops
+    memsave added on bench_build's 1000-layer chain).
     """
     fg = ex.fg
     copies: dict[int, tf.Tensor] = {}
