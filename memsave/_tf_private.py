@@ -446,7 +446,7 @@ def _mark_reached_ops_after(from_ops, reached_ops, func_graphs) -> None:
     :func:`forward_walk_after` bounds, skipping the ops of its graph created
     before its creation index (but ``from_ops``)."""
     bound = _walk.__dict__.pop("bound", None)
-    if bound is None or {op for op in from_ops} != bound[2]:
+    if bound is None or set(from_ops) != bound[2]:
         return _MARK_REACHED.before(from_ops, reached_ops, func_graphs)
     graph, start, _ = bound
     queue = collections.deque(from_ops)

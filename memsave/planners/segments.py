@@ -557,9 +557,9 @@ class StepBounds:
     experiments/bench_planner.py's 1000-op DAG the chain took the bound from
     a median 0.54 to 0.61 of the cost over the plans greedy costs for
     ``'memory'``, and its planning built 94 schedules instead of 115 (194
-    instead of 232 at 0.9 of the plain peak; bench_planner counts them). Most of the steps left out are headed
-    by what the schedule keeps where two heads' walks meet, which no
-    decision names.
+    instead of 232 at 0.9 of the plain peak; bench_planner counts them).
+    Most of the steps left out are headed by what the schedule keeps where
+    two heads' walks meet, which no decision names.
     """
 
     def __init__(self, space: Segments) -> None:
@@ -630,10 +630,9 @@ class StepBounds:
         meets a kept tensor of that path, on which its step depends, so the
         two are in different layers (steps)."""
         fg, costs, profile = space.fg, space.costs, space.problem.profile
-        nodes = sorted(
-            {t for t in (*space.candidates, *(t for ts in space.expensive_outputs for t in ts))
-             if fg.receives_gradient(t) and fg.tensors[t].producer not in space._stuck
-             and head_gate_seconds(fg, costs, t, profile) > 0},
+        nodes = sorted(  # of the kept tensors whose gates the bound counts (_head_ns)
+            (t for t in space._head_ns if fg.tensors[t].producer not in space._stuck
+             and head_gate_seconds(fg, costs, t, profile) > 0),
             key=lambda t: (fg.tensors[t].producer, t))
         number = {t: j for j, t in enumerate(nodes)}
         passes = [t.kind == "internal" and fg.receives_gradient(t.id) for t in fg.tensors]
