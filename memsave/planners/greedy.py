@@ -84,7 +84,8 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-import operator
+
+import numpy as np
 
 from memsave.candidates import spread
 from memsave.planners.segments import Decision, Evaluation, Outcome, Segments
@@ -122,10 +123,6 @@ def _thin(n: int, steps: int) -> tuple[int, ...]:
 MAX_FRONT = 256
 
 
-#: Sort key of the knapsack's points ``(bytes, -nanoseconds saved, ...)``.
-_BYTES_THEN_NS = operator.itemgetter(0, 1)
-
-
 def _held_bytes(space: Segments, *, io: bool = True) -> list[int]:
     """Per segment: counted bytes held when it is stored: what its gradients
     read, and its ops' inputs and outputs (``build_schedule`` keeps them, and
@@ -151,49 +148,83 @@ def _held_bytes(space: Segments, *, io: bool = True) -> list[int]:
     return out
 
 
-def _mode_sets(space: Segments, held: list[int], *,
-               expensive: bool = True) -> list[tuple[frozenset[int], frozenset[int]]]:
+def _mode_sets(space: Segments, held: list[int], *, expensive: bool = True,
+               steps: int | None = None) -> list[tuple[frozenset[int], frozenset[int]]]:
     """Pareto-optimal ``(stored, expensive-kept)`` segment sets: most
     nanoseconds saved for the bytes held (a multiple-choice knapsack solved
     for every capacity at once, by DP over segments). A stored segment
     holds ``held[j]`` and saves its recompute estimate; an expensive-kept
     one holds its expensive outputs and saves what its copies of them would
-    have cost (:meth:`Segments.segment_nanoseconds`)."""
+    have cost (:meth:`Segments.segment_nanoseconds`). ``steps``: about that
+    many of them, spread evenly over the front, and the last; only those
+    are built (a set costs O(segments))."""
     counted, tensor_bytes = space.allocator.counted, space.costs.tensor_bytes
-    # Points (bytes, -ns saved, segment, mode, parent point): sets are rebuilt
-    # from the parent links at the end, so a step costs O(front), not O(m).
-    front: list[tuple] = [(0, 0, -1, None, None)]
+    # The front, as arrays over its points: bytes held, nanoseconds saved,
+    # segments stored and kept. Sorted by bytes, each point saving strictly
+    # more than those before. Per segment, each point's choice there (0
+    # none, 1 stored, 2 kept) and its point in the front before: a set is
+    # rebuilt from them at the end.
+    nbytes, saved, n_stored, n_kept = (np.zeros(1, np.int64) for _ in range(4))
+    links: list[tuple[int, np.ndarray, np.ndarray]] = []
     for j, seg in enumerate(space.segments):
         if not seg:
             continue
         whole = space.segment_nanoseconds(j)
-        options = [(held[j], whole, "S")]
+        options = [(held[j], whole, 1)]
         if expensive and space.expensive_outputs[j]:
-            saved = whole - space.segment_nanoseconds(j, expensive=True)
-            if saved > 0:
+            more = whole - space.segment_nanoseconds(j, expensive=True)
+            if more > 0:
                 options.append((sum(counted(tensor_bytes[t]) for t in space.expensive_outputs[j]),
-                                saved, "E"))
-        merged = front + [(pt[0] + b, pt[1] - ns, j, mode, pt) for pt in front
-                          for b, ns, mode in options]
-        merged.sort(key=_BYTES_THEN_NS)  # (stable: a tie keeps the earlier point)
-        front = []
-        for pt in merged:  # keep points that save strictly more for more bytes
-            if not front or pt[1] < front[-1][1]:
-                front.append(pt)
-        if len(front) > MAX_FRONT:
-            front = [front[i] for i in _thin(len(front) - 1, MAX_FRONT)]
-    if front[0][2] >= 0:  # nothing stored or kept is always in the family
-        front.insert(0, (0, 0, -1, None, None))
-    out = []
-    for pt in front:
+                                more, 2))
+        add_bytes, add_saved, codes = (np.array(x, np.int64) for x in zip(*options))
+        f, k = len(nbytes), len(options)
+        # In the order of the stable sort's ties: the front, then each of its
+        # points' options in turn.
+        all_bytes = np.concatenate([nbytes, (nbytes[:, None] + add_bytes).ravel()])
+        all_saved = np.concatenate([saved, (saved[:, None] + add_saved).ravel()])
+        choice = np.concatenate([np.zeros(f, np.int64), np.tile(codes, f)])
+        parent = np.concatenate([np.arange(f), np.repeat(np.arange(f), k)])
+        order = np.lexsort((-all_saved, all_bytes))
+        ranked = all_saved[order]
+        # Keep the points that save strictly more for more bytes.
+        keep = np.empty(len(order), bool)
+        keep[0] = True
+        keep[1:] = ranked[1:] > np.maximum.accumulate(ranked)[:-1]
+        picked = order[keep]
+        if len(picked) > MAX_FRONT:
+            picked = picked[list(_thin(len(picked) - 1, MAX_FRONT))]
+        choice, parent = choice[picked], parent[picked]
+        nbytes, saved = all_bytes[picked], all_saved[picked]
+        n_stored = n_stored[parent] + (choice == 1)
+        n_kept = n_kept[parent] + (choice == 2)
+        links.append((j, choice, parent))
+
+    def sets(i: int | None) -> tuple[frozenset[int], frozenset[int]]:
         stored, kept = set(), set()
-        while pt is not None and pt[2] >= 0:
-            (stored if pt[3] == "S" else kept).add(pt[2])
-            pt = pt[4]
-        out.append((frozenset(stored), _spread_expensive(space, stored, kept)))
-    if expensive:  # every segment expensive-kept: the plan 'speed' used to make
-        out.append((frozenset(), frozenset(range(len(space.segments)))))
-    return list(dict.fromkeys(out))
+        if i is not None:
+            for j, choice, parent in reversed(links):
+                if choice[i]:
+                    (stored if choice[i] == 1 else kept).add(j)
+                i = parent[i]
+        return frozenset(stored), _spread_expensive(space, stored, kept)
+
+    points: list[int | None] = list(range(len(nbytes)))
+    if n_stored[0] or n_kept[0]:  # nothing stored or kept is always in the family
+        points.insert(0, None)
+    # The front's sets are distinct (a point is one set of choices, and a
+    # kept segment has expensive outputs, which the spread never adds). The
+    # plan 'speed' used to make (every segment expensive-kept) is one of
+    # them when a point keeps every segment with expensive outputs, stores
+    # none, and there is one.
+    everything = [(frozenset(), frozenset(range(len(space.segments))))] if expensive else []
+    with_expensive = sum(1 for ts in space.expensive_outputs if ts)
+    if everything and with_expensive and np.any((n_stored == 0) & (n_kept == with_expensive)):
+        everything = []
+    if steps is None:
+        return [sets(i) for i in points] + everything
+    n = len(points) + len(everything)
+    chosen = [sets(points[i]) if i < len(points) else everything[0] for i in _thin(n - 1, steps)]
+    return list(dict.fromkeys(chosen + (everything or [sets(points[-1])])))
 
 
 def _spread_expensive(space: Segments, stored: set[int], kept: set[int]) -> frozenset[int]:
@@ -225,7 +256,7 @@ def family(space: Segments, *, max_plans: int | None = None) -> list[Decision]:
     seg_bytes = [sum(costs.tensor_bytes[t] for o in seg for t in fg.ops[o].outputs
                      if fg.tensors[t].trainable) for seg in space.segments]
     small = m <= EXHAUSTIVE_CUTS
-    sets = _mode_sets(space, _held_bytes(space))
+    sets = _mode_sets(space, _held_bytes(space), steps=None if small else MAX_STORE_STEPS)
     cap = max(400, PARETO_SEARCH_OPS // max(1, len(fg.ops)))  # plans, on small problems
     if max_plans is not None:
         cap = min(cap, max_plans)
@@ -233,9 +264,6 @@ def family(space: Segments, *, max_plans: int | None = None) -> list[Decision]:
         sets = list(dict.fromkeys(sets + _mode_sets(space, _held_bytes(space, io=False))))
         if len(sets) * (m + 1) > cap // 3:
             sets = [sets[i] for i in _thin(len(sets) - 1, max(2, cap // (3 * (m + 1))))]
-    else:
-        sets = [sets[i] for i in _thin(len(sets) - 1, MAX_STORE_STEPS)] + sets[-1:]
-        sets = list(dict.fromkeys(sets))
     plans: dict[Decision, None] = {Decision.of(stored=range(m + 1)): None}
     for stored, expensive in sets:
         # Candidates free to keep (their segment recomputed), placed at the
