@@ -157,12 +157,23 @@ def _gradient_use(op: tf.Operation, node_def) -> GradientUse | None:
     learned = _tf_private.learn_gradient_use(op, node_def)
     if learned is None:
         return None
-    return GradientUse(
+    # One record per learned answer (cached per op type, attrs and shapes):
+    # a deep model's layers share a few.
+    found = _uses.get(id(learned))
+    if found is not None and found[0] is learned:
+        return found[1]
+    use = GradientUse(
         reads_inputs=learned["reads_inputs"], reads_outputs=learned["reads_outputs"],
         aliases=learned["aliases"], has_gradient=learned["has_gradient"],
         by_input=learned.get("by_input"), early_bytes=learned.get("early_bytes", ()),
         early_from=learned.get("early_from", ()), products=learned.get("products"),
     )
+    _uses[id(learned)] = (learned, use)
+    return use
+
+
+#: ``id(learned)`` -> (learned, its GradientUse); ``learned`` is kept alive.
+_uses: dict[int, tuple[dict, GradientUse]] = {}
 
 
 def extract(
@@ -243,8 +254,8 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies, batch_size) -> Extraction:
             kind = "source"
         else:
             kind = "external"
-        dtype = t.dtype
-        dims = _dims(t)
+        dtype, shape = t.dtype, t.shape
+        dims = shape.as_list() if shape.rank is not None else None
         size, known = _size(dims, dtype)
         tensors.append(t)
         nodes.append(TensorNode(
