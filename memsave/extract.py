@@ -14,6 +14,10 @@ map from ids back to TensorFlow objects for the rewrite.
 Only ops on paths from the given xs to the given ys are ever considered,
 never "all ops in the graph": under tf.distribute one graph holds a forward
 pass per replica, and each call must touch its own replica only.
+
+One module of some 600 lines: the walk, the records and the readers of what
+the cost model needs (shapes, handle data, gradient uses, bodies) are one
+pass over the ops and the objects TensorFlow gives for them.
 """
 
 from __future__ import annotations
@@ -157,23 +161,21 @@ def _gradient_use(op: tf.Operation, node_def) -> GradientUse | None:
     learned = _tf_private.learn_gradient_use(op, node_def)
     if learned is None:
         return None
-    # One record per learned answer (cached per op type, attrs and shapes):
-    # a deep model's layers share a few.
-    found = _uses.get(id(learned))
-    if found is not None and found[0] is learned:
-        return found[1]
-    use = GradientUse(
-        reads_inputs=learned["reads_inputs"], reads_outputs=learned["reads_outputs"],
-        aliases=learned["aliases"], has_gradient=learned["has_gradient"],
-        by_input=learned.get("by_input"), early_bytes=learned.get("early_bytes", ()),
-        early_from=learned.get("early_from", ()), products=learned.get("products"),
-    )
-    _uses[id(learned)] = (learned, use)
-    return use
+    # One record per learned answer (learned once per op type, attrs and
+    # shapes): a deep model's layers share a few.
+    found = _USES.get(id(learned))
+    if found is None or found[0] is not learned:
+        found = _USES[id(learned)] = (learned, GradientUse(
+            reads_inputs=learned["reads_inputs"], reads_outputs=learned["reads_outputs"],
+            aliases=learned["aliases"], has_gradient=learned["has_gradient"],
+            by_input=learned.get("by_input"), early_bytes=learned.get("early_bytes", ()),
+            early_from=learned.get("early_from", ()), products=learned.get("products"),
+        ))
+    return found[1]
 
 
 #: ``id(learned)`` -> (learned, its GradientUse); ``learned`` is kept alive.
-_uses: dict[int, tuple[dict, GradientUse]] = {}
+_USES: dict[int, tuple[dict, GradientUse]] = {}
 
 
 def extract(
