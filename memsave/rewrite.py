@@ -512,7 +512,8 @@ def _copy_and_differentiate(ex: Extraction, step: Step, heads, head_grads, stock
                 and boundary.intersection(node.inputs):
             # Reads nothing memsave made (a first layer's x @ w): its boundary
             # inputs through an Identity that waits, so the copy needs no
-            # control input (the stock call's walk goes through it).
+            # control input (the stock call's walk goes through it). A loop's
+            # copy waits through an Identity of its own (_copy_loop).
             for k, t in enumerate(node.inputs):
                 if t in boundary:
                     if t not in waiting:
@@ -543,7 +544,7 @@ def _copy_and_differentiate(ex: Extraction, step: Step, heads, head_grads, stock
             copies[t] = out
     logger.debug("memsave: recomputing %d ops for heads %s", len(step.ops), fg.describe(heads))
     xs = [proxies[b] if b in proxies else ex.tensors[b] for b in step.boundary]
-    with _tf_private.forward_walk_after(xs[0].graph, start, xs):
+    with _tf_private.forward_walk_after(ex.ops[0].graph, start, xs):
         return differentiate([copies[h] for h in heads], xs, head_grads, stock, deep, xla=fg.xla)
 
 

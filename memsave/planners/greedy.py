@@ -214,8 +214,8 @@ def _mode_sets(space: Segments, held: list[int], *, expensive: bool = True,
     # The front's sets are distinct (a point is one set of choices, and a
     # kept segment has expensive outputs, which the spread never adds). The
     # plan 'speed' used to make (every segment expensive-kept) is one of
-    # them when a point keeps every segment with expensive outputs, stores
-    # none, and there is one.
+    # them when some segment has expensive outputs and a point stores none
+    # and keeps every such segment (the spread then covers the rest).
     everything = [(frozenset(), frozenset(range(len(space.segments))))] if expensive else []
     with_expensive = sum(1 for ts in space.expensive_outputs if ts)
     if everything and with_expensive and np.any((n_stored == 0) & (n_kept == with_expensive)):
