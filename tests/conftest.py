@@ -91,6 +91,13 @@ class Evaluator:
     * mode ``"function"``: ``state = setup()`` runs eagerly (create variables
       there: a tf.function may not create them on every trace), then
       ``body(state)`` is traced in one ``tf.function`` that is called ONCE.
+      Autograph is off there: ``body`` is traced as written. With it on,
+      autograph converted the tests' own Python (model builders, the op
+      counting helpers) statement by statement: 40% of
+      tests/test_gradients_zoo.py's time. memsave under autograph is tested
+      where users meet it: test steps decorated with plain ``@tf.function``
+      (tests/test_loops.py, tests/test_budget.py's errors through autograph)
+      and the docs' examples.
 
     Either way every tensor of ``out`` comes from the same execution, so ops
     with random state (dropout) have one value for all of them. ``out`` is
@@ -156,7 +163,7 @@ class Evaluator:
         state = setup()
         traced = {}
 
-        @tf.function
+        @tf.function(autograph=False)
         def run():
             out = body(state)
             fetches, recipes = self._flatten(out)

@@ -1116,7 +1116,9 @@ def _keras_body(steps, units=128, batch=1024, features=64):
                               keras.layers.Dense(2)])
     found = {}
 
-    @tf.function
+    # Autograph off: it would convert extract's internals, called from here
+    # (memsave's public entry points are not converted; this one is not public).
+    @tf.function(autograph=False)
     def trace(x):
         loss = tf.reduce_sum(model(x))
         fg = extract([loss], _tf_private.convert_xs(model.trainable_weights)).fg
