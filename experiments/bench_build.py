@@ -22,7 +22,11 @@ Times are CPU seconds of the gradients call alone (``time.process_time``:
 the machine is shared, and CPU time moves far less than wall time under
 load), median of ``--repeats`` calls, the two methods interleaved, each
 after a garbage collection (memsave's call pauses the collector, and the
-collection it defers fell inside the next timed call). The
+collection it defers fell inside the next timed call). The ratio is the
+median over the repeats of each repeat's two adjacent calls' ratio: a slow
+spell of the machine then slows both calls of a pair, where the ratio of
+the two medians can take its tf.gradients time from one spell and its
+memsave time from another. The
 ``ops`` columns count the ops each call added, and ``copies`` the ops
 memsave recomputed (0: it fell back to tf.gradients).
 
@@ -142,7 +146,8 @@ def measure(make, repeats: int) -> dict:
             dt, ops, copies = one_call(make, method)
             samples[method].append(dt)
             info[method] = (ops, copies)
-    return {m: statistics.median(s) for m, s in samples.items()} | {"info": info}
+    ratio = statistics.median(m / t for t, m in zip(samples["tf"], samples["memsave"]))
+    return {m: statistics.median(s) for m, s in samples.items()} | {"info": info, "ratio": ratio}
 
 
 def main(argv=None) -> int:
@@ -163,7 +168,8 @@ def main(argv=None) -> int:
         cases.append(("resnet-110 (batch 32)", resnet_graph, None, None))
     if not args.no_rnn:
         cases.append(("rnn 3 loops (T 64, batch 256)", rnn_graph, None, "rnn"))
-    print(f"CPU seconds of the gradients call, median of {args.repeats}, load average "
+    print(f"CPU seconds of the gradients call, median of {args.repeats} (the ratio: median of "
+          f"the {args.repeats} pairs' ratios), load average "
           f"{os.getloadavg()[0]:.1f}\n")
     print("| graph | tf.gradients s | memsave s | memsave / tf | tf ops | memsave ops | copies |")
     print("|---|---|---|---|---|---|---|")
@@ -171,7 +177,7 @@ def main(argv=None) -> int:
     for label, make, n, b in cases:
         r = measure(make, args.repeats)
         results[(n, b)] = r
-        ratio = r["memsave"] / r["tf"]
+        ratio = r["ratio"]
         (tf_ops, _), (ms_ops, copies) = r["info"]["tf"], r["info"]["memsave"]
         print(f"| {label} | {r['tf']:.2f} | {r['memsave']:.2f} | {ratio:.2f} | {tf_ops} | "
               f"{ms_ops} | {copies} |", flush=True)
