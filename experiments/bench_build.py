@@ -186,8 +186,13 @@ def main(argv=None) -> int:
         print()
         for b in args.batches:
             grow = results[(n2, b)]["memsave"] / results[(n1, b)]["memsave"]
+            tf_grow = results[(n2, b)]["tf"] / results[(n1, b)]["tf"]
+            # tf.gradients' own growth in the same run: the two sizes are
+            # timed one after the other, so a slow spell during one of them
+            # moves both growths.
             print(f"[{b}, 16]: memsave({n2}) / memsave({n1}) = {grow:.2f} "
-                  f"(linear: {n2 / n1:.2f}; bound {LINEAR * n2 / 2 / n1:.2f})")
+                  f"(linear: {n2 / n1:.2f}; bound {LINEAR * n2 / 2 / n1:.2f}; "
+                  f"tf.gradients: {tf_grow:.2f})")
     return 0
 
 
