@@ -1172,10 +1172,16 @@ MEMORY_T = 128
 #: it alive until the gradient): 164 and 66-92.
 PER_STEP_MAX_RATIO = 0.32
 CHUNK_MAX_RATIO = 0.1
+#: measure_keras's steps measured: the median peak is the figure. One step's
+#: peak follows the executor's order, which the other tests running beside
+#: it can change: slots(16) once measured 24.0 MiB in a full suite run, where
+#: 14 steps measured alone gave 21.8-22.2 (chunk(11): 25.8-26.5).
+KERAS_PEAK_STEPS = 5
 
 
 def measure_keras(method: str) -> dict:
-    """The peak above resident of one Keras LSTM step (in a fresh process)."""
+    """The peak above resident of a Keras LSTM step (in a fresh process): the
+    median of KERAS_PEAK_STEPS steps' peaks."""
     tf.raw_ops.Empty(shape=[(2 << 30) // 4], dtype=tf.float32, init=False)  # one pool region
     keras.utils.set_random_seed(0)
     rng = np.random.RandomState(0)
@@ -1196,9 +1202,12 @@ def measure_keras(method: str) -> dict:
 
     grads = [g.numpy() for g in step(x, y)]
     resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    step(x, y)
-    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    peaks = []
+    for _ in range(KERAS_PEAK_STEPS):
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        step(x, y)
+        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+    peak = int(np.median(peaks))
     return {"peak_above_bytes": peak - resident, "applied": applied,
             "grad_sums": [float(np.sum(g * g)) for g in grads]}
 
