@@ -1172,16 +1172,29 @@ MEMORY_T = 128
 #: it alive until the gradient): 164 and 66-92.
 PER_STEP_MAX_RATIO = 0.32
 CHUNK_MAX_RATIO = 0.1
-#: measure_keras's steps measured: the median peak is the figure. One step's
-#: peak follows the executor's order, which the other tests running beside
-#: it can change: slots(16) once measured 24.0 MiB in a full suite run, where
-#: 14 steps measured alone gave 21.8-22.2 (chunk(11): 25.8-26.5).
-KERAS_PEAK_STEPS = 5
+#: Steps measured by _median_peak_above: the median peak is the figure. One
+#: step's peak follows the executor's order, which the other tests running
+#: beside it can change: slots(16) once measured 24.0 MiB in a full suite run
+#: (measure_keras, one step), where 14 steps measured alone gave 21.8-22.2
+#: (chunk(11): 25.8-26.5).
+PEAK_STEPS = 5
+
+
+def _median_peak_above(run) -> int:
+    """The median over PEAK_STEPS calls of ``run`` (called once before, to
+    warm up) of the CPU allocator's peak above the bytes in use before them."""
+    resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    peaks = []
+    for _ in range(PEAK_STEPS):
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        run()
+        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+    return int(np.median(peaks)) - resident
 
 
 def measure_keras(method: str) -> dict:
-    """The peak above resident of a Keras LSTM step (in a fresh process): the
-    median of KERAS_PEAK_STEPS steps' peaks."""
+    """The peak above resident of a Keras LSTM step (in a fresh process;
+    :func:`_median_peak_above`)."""
     tf.raw_ops.Empty(shape=[(2 << 30) // 4], dtype=tf.float32, init=False)  # one pool region
     keras.utils.set_random_seed(0)
     rng = np.random.RandomState(0)
@@ -1201,14 +1214,7 @@ def measure_keras(method: str) -> dict:
         return tf.gradients(loss, model.trainable_weights)
 
     grads = [g.numpy() for g in step(x, y)]
-    resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    peaks = []
-    for _ in range(KERAS_PEAK_STEPS):
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        step(x, y)
-        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
-    peak = int(np.median(peaks))
-    return {"peak_above_bytes": peak - resident, "applied": applied,
+    return {"peak_above_bytes": _median_peak_above(lambda: step(x, y)), "applied": applied,
             "grad_sums": [float(np.sum(g * g)) for g in grads]}
 
 
@@ -1338,7 +1344,7 @@ LAST_ITEM_FORECAST_ERROR = 0.1
 
 
 def measure_last_item(method: str) -> dict:
-    """In a fresh process: the peak above resident of one tf.function step of
+    """In a fresh process: the peak above resident of a tf.function step of
     a while loop writing a TensorArray, loss on ``ta.stack()[-1]``, under
     ``method`` ('memory', or 'per_step' for every loop), and its forecast."""
     tf.raw_ops.Empty(shape=[(2 << 30) // 4], dtype=tf.float32, init=False)  # one pool region
@@ -1363,10 +1369,7 @@ def measure_last_item(method: str) -> dict:
                                    report)
 
     step(x)
-    resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    step(x)
-    report["peak_above_bytes"] = tf.config.experimental.get_memory_info("CPU:0")["peak"] - resident
+    report["peak_above_bytes"] = _median_peak_above(lambda: step(x))
     return report
 
 
@@ -1472,9 +1475,9 @@ def _scan_step(mode: str, method: str, report: dict, shared: dict):
 
 
 def measure_scan(mode: str) -> dict:
-    """In a fresh process: per method, the peak above resident of one step
-    of the LSTM scan, its forecast, the choice applied and the gradients'
-    sums of squares."""
+    """In a fresh process: per method, the peak above resident of a step of
+    the LSTM scan (:func:`_median_peak_above`), its forecast, the choice
+    applied and the gradients' sums of squares."""
     from fresh import one_after_another
 
     tf.raw_ops.Empty(shape=[(2 << 30) // 4], dtype=tf.float32, init=False)  # one pool region
@@ -1487,10 +1490,7 @@ def measure_scan(mode: str) -> dict:
         report = {}
         run = _scan_step(mode, method, report, shared)
         grads = run()
-        resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        run()
-        report["peak_above_bytes"] = tf.config.experimental.get_memory_info("CPU:0")["peak"] - resident
+        report["peak_above_bytes"] = _median_peak_above(run)
         report["grad_sums"] = [float(np.sum(np.square(g))) for g in grads]
         return report
 
