@@ -86,7 +86,7 @@ def views_rows(op: tf.Operation) -> int | None:
         return None
     source = {"Split": 1}.get(kind, 0)
     data = op.inputs[source]
-    dims = _dims(data)
+    dims = _dims(data.shape)
     if dims is None or len(dims) < 2 or any(d is None for d in dims[1:]):
         return None
     row = _itemsize(data.dtype)
@@ -99,7 +99,7 @@ def views_rows(op: tf.Operation) -> int | None:
         return source if axis is not None and int(axis) in (0, -len(dims)) else None
     if kind == "Unpack":
         return source if op.get_attr("axis") in (0, -len(dims)) else None
-    out = _dims(op.outputs[0])
+    out = _dims(op.outputs[0].shape)
     if out is None or any(d is None for d in out[1:]):
         return None
     if kind == "StridedSlice":
@@ -118,8 +118,8 @@ def views_rows(op: tf.Operation) -> int | None:
 _ROW_VIEW_TYPES = frozenset({"StridedSlice", "Slice", "Split", "SplitV", "Unpack"})
 
 
-def _dims(t: tf.Tensor) -> list | None:
-    return t.shape.as_list() if t.shape.rank is not None else None
+def _dims(shape: tf.TensorShape) -> list | None:
+    return shape.as_list() if shape.rank is not None else None
 
 
 def _size(dims: list | None, dtype: tf.DType, batch_size: int | None = None) -> tuple[int, bool]:
@@ -256,8 +256,8 @@ def _extract(ys, xs, stop_gradients, tagged, _bodies, batch_size) -> Extraction:
             kind = "source"
         else:
             kind = "external"
-        dtype, shape = t.dtype, t.shape
-        dims = shape.as_list() if shape.rank is not None else None
+        dtype = t.dtype
+        dims = _dims(t.shape)
         size, known = _size(dims, dtype)
         tensors.append(t)
         nodes.append(TensorNode(
@@ -507,7 +507,8 @@ def _read_function(op: tf.Operation, cache: dict, batch_size: int | None):
     once = _tf_private.first_run_once(func) if loop else None
     return (fg, saved_ids, stored_ids, tuple(sorted(reads_inputs)), tuple(sorted(reads_outputs)),
             tuple(sorted(invariant)), state,
-            tuple(_size(_dims(t), t.dtype, batch_size)[0] for t in kept.values()), tuple(input_ids),
+            tuple(_size(_dims(t.shape), t.dtype, batch_size)[0] for t in kept.values()),
+            tuple(input_ids),
             stored_outputs, stored_state, "" if once is None else once.name)
 
 

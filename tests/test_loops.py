@@ -1180,16 +1180,21 @@ CHUNK_MAX_RATIO = 0.1
 PEAK_STEPS = 5
 
 
-def _median_peak_above(run) -> int:
-    """The median over PEAK_STEPS calls of ``run`` (called once before, to
-    warm up) of the CPU allocator's peak above the bytes in use before them."""
+def _step_peaks_above(run, steps: int) -> list[int]:
+    """Per call of ``run`` (``steps`` calls; call it once before, to warm
+    up), the CPU allocator's peak above the bytes in use before them."""
     resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
     peaks = []
-    for _ in range(PEAK_STEPS):
+    for _ in range(steps):
         tf.config.experimental.reset_memory_stats("CPU:0")
         run()
-        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
-    return int(np.median(peaks)) - resident
+        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - resident)
+    return peaks
+
+
+def _median_peak_above(run) -> int:
+    """The median of :func:`_step_peaks_above` over PEAK_STEPS calls."""
+    return int(np.median(_step_peaks_above(run, PEAK_STEPS)))
 
 
 def measure_keras(method: str) -> dict:
@@ -1310,13 +1315,7 @@ def measure_two_loops(case: str, method: str) -> dict:
         return _forecast_gradients(loss, model.trainable_weights, choice, report)
 
     step(x, y)
-    resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    report["step_peaks_above_bytes"] = []
-    for _ in range(TWO_LOOPS_STEPS):
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        step(x, y)
-        report["step_peaks_above_bytes"].append(
-            tf.config.experimental.get_memory_info("CPU:0")["peak"] - resident)
+    report["step_peaks_above_bytes"] = _step_peaks_above(lambda: step(x, y), TWO_LOOPS_STEPS)
     return report
 
 
