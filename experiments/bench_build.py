@@ -26,7 +26,9 @@ collection it defers fell inside the next timed call). The ratio is the
 median over the repeats of each repeat's two adjacent calls' ratio: a slow
 spell of the machine then slows both calls of a pair, where the ratio of
 the two medians can take its tf.gradients time from one spell and its
-memsave time from another. The
+memsave time from another. For the same reason the chain's sizes (of one
+batch) are timed in turn in every repeat, and the growth from the first
+size to the last is the median of the repeats' ratios. The
 ``ops`` columns count the ops each call added, and ``copies`` the ops
 memsave recomputed (0: it fell back to tf.gradients).
 
@@ -137,17 +139,31 @@ def one_call(make, method: str) -> tuple[float, int, int]:
     return dt, len(added), copies
 
 
-def measure(make, repeats: int) -> dict:
-    one_call(make, "tf")  # warm-up: TensorFlow's lazy imports and caches
-    samples = {"tf": [], "memsave": []}
-    info = {}
+def measure(makes: list, repeats: int) -> list[dict]:
+    """Per graph maker: the median seconds of each method, the median of the
+    pairs' ratios (``ratio``) and the samples (``samples``). Each repeat
+    times every graph in turn, the two methods back to back: graphs timed in
+    one run share its slow spells, repeat by repeat."""
+    for make in makes:
+        one_call(make, "tf")  # warm-up: TensorFlow's lazy imports and caches
+    out = [{"samples": {"tf": [], "memsave": []}, "info": {}} for _ in makes]
     for _ in range(repeats):
-        for method in samples:
-            dt, ops, copies = one_call(make, method)
-            samples[method].append(dt)
-            info[method] = (ops, copies)
-    ratio = statistics.median(m / t for t, m in zip(samples["tf"], samples["memsave"]))
-    return {m: statistics.median(s) for m, s in samples.items()} | {"info": info, "ratio": ratio}
+        for make, r in zip(makes, out):
+            for method, s in r["samples"].items():
+                dt, ops, copies = one_call(make, method)
+                s.append(dt)
+                r["info"][method] = (ops, copies)
+    for r in out:
+        s = r["samples"]
+        r["ratio"] = statistics.median(m / t for t, m in zip(s["tf"], s["memsave"]))
+        r.update({m: statistics.median(v) for m, v in s.items()})
+    return out
+
+
+def growth(small: dict, large: dict, method: str) -> float:
+    """The median over the repeats of ``large``'s time over ``small``'s in the same repeat."""
+    return statistics.median(b / a for a, b in zip(small["samples"][method],
+                                                    large["samples"][method]))
 
 
 def main(argv=None) -> int:
@@ -162,37 +178,37 @@ def main(argv=None) -> int:
 
     logging.getLogger("memsave").setLevel(logging.ERROR)  # the fallback's warning, once per call
 
-    cases = [(f"chain {n} [{b}, 16]", (lambda n=n, b=b: chain_graph(n, b)), n, b)
-             for b in args.batches for n in args.layers]
+    # Each batch's chain sizes in one group (timed in turn within each
+    # repeat, for the growth); the ResNet and the RNN alone.
+    groups = [[(f"chain {n} [{b}, 16]", (lambda n=n, b=b: chain_graph(n, b)), (n, b))
+               for n in args.layers] for b in args.batches]
     if not args.no_resnet:
-        cases.append(("resnet-110 (batch 32)", resnet_graph, None, None))
+        groups.append([("resnet-110 (batch 32)", resnet_graph, "resnet")])
     if not args.no_rnn:
-        cases.append(("rnn 3 loops (T 64, batch 256)", rnn_graph, None, "rnn"))
+        groups.append([("rnn 3 loops (T 64, batch 256)", rnn_graph, "rnn")])
     print(f"CPU seconds of the gradients call, median of {args.repeats} (the ratio: median of "
           f"the {args.repeats} pairs' ratios), load average "
           f"{os.getloadavg()[0]:.1f}\n")
     print("| graph | tf.gradients s | memsave s | memsave / tf | tf ops | memsave ops | copies |")
     print("|---|---|---|---|---|---|---|")
     results = {}
-    for label, make, n, b in cases:
-        r = measure(make, args.repeats)
-        results[(n, b)] = r
-        ratio = r["ratio"]
-        (tf_ops, _), (ms_ops, copies) = r["info"]["tf"], r["info"]["memsave"]
-        print(f"| {label} | {r['tf']:.2f} | {r['memsave']:.2f} | {ratio:.2f} | {tf_ops} | "
-              f"{ms_ops} | {copies} |", flush=True)
+    for group in groups:
+        for (label, _, key), r in zip(group, measure([make for _, make, _ in group], args.repeats)):
+            results[key] = r
+            (tf_ops, _), (ms_ops, copies) = r["info"]["tf"], r["info"]["memsave"]
+            print(f"| {label} | {r['tf']:.2f} | {r['memsave']:.2f} | {r['ratio']:.2f} | {tf_ops} | "
+                  f"{ms_ops} | {copies} |", flush=True)
     if len(args.layers) >= 2:
         n1, n2 = args.layers[0], args.layers[-1]
         print()
         for b in args.batches:
-            grow = results[(n2, b)]["memsave"] / results[(n1, b)]["memsave"]
-            tf_grow = results[(n2, b)]["tf"] / results[(n1, b)]["tf"]
-            # tf.gradients' own growth in the same run: the two sizes are
-            # timed one after the other, so a slow spell during one of them
-            # moves both growths.
+            small, large = results[(n1, b)], results[(n2, b)]
+            # tf.gradients' own growth beside it: what the machine and
+            # TensorFlow give, measured in the same repeats.
+            grow = growth(small, large, "memsave")
             print(f"[{b}, 16]: memsave({n2}) / memsave({n1}) = {grow:.2f} "
                   f"(linear: {n2 / n1:.2f}; bound {LINEAR * n2 / 2 / n1:.2f}; "
-                  f"tf.gradients: {tf_grow:.2f})")
+                  f"tf.gradients: {growth(small, large, 'tf'):.2f}), median of the repeats' ratios")
     return 0
 
 

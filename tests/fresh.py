@@ -257,6 +257,24 @@ def allocated_bytes() -> int:
     return tf.config.experimental.get_memory_info("CPU:0")["current"]
 
 
+def step_peaks(run: Callable[[], Any], calls: int, *, above_resident: bool = False) -> list[int]:
+    """The CPU allocator's peak (bytes) during each of ``calls`` calls of
+    ``run``, its statistics reset before each call: the measurement every
+    memory test here takes. Call ``run`` once before, to trace and warm up;
+    ``run`` should wait for its step (return numpy values, or call
+    ``.numpy()``). With ``above_resident``, each peak less the bytes in use
+    before the first call: what the step itself added."""
+    import tensorflow as tf
+
+    resident = tf.config.experimental.get_memory_info("CPU:0")["current"] if above_resident else 0
+    peaks = []
+    for _ in range(calls):
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        run()
+        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - resident)
+    return peaks
+
+
 def one_after_another(measurements: dict[str, Callable[[], Any]]) -> dict[str, Any]:
     """Run each measurement in turn in this process; {name: result}.
 

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 import memsave
 from memsave import candidates
+from fresh import step_peaks
 
 LEVELS = 3
 CONVS = 6  # conv-ReLU layers per stack
@@ -111,11 +112,7 @@ def measure() -> dict:
     for method in ("tf.gradients", "memory", "budget"):
         fn = make(method)
         value = float(fn().numpy())
-        peaks = []
-        for _ in range(3):
-            tf.config.experimental.reset_memory_stats("CPU:0")
-            fn().numpy()
-            peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+        peaks = step_peaks(lambda: fn().numpy(), 3)
         res[method] = {"peak_bytes": sorted(peaks)[1], "value": value}
     return res
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fresh import step_peaks
+
 LAYERS = 12
 #: Steps measured per method; the median is compared. A step's peak depends
 #: on which ready kernels the executor runs side by side: on 2 loaded cores
@@ -86,12 +88,7 @@ def measure_step(ws, loss_fn, *, repeats: int) -> dict:
             return memsave.gradients(loss, ws, checkpoints="memory")
 
         step()
-        peaks = []
-        for _ in range(repeats):
-            tf.config.experimental.reset_memory_stats("CPU:0")
-            r = step()
-            peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
-            del r
+        peaks = step_peaks(step, repeats)
         p = plans[0]
         out[method] = {
             "measured_bytes": int(np.median(peaks)),

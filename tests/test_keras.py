@@ -27,7 +27,7 @@ import tensorflow as tf
 import memsave
 import memsave.keras
 from memsave.planners.strategies import EXPENSIVE_OP_TYPES
-from fresh import one_after_another
+from fresh import one_after_another, step_peaks
 
 # Batches divide the samples evenly: a smaller last batch would trace (and,
 # with jit_compile, compile) the step once more.
@@ -704,12 +704,7 @@ def _measure(cfg: dict) -> dict:
         fit = functools.partial(model.fit, x, y, batch_size=MEM_BATCH, epochs=1, shuffle=False,
                                 verbose=0)
         fit()
-        peaks = []
-        for _ in range(MEM_REPEATS):
-            tf.config.experimental.reset_memory_stats("CPU:0")
-            fit()
-            peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
-        result[name] = {"peak_bytes": int(np.median(peaks)),
+        result[name] = {"peak_bytes": int(np.median(step_peaks(fit, MEM_REPEATS))),
                         "weights": [w.astype(np.float64) for w in model.get_weights()]}
     change = max(float(np.abs(w - v).max()) for w, v in zip(result["plain"]["weights"], w0))
     diff = max(float(np.abs(a - b).max())

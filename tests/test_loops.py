@@ -30,6 +30,7 @@ from memsave.extract import extract
 from memsave.loops import LoopChoice
 from memsave.memory_model import MemoryModel
 from memsave.rewrite import differentiate
+from fresh import one_after_another, step_peaks
 
 T, B, F, H = 7, 3, 4, 5
 PER_STEP = LoopChoice.per_step()
@@ -1180,21 +1181,10 @@ CHUNK_MAX_RATIO = 0.1
 PEAK_STEPS = 5
 
 
-def _step_peaks_above(run, steps: int) -> list[int]:
-    """Per call of ``run`` (``steps`` calls; call it once before, to warm
-    up), the CPU allocator's peak above the bytes in use before them."""
-    resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    peaks = []
-    for _ in range(steps):
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        run()
-        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - resident)
-    return peaks
-
-
 def _median_peak_above(run) -> int:
-    """The median of :func:`_step_peaks_above` over PEAK_STEPS calls."""
-    return int(np.median(_step_peaks_above(run, PEAK_STEPS)))
+    """The median over PEAK_STEPS calls of ``run`` of the allocator's peak
+    above the bytes in use before them (call ``run`` once before, to warm up)."""
+    return int(np.median(step_peaks(run, PEAK_STEPS, above_resident=True)))
 
 
 def measure_keras(method: str) -> dict:
@@ -1315,7 +1305,8 @@ def measure_two_loops(case: str, method: str) -> dict:
         return _forecast_gradients(loss, model.trainable_weights, choice, report)
 
     step(x, y)
-    report["step_peaks_above_bytes"] = _step_peaks_above(lambda: step(x, y), TWO_LOOPS_STEPS)
+    report["step_peaks_above_bytes"] = step_peaks(lambda: step(x, y), TWO_LOOPS_STEPS,
+                                                  above_resident=True)
     return report
 
 
@@ -1477,8 +1468,6 @@ def measure_scan(mode: str) -> dict:
     """In a fresh process: per method, the peak above resident of a step of
     the LSTM scan (:func:`_median_peak_above`), its forecast, the choice
     applied and the gradients' sums of squares."""
-    from fresh import one_after_another
-
     tf.raw_ops.Empty(shape=[(2 << 30) // 4], dtype=tf.float32, init=False)  # one pool region
     shared = {}
     if mode == "function":

@@ -33,6 +33,7 @@ import tensorflow as tf
 
 import memsave
 from memsave.planners.strategies import EXPENSIVE_OP_TYPES, SPEED_BUDGET_FRACTION
+from fresh import step_peaks
 
 LAYERS = 24
 BATCH, WIDTH = 1024, 256
@@ -130,13 +131,12 @@ def _peak(run):
     copied into memory numpy owns and the originals dropped.
     """
     run()
-    peaks = []
-    for _ in range(REPEATS):
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        out = run()
-        peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
-        out = [np.array(a, copy=True) for a in out]
-    return int(np.median(peaks)), out
+    out = []
+
+    def call():
+        out[:] = [np.array(a, copy=True) for a in run()]
+
+    return int(np.median(step_peaks(call, REPEATS))), out
 
 
 def _measure_session(w_np, x_np):

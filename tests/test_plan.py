@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import memsave
 from memsave.record import Plan
+from fresh import step_peaks
 
 MiB = 1 << 20
 LAYERS = 12
@@ -193,9 +194,7 @@ def test_batch_size_hint_on_plan():
 
 def _peak_of(step) -> int:
     step()
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    step()
-    return tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    return step_peaks(step, 1)[0]
 
 
 def _plan_dict(p: Plan) -> dict:

@@ -43,6 +43,7 @@ from memsave.schedule import build_schedule
 from memsave.simulate import copies_that_run
 from memsave.xla_gradients import depthwise_conv2d_gradient, max_pool_gradient
 
+from fresh import step_peaks
 from handgraphs import Builder, MiB
 
 # -- TF-free: the XLA pieces of the planner on hand-built graphs --------------------------
@@ -742,9 +743,7 @@ def _measure_xla_step(build, ws, x, method: str, **planning) -> dict:
     step = _sgd_step(build, method, ws, **planning)
     losses = [float(step(x))]
     resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    losses.append(float(step(x)))
-    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    peak = step_peaks(lambda: losses.append(float(step(x))), 1)[0]
     p = plan.get("plan")
     return dict(peak=peak, resident=resident, losses=losses,
                 forecast=None if p is None else p.predicted_peak_bytes,
