@@ -6,7 +6,7 @@
 # chunked loop gradients), plus the deepest ResNet each method trains under a
 # memory cap.
 # Installs what it needs on first use, then passes all arguments to study.py.
-#   ./experiments/run.sh                        # the default study, 15-25 min on 2 cores
+#   ./experiments/run.sh                        # the default study, about 8-9 min on 2 cores
 #   ./experiments/run.sh --help                 # sizes, methods, cap, output folder
 #   ./experiments/run.sh --models resnet --blocks-per-stage 1 3 --no-search   # a quick look
 # Writes results/study.csv, fits.csv, max_depth.csv and *.png; tables on stdout.

@@ -50,7 +50,7 @@ Markdown tables to stdout and progress to stderr.
 
 Usage::
 
-    ./experiments/run.sh                      # the default study, 8-11 min on 2 shared cores
+    ./experiments/run.sh                      # the default study, about 8-9 min on 2 cores
     ./experiments/run.sh --models resnet --blocks-per-stage 1 3 --no-search  # a quick look
     ./experiments/run.sh --blocks-per-stage 1 3 9 18 27 --search-max-blocks 96
 """
