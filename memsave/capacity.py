@@ -144,7 +144,9 @@ def max_batch_size(
         A batch, or a few samples of one (arrays, tensors or
         ``tf.TensorSpec``, nested as ``fit`` takes them): the shape after
         the leading (batch) dimension and the dtype are read, and the
-        search starts at the leading dimension of ``x``.
+        search starts at the leading dimension of ``x``. Or, as ``x``
+        alone, a ``tf.data.Dataset`` (as for :func:`memsave.keras.plan`):
+        the search starts at its batch size.
     memory : int or str
         The memory a step may use: bytes, or a size such as ``"8GiB"``,
         ``"512MiB"``, ``"2GB"`` (see :func:`parse_bytes`). The allocator's
@@ -288,9 +290,11 @@ class Forecasts:
                 f"{api}: memory_budget={memory_budget!r} plans memsave's checkpoints, but "
                 "checkpoints=None asks for plain fit; pass checkpoints='memory' with the budget, "
                 "or drop the budget")
+        x, y, size = memsave.keras._unpack_dataset(x, y, None, api)
         self.x, self.y = _check_batch_dimension((x, y), api)
-        #: The leading dimension of x's first entry (1 when unknown): where a search starts.
-        self.given_batch_size = _leading_dimension(self.x)
+        #: A dataset's batch size, else the leading dimension of x's first
+        #: entry (1 when unknown): where a search starts.
+        self.given_batch_size = size or _leading_dimension(self.x)
         self._plans: dict[int, Any] = {}  # batch -> Plan, or the MemoryBudgetError it raised
 
     @property

@@ -288,7 +288,11 @@ def plan(
     x, y
         A batch (arrays, tensors or ``tf.TensorSpec``; nested as ``fit``
         takes them), or a few samples of one when ``batch_size`` is given.
-        Floats are cast to ``keras.config.floatx()``, as ``fit`` does.
+        Floats are cast to ``keras.config.floatx()``, as ``fit`` does. Or,
+        as ``x`` alone, the ``tf.data.Dataset`` given to ``fit``: one of its
+        batches, of the size ``fit`` runs it at (its static batch
+        dimension, or what its last ``batch(b)`` gives; else pass
+        ``batch_size``).
     checkpoints : str or sequence of keras.layers.Layer or str
         As for :func:`checkpointed`.
     strategy_options : mapping, optional
@@ -296,8 +300,8 @@ def plan(
     batch_size : int, optional
         The batch size to forecast for: replaces the leading dimension of
         every leaf of ``x`` and ``y``. Without it, the leading dimension of
-        ``x`` is the batch size (an unknown one is reported in the Plan's
-        assumptions).
+        ``x`` (or the dataset's batch size) is the batch size (an unknown
+        one is reported in the Plan's assumptions).
     memory_budget : int or float, optional
         As for :func:`checkpointed`: the plan of least recomputation whose
         forecast ``fit`` step peak fits (bytes, or a fraction of plain
@@ -346,6 +350,7 @@ def plan(
     if model.run_eagerly:
         raise EagerExecutionError(_EAGER_MESSAGE.format(name=model.name))
     batch_size = _check_batch_size(batch_size, api, "x")
+    x, y, batch_size = _unpack_dataset(x, y, batch_size, api)
     config = _Config(
         strategy=_check_checkpoints(checkpoints, api),
         layers=_resolve_layers(model, checkpoints, api),
@@ -566,6 +571,31 @@ class _CheckpointedFit:
                 step.batch_size = size
                 _private.drop_train_function(model)
         return fit(model, *args, **kwargs)
+
+
+def _unpack_dataset(x, y, batch_size: int | None, api: str) -> tuple:
+    """``(x, y, batch_size)`` for a forecast: as given, unless ``x`` is a
+    ``tf.data.Dataset``, which stands for one of its batches as ``fit``
+    takes them: its element spec unpacked as Keras unpacks a batch (``x``,
+    ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``; the weights take no
+    part in the forecast), at the batch size ``fit`` runs it at
+    (:func:`_fit_batch_size`) unless ``batch_size`` is given."""
+    if not isinstance(x, tf.data.Dataset):
+        return x, y, batch_size
+    if y is not None:
+        raise ArgumentError(f"{api}: x is a tf.data.Dataset, which yields the targets itself; "
+                            "pass y=None, as fit takes it")
+    spec = x.element_spec
+    if isinstance(spec, list):
+        spec = tuple(spec)
+    if not isinstance(spec, tuple):
+        spec = (spec,)
+    if not 1 <= len(spec) <= 3:
+        raise ArgumentError(
+            f"{api}: the dataset yields tuples of {len(spec)} entries; fit takes (x,), (x, y) "
+            "or (x, y, sample_weight)")
+    size = batch_size if batch_size is not None else _fit_batch_size(x, None)
+    return spec[0], spec[1] if len(spec) > 1 else None, size
 
 
 def _fit_batch_size(x, batch_size) -> int | None:

@@ -231,6 +231,15 @@ def test_memory_as_a_size_string(mlp, answers):
     assert memsave.keras.max_batch_size(mlp, x, y, memory="64MiB", checkpoints=None) == answers[None]
 
 
+def test_a_dataset_is_searched_from_its_batch_size(mlp, answers):
+    """A tf.data.Dataset as x stands for its batches: the search starts at
+    its batch size (1 here, as the sample's) and gives the same answer."""
+    import tensorflow as tf
+
+    dataset = tf.data.Dataset.from_tensor_slices(_sample()).batch(1)
+    assert memsave.keras.max_batch_size(mlp, dataset, memory=MEMORY, checkpoints=None) == answers[None]
+
+
 def test_forecasts_share_traces():
     """Both answers from one Forecasts cost fewer traces than two searches."""
     model, (x, y) = _mlp(depth=4), _sample()

@@ -839,6 +839,37 @@ def test_plan_batch_size_hint_equals_a_batch_of_that_size():
     assert bigger.predicted_peak_bytes > full.predicted_peak_bytes
 
 
+def test_plan_of_a_dataset_is_the_plan_of_the_batch_fit_runs():
+    """The tf.data.Dataset given to fit stands for one of its batches: its
+    element spec at the batch size fit runs it at (the static batch
+    dimension, or what its last batch(b) gives when that leaves it
+    unknown), as the same batch given as arrays; sample weights take no
+    part, and batch_size= overrides the dataset's."""
+    model = plan_model()
+    x, y = plan_batch(n=PLAN_BATCH)
+    arrays = memsave.keras.plan(model, x, y)
+    assert arrays.recomputed_ops > 0 and arrays.predicted_peak_bytes < arrays.baseline_peak_bytes
+    pairs = tf.data.Dataset.from_tensor_slices((x, y))
+    weighted = tf.data.Dataset.from_tensor_slices((x, y, np.ones(PLAN_BATCH, np.float32)))
+    datasets = {
+        "batch(b)": pairs.batch(PLAN_BATCH),
+        "static, prefetched": pairs.batch(PLAN_BATCH, drop_remainder=True).prefetch(1),
+        "with sample weights": weighted.batch(PLAN_BATCH),
+    }
+    assert datasets["batch(b)"].element_spec[0].shape[0] is None
+    for name, data in datasets.items():
+        p = memsave.keras.plan(model, data)
+        assert (p.baseline_peak_bytes, p.predicted_peak_bytes, p.checkpoints) == (
+            arrays.baseline_peak_bytes, arrays.predicted_peak_bytes, arrays.checkpoints), name
+    hinted = memsave.keras.plan(model, pairs.batch(7), batch_size=PLAN_BATCH)
+    assert hinted.baseline_peak_bytes == arrays.baseline_peak_bytes
+    with pytest.raises(memsave.errors.ArgumentError, match="yields the targets itself"):
+        memsave.keras.plan(model, pairs.batch(PLAN_BATCH), y)
+    quads = tf.data.Dataset.from_tensor_slices((x, y, y, y)).batch(PLAN_BATCH)
+    with pytest.raises(memsave.errors.ArgumentError, match="tuples of 4 entries"):
+        memsave.keras.plan(model, quads)
+
+
 def test_plan_counts_the_optimizer_slots_as_resident():
     # Adam keeps two slots the size of each weight, SGD none: the forecasts
     # differ by twice the weights (width 512: each kernel is 1 MiB).
