@@ -526,6 +526,13 @@ def greedy(space: Segments, budget_bytes: int, *, time_limit_s: float | None = N
     # no later in it), but it is not the forecast time's: a larger budget
     # may get a plan forecast slower (a ResNet-like CNN, 16 cuts and 1477
     # plans: 1.154x the plain step at 0.75 of the plain peak, 1.148x at 0.7).
+    # The floor is checked when a plan comes back with its cost, not when
+    # its schedule is first built, although that would build fewer schedules
+    # under a cap ('memory' on bench_planner's 1000-op DAG: 46 instead of
+    # 94, 0.30 s instead of 0.39): the cap would then count the plans the
+    # floor rules out in the bound's order, so the answer would depend on
+    # how tight the bounds are (4 of planner_answers.py's 394 answers got
+    # slower plans, and test_solvers' same-answer checks fail).
     exact = len(space.fg.ops) * len(plans) <= EXACT_COST_WORK
     heap = [(space.lower_bound(d, steps=exact), not exact, _order(d), d) for d in plans
             if bound[d] <= budget_bytes]
