@@ -533,7 +533,9 @@ class _CheckpointedStep:
 
     def __repr__(self) -> str:
         what = self.config.strategy or [layer.name for layer in self.config.layers]
-        return f"<memsave.keras checkpointed train_step, checkpoints={what!r}>"
+        given = "".join(f", {k}={v!r}" for k, v in self.config.gradient_options.items()
+                        if v is not None and v is not False)
+        return f"<memsave.keras checkpointed train_step, checkpoints={what!r}{given}>"
 
 
 class _CheckpointedFit:

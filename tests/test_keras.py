@@ -438,8 +438,11 @@ def test_a_fit_override_passing_its_arguments_on_still_gives_the_batch_size(monk
 
 def test_restore_gives_plain_fit_back():
     def checkpoint_then_restore(model):
-        memsave.keras.checkpointed(model, "memory")
+        memsave.keras.checkpointed(model, "memory", memory_budget=0.5)
+        assert repr(model.train_step) == (
+            "<memsave.keras checkpointed train_step, checkpoints='memory', memory_budget=0.5>")
         memsave.keras.checkpointed(model, "speed")  # re-configures, one undo suffices
+        assert repr(model.train_step) == "<memsave.keras checkpointed train_step, checkpoints='speed'>"
         assert memsave.keras.is_checkpointed(model)
         assert memsave.keras.restore(model) is model
         assert not memsave.keras.is_checkpointed(model)
