@@ -123,7 +123,7 @@ def check_budget(memory_budget, *, api: str) -> None:
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Real):
         raise MemoryBudgetError(
             f"{api}: memory_budget={memory_budget!r}; pass an int (bytes) or a float in "
-            "(0, 1] (a fraction of the forecast tf.gradients peak, Plan.baseline_peak_bytes)"
+            "(0, 1] (a fraction of the forecast plain peak, Plan.baseline_peak_bytes)"
         )
     if isinstance(memory_budget, numbers.Integral):
         if memory_budget <= 0:
