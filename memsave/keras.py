@@ -578,26 +578,21 @@ class _CheckpointedFit:
 def _unpack_dataset(x, y, batch_size: int | None, api: str) -> tuple:
     """``(x, y, batch_size)`` for a forecast: as given, unless ``x`` is a
     ``tf.data.Dataset``, which stands for one of its batches as ``fit``
-    takes them: its element spec unpacked as Keras unpacks a batch (``x``,
-    ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``; the weights take no
-    part in the forecast), at the batch size ``fit`` runs it at
+    takes them: its element spec unpacked by Keras' own
+    ``unpack_x_y_sample_weight`` (the weights take no part in the
+    forecast), at the batch size ``fit`` runs it at
     (:func:`_fit_batch_size`) unless ``batch_size`` is given."""
     if not isinstance(x, tf.data.Dataset):
         return x, y, batch_size
     if y is not None:
         raise ArgumentError(f"{api}: x is a tf.data.Dataset, which yields the targets itself; "
                             "pass y=None, as fit takes it")
-    spec = x.element_spec
-    if isinstance(spec, list):
-        spec = tuple(spec)
-    if not isinstance(spec, tuple):
-        spec = (spec,)
-    if not 1 <= len(spec) <= 3:
-        raise ArgumentError(
-            f"{api}: the dataset yields tuples of {len(spec)} entries; fit takes (x,), (x, y) "
-            "or (x, y, sample_weight)")
+    try:
+        bx, by, _ = keras.utils.unpack_x_y_sample_weight(x.element_spec)
+    except ValueError as e:
+        raise ArgumentError(f"{api}: the dataset's elements are not batches fit takes ({e})") from None
     size = batch_size if batch_size is not None else _fit_batch_size(x, None)
-    return spec[0], spec[1] if len(spec) > 1 else None, size
+    return bx, by, size
 
 
 def _fit_batch_size(x, batch_size) -> int | None:
