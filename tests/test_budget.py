@@ -79,6 +79,10 @@ def test_bytes_budget_and_infeasible_budget():
     with pytest.raises(MemoryBudgetError, match="smallest forecast peak") as e:
         _plan(0.01)
     assert e.value.min_peak_bytes > 0.01 * plan.baseline_peak_bytes
+    # The fraction it quotes is of the plain peak the budget is a fraction
+    # of (under memsave.keras plain fit's step, not tf.gradients').
+    assert (f"{e.value.min_peak_bytes / plan.baseline_peak_bytes:.1%} of the forecast plain "
+            f"peak, {plan.baseline_peak_bytes:,}") in str(e.value)
     # The smallest peak it reports is a budget that works, and so is the
     # fraction it names.
     assert _plan(int(e.value.min_peak_bytes)).feasible

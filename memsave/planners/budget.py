@@ -340,7 +340,7 @@ def _solve(problem: Problem, memory_budget, solver: str, time_limit_s, api: str,
         raise MemoryBudgetError(
             f"{api}: memory_budget={memory_budget!r} ({budget_bytes:,} bytes) is below the "
             f"smallest forecast peak memsave found, {low:,} bytes ({low / max(baseline, 1):.1%} "
-            f"of tf.gradients' {baseline:,}; solver {name!r}"
+            f"of the forecast plain peak, {baseline:,}; solver {name!r}"
             f"{', proven' if out.optimal and name != 'memory' else ''}); "
             f"pass memory_budget >= {low}{least_fraction(low, baseline)}, or a smaller batch",
             min_peak_bytes=low,

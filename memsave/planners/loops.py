@@ -164,7 +164,8 @@ def run(planner: Callable, problem: Problem, *, budget=None, options: Mapping | 
         raise MemoryBudgetError(
             f"{api}: memory_budget={budget!r} ({budget_bytes:,} bytes) is below the smallest "
             f"forecast peak memsave found"
-            + (f", {low:,} bytes ({low / max(baseline, 1):.1%} of tf.gradients' {baseline:,}; "
+            + (f", {low:,} bytes ({low / max(baseline, 1):.1%} of the forecast plain peak, "
+               f"{baseline:,}; "
                f"loops: {said}); pass memory_budget >= {low}"
                f"{least_fraction(low, baseline)}" if low is not None else "")
             + ", or a smaller batch or shorter sequences",
