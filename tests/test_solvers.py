@@ -544,6 +544,49 @@ def test_milps_search_for_the_smallest_peak_is_bounded(monkeypatch):
     assert not bounded.optimal and bounded.evaluation.peak_bytes >= lo
 
 
+def test_milp_refuses_a_budget_without_searching_partitions_by_cost(monkeypatch):
+    # Where no plan of greedy's family fits, milp first takes partitions in
+    # order of their at-turn bound (within MIN_PEAK_WORK), and searches by
+    # cost only from one that fits. By cost, a budget that nothing fits went
+    # through every partition its bound allows, or on to the time limit:
+    # this 24-op DAG at 0.6 of the plain peak was refused after 12 s with a
+    # 10 s limit (67 s with 60 s), 2 s in bound order.
+    from memsave.errors import MemoryBudgetError
+
+    by_cost = []
+
+    class Master(milp_module._Master):
+        def next(self, deadline):
+            if self.by_time:
+                by_cost.append(1)
+            return super().next(deadline)
+
+    monkeypatch.setattr(milp_module, "_Master", Master)
+    monkeypatch.setattr(milp_module, "MIN_PEAK_WORK", 50 * 24)
+    problem = Problem(H.random_dag(random.Random(5), 24))
+    with pytest.raises(MemoryBudgetError, match="smallest forecast peak"):
+        B.solve(problem, 0.6, solver="milp", time_limit_s=10)
+    assert not by_cost
+    # A budget that fits is searched by cost, to the proven cheapest plan.
+    plan = B.solve(Problem(problem.fg), 1.0, solver="milp", time_limit_s=60)
+    assert by_cost and plan.budget.optimal
+
+
+def test_milp_searches_by_cost_from_a_partition_that_fits_where_greedys_do_not():
+    # No plan of greedy's family meets this budget, a partition does: the
+    # first that fits in bound order is the incumbent, and the search by
+    # cost goes on from it to the proven cheapest.
+    problem = Problem(H.random_dag(random.Random(7), 10))
+    space = Segments(problem, problem.keepable())
+    budget = int(0.97 * problem.peak(None))
+    assert greedy(space, budget).evaluation.peak_bytes > budget
+    first, _ = milp_module._min_peak(space, float("inf"), budget)
+    assert first.peak_bytes <= budget
+    out = milp_module.milp(space, budget, time_limit_s=60)
+    assert out.optimal and out.evaluation.peak_bytes <= budget
+    assert out.evaluation.recompute_ns < first.recompute_ns
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, "10", True, float("nan")])
 def test_a_bad_time_limit_is_refused(bad):
     with pytest.raises(planners.OptionsError, match="time_limit_s must be a positive number"):
