@@ -47,9 +47,9 @@ fits becomes the incumbent of the loop above; if none does, the smallest
 simulated peak is returned, proven when the bound reaches it within
 :data:`MIN_PEAK_WORK` (partitions x ops). Taken by cost, a budget that
 nothing fits went through every partition whose bound it allows: on the
-forecast registry's zoo_cond_chain and zoo_two_losses (21 ops) at 0.75 of
-the plain peak, 258,000 of them to the 30 s time limit before each was
-refused, against 3 s in bound order. The price: a budget that only
+forecast registry's zoo_two_losses (21 ops) at 0.75 of the plain peak,
+258,000 of them to the 30 s time limit before it was refused (and
+zoo_cond_chain, 20 ops, 34 s), against 3 s each in bound order. The price: a budget that only
 partitions beyond that work in bound order meet is refused (with the
 smallest peak found, a budget that works), where the search by cost could
 have found one before its time limit. On 991 budgets of random graphs of
