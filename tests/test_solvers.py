@@ -561,9 +561,9 @@ def test_milp_refuses_a_budget_without_searching_partitions_by_cost(monkeypatch)
                 by_cost.append(1)
             return super().next(deadline)
 
-    monkeypatch.setattr(milp_module, "_Master", Master)
-    monkeypatch.setattr(milp_module, "MIN_PEAK_WORK", 50 * 24)
     problem = Problem(H.random_dag(random.Random(5), 24))
+    monkeypatch.setattr(milp_module, "_Master", Master)
+    monkeypatch.setattr(milp_module, "MIN_PEAK_WORK", 50 * len(problem.fg.ops))
     with pytest.raises(MemoryBudgetError, match="smallest forecast peak"):
         B.solve(problem, 0.6, solver="milp", time_limit_s=10)
     assert not by_cost

@@ -48,14 +48,14 @@ simulated peak is returned, proven when the bound reaches it within
 :data:`MIN_PEAK_WORK` (partitions x ops). Taken by cost, a budget that
 nothing fits went through every partition whose bound it allows: on the
 forecast registry's zoo_two_losses (21 ops) at 0.75 of the plain peak,
-258,000 of them to the 30 s time limit before it was refused (and
-zoo_cond_chain, 20 ops, 34 s), against 3 s each in bound order. The price: a budget that only
-partitions beyond that work in bound order meet is refused (with the
-smallest peak found, a budget that works), where the search by cost could
-have found one before its time limit. On 991 budgets of random graphs of
-6-12 ops that no plan of greedy's family meets (30-95% of the plain
-peak), both searches gave the same answers: 990 refused with the same
-smallest peak, one plan.
+258,000 of them to the 30 s time limit before it was refused (and 34 s
+on zoo_cond_chain, 20 ops), against 3 s each in bound order. The price:
+a budget that only partitions beyond that work in bound order meet is
+refused (with the smallest peak found, a budget that works), where the
+search by cost could have found one before its time limit. On 991
+budgets of random graphs of 6-12 ops that no plan of greedy's family
+meets (30-95% of the plain peak), both searches gave the same answers:
+990 refused with the same smallest peak, one plan.
 
 References
 ----------
@@ -220,7 +220,7 @@ def milp(space: Segments, budget_bytes: int, *, time_limit_s: float | None = Non
         best, exact_min = _min_peak(space, deadline, budget_bytes)
         if best.peak_bytes > budget_bytes:
             return Outcome(best, optimal=exact_min)
-        # else a partition that fits: the incumbent
+        # A partition that fits: the incumbent of the search by cost.
     master = _Master(space, budget_bytes)
     proven = False
     lower = -float("inf")
